@@ -1,0 +1,196 @@
+//! The crate's error type.
+
+use crate::verbs::{WcOpcode, WcStatus};
+
+/// Result alias used throughout mralloc.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in mralloc, as a typed value.
+///
+/// Each variant carries enough to act on: which verb failed and the OS error behind it, which
+/// devices exist when the one asked for does not, the work-completion status name when the NIC
+/// reported a failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A verbs call failed.
+    #[error("{verb} failed: {text} (errno {errno}){}", fmt_hint(.hint))]
+    Verbs {
+        /// The libibverbs function that failed, e.g. `ibv_reg_mr`.
+        verb: &'static str,
+        /// The `errno` it left.
+        errno: i32,
+        /// `strerror(errno)`.
+        text: String,
+        /// What probably caused it, where that is known (e.g. the memlock limit).
+        hint: Option<String>,
+    },
+    /// No RDMA device has the requested name.
+    #[error("RDMA device {name:?} not found; available devices: {}", fmt_list(.available))]
+    NoSuchDevice {
+        /// The name asked for.
+        name: String,
+        /// The devices that do exist.
+        available: Vec<String>,
+    },
+    /// No device with an active port exists.
+    #[error("no RDMA device with an ACTIVE port (devices: {}); without a NIC, run under scripts/softroce", fmt_list(.available))]
+    NoActiveDevice {
+        /// The devices that exist (none of them active).
+        available: Vec<String>,
+    },
+    /// A port or GID index outside what the device offers.
+    #[error("{what} {index} does not exist on {device} (valid: {valid})")]
+    NoSuchIndex {
+        /// `"port"` or `"GID index"`.
+        what: &'static str,
+        /// The index asked for.
+        index: u32,
+        /// The device name.
+        device: String,
+        /// The valid range, e.g. `"1..=1"`.
+        valid: String,
+    },
+    /// A work request completed with an error status.
+    #[error("work request {wr_id} ({opcode:?}) failed: {} (vendor error {vendor_err:#x})", .status.name())]
+    WorkCompletion {
+        /// The `wr_id` the request was posted with.
+        wr_id: u64,
+        /// The completion status reported by the NIC.
+        status: WcStatus,
+        /// The opcode of the completion (only meaningful for some failures).
+        opcode: WcOpcode,
+        /// Provider-specific detail.
+        vendor_err: u32,
+    },
+    /// Waiting for completions took longer than allowed.
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(std::time::Duration, &'static str),
+    /// An argument was rejected before anything was posted.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A peer's endpoint description could not be decoded.
+    #[error("malformed endpoint: {0}")]
+    MalformedEndpoint(String),
+    /// An I/O error outside the verbs (e.g. mmap, sysfs).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn fmt_hint(hint: &Option<String>) -> String {
+    match hint {
+        Some(h) => format!("; hint: {h}"),
+        None => String::new(),
+    }
+}
+
+fn fmt_list(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_string()
+    } else {
+        items.join(", ")
+    }
+}
+
+impl Error {
+    /// Builds a [`Error::Verbs`] from the current `errno` (or `ret` when a verb returns the error
+    /// number directly, as `ibv_post_send` and `ibv_modify_qp` do).
+    pub(crate) fn verbs(verb: &'static str, ret: i32) -> Error {
+        let errno = if ret > 0 { ret } else { std::io::Error::last_os_error().raw_os_error().unwrap_or(0) };
+        Error::verbs_errno(verb, errno)
+    }
+
+    /// Builds a [`Error::Verbs`] for a known errno, with a hint where one is known.
+    pub(crate) fn verbs_errno(verb: &'static str, errno: i32) -> Error {
+        let text = std::io::Error::from_raw_os_error(errno).to_string();
+        Error::Verbs { verb, errno, text, hint: hint_for(verb, errno) }
+    }
+
+    /// The completion status, if this error came from a failed work completion.
+    pub fn wc_status(&self) -> Option<WcStatus> {
+        match self {
+            Error::WorkCompletion { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The errno, if this error came from a failed verb or system call.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Verbs { errno, .. } => Some(*errno),
+            Error::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// The current `RLIMIT_MEMLOCK` soft limit in bytes (`None` = unlimited or unknown).
+pub(crate) fn memlock_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own; RLIMIT_MEMLOCK is a valid resource.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    if rc != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        None
+    } else {
+        Some(lim.rlim_cur)
+    }
+}
+
+/// A human description of the memlock limit, for hints.
+pub(crate) fn memlock_text() -> String {
+    match memlock_limit() {
+        Some(b) => format!("RLIMIT_MEMLOCK is {b} bytes ({} KiB)", b / 1024),
+        None => "RLIMIT_MEMLOCK is unlimited".to_string(),
+    }
+}
+
+fn hint_for(verb: &'static str, errno: i32) -> Option<String> {
+    match (verb, errno) {
+        ("ibv_reg_mr", libc::ENOMEM) | ("ibv_reg_mr", libc::EPERM) | ("ibv_reg_mr", libc::EAGAIN) => Some(format!(
+            "registered memory is pinned and counts against the memlock limit; {} \
+                 (raise it with `ulimit -l unlimited` or limits.conf)",
+            memlock_text()
+        )),
+        (_, libc::EACCES) | (_, libc::EPERM) => {
+            Some("permission denied on /dev/infiniband/uverbs*: run as a user allowed to use RDMA".into())
+        }
+        ("ibv_create_qp", libc::EINVAL) | ("ibv_create_cq", libc::EINVAL) => {
+            Some("a requested queue depth, SGE count or inline size exceeds the device limits".into())
+        }
+        ("ibv_modify_qp", libc::EINVAL) => {
+            Some("the device rejected the QP attributes: check the remote endpoint, port, GID index and MTU".into())
+        }
+        ("ibv_post_send", libc::ENOMEM) | ("ibv_post_recv", libc::ENOMEM) => {
+            Some("the queue is full: reap completions before posting more".into())
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reg_mr_enomem_hint_names_memlock() {
+        let e = Error::verbs_errno("ibv_reg_mr", libc::ENOMEM);
+        let s = e.to_string();
+        assert!(s.contains("ibv_reg_mr failed"), "{s}");
+        assert!(s.contains("RLIMIT_MEMLOCK"), "{s}");
+        assert_eq!(e.errno(), Some(libc::ENOMEM));
+    }
+
+    #[test]
+    fn no_such_device_lists_available() {
+        let e = Error::NoSuchDevice { name: "mlx9".into(), available: vec!["rxe0".into(), "mlx5_0".into()] };
+        assert_eq!(e.to_string(), "RDMA device \"mlx9\" not found; available devices: rxe0, mlx5_0");
+        let e = Error::NoSuchDevice { name: "x".into(), available: vec![] };
+        assert!(e.to_string().ends_with("available devices: none"));
+    }
+}

@@ -1,0 +1,279 @@
+//! An opened RDMA device: ports, MTU, GID table.
+
+use std::sync::Arc;
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::verbs::device::{numa_node_of, DeviceList};
+use crate::verbs::{Gid, Mtu};
+
+/// Link layer of a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkLayer {
+    /// InfiniBand: addressed by LID (GRH optional).
+    InfiniBand,
+    /// Ethernet (RoCE): addressed by GID, GRH required.
+    Ethernet,
+    /// The driver did not say.
+    Unspecified,
+}
+
+/// Logical state of a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortState {
+    /// Link down.
+    Down,
+    /// Link up, not yet configured by the subnet manager.
+    Init,
+    /// Configured, not yet active.
+    Armed,
+    /// Ready to carry traffic.
+    Active,
+    /// Any other value the driver reported.
+    Other(u32),
+}
+
+/// What one port of a device reports (`ibv_query_port`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortInfo {
+    /// Port number (1-based).
+    pub port: u8,
+    /// Logical state.
+    pub state: PortState,
+    /// MTU currently in use on the link.
+    pub active_mtu: Mtu,
+    /// Largest MTU the port supports.
+    pub max_mtu: Mtu,
+    /// Local identifier (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// Link layer.
+    pub link_layer: LinkLayer,
+    /// Number of entries in the GID table.
+    pub gid_table_len: u32,
+}
+
+/// One populated entry of a port's GID table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Index to pass as a GID index.
+    pub index: u32,
+    /// The GID.
+    pub gid: Gid,
+    /// `"RoCE v2"`, `"IB/RoCE v1"` or `None` where sysfs does not say.
+    pub kind: Option<String>,
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) ctx: *mut ffi::ibv_context,
+    pub(crate) name: String,
+}
+
+// SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
+// pointer is only freed in Drop, when no other reference exists.
+unsafe impl Send for ContextInner {}
+// SAFETY: see Send; all verbs that take a context are thread-safe.
+unsafe impl Sync for ContextInner {}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: ctx came from ibv_open_device; every PD/CQ holds an Arc to this inner value,
+        // so none is alive any more.
+        let rc = unsafe { ffi::ibv_close_device(self.ctx) };
+        if rc != 0 {
+            tracing::warn!(device = %self.name, rc, "ibv_close_device failed");
+        }
+    }
+}
+
+/// An opened RDMA device (`ibv_context`). Cheap to clone; closed when the last clone, PD, CQ and
+/// QP made from it are gone.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("name", &self.inner.name).finish()
+    }
+}
+
+impl Context {
+    pub(crate) fn from_raw(ctx: *mut ffi::ibv_context, name: String) -> Context {
+        Context { inner: Arc::new(ContextInner { ctx, name }) }
+    }
+
+    /// Opens the device called `name`.
+    ///
+    /// A name that does not exist gives [`Error::NoSuchDevice`] listing the devices that do.
+    pub fn open(name: &str) -> Result<Context> {
+        let list = DeviceList::get()?;
+        let found = list.iter().find(|d| d.name() == name).map(|d| d.open());
+        found.unwrap_or_else(|| Err(Error::NoSuchDevice { name: name.to_string(), available: list.names() }))
+    }
+
+    /// Opens the first device that has an `ACTIVE` port.
+    pub fn open_first_active() -> Result<Context> {
+        let list = DeviceList::get()?;
+        for d in list.iter() {
+            let Ok(ctx) = d.open() else { continue };
+            if ctx.first_active_port().is_some() {
+                return Ok(ctx);
+            }
+        }
+        Err(Error::NoActiveDevice { available: list.names() })
+    }
+
+    /// Opens the device named by the `MRALLOC_DEVICE` environment variable, or the first active
+    /// one when it is unset. This is what tests, examples and connection helpers use.
+    pub fn open_default() -> Result<Context> {
+        match std::env::var("MRALLOC_DEVICE") {
+            Ok(name) if !name.is_empty() => Context::open(&name),
+            _ => Context::open_first_active(),
+        }
+    }
+
+    /// The device's kernel name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The device's NUMA node, if it has one (see [`crate::verbs::numa_node_of`]).
+    pub fn numa_node(&self) -> Option<u32> {
+        numa_node_of(&self.inner.name)
+    }
+
+    /// The raw `ibv_context` pointer, for calls mralloc does not wrap. It stays valid while
+    /// this `Context` (or anything made from it) lives.
+    pub fn as_raw(&self) -> *mut ffi::ibv_context {
+        self.inner.ctx
+    }
+
+    /// Device attributes (`ibv_query_device`).
+    pub fn attributes(&self) -> Result<ffi::ibv_device_attr> {
+        // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
+        let mut attr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: ctx is a live context; attr is a valid out-pointer.
+        let rc = unsafe { ffi::ibv_query_device(self.inner.ctx, &mut attr) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_query_device", rc));
+        }
+        Ok(attr)
+    }
+
+    /// Number of physical ports.
+    pub fn port_count(&self) -> Result<u8> {
+        Ok(self.attributes()?.phys_port_cnt)
+    }
+
+    /// Queries port `port` (1-based).
+    pub fn port(&self, port: u8) -> Result<PortInfo> {
+        let count = self.port_count()?;
+        if port == 0 || port > count {
+            return Err(Error::NoSuchIndex {
+                what: "port",
+                index: port.into(),
+                device: self.inner.name.clone(),
+                valid: format!("1..={count}"),
+            });
+        }
+        // SAFETY: ibv_port_attr is plain old data; all-zero is a valid value.
+        let mut attr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: ctx is live, port is in range, attr is a valid out-pointer of the full size.
+        let rc = unsafe { ffi::___ibv_query_port(self.inner.ctx, port, &mut attr) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_query_port", rc));
+        }
+        Ok(PortInfo {
+            port,
+            state: match attr.state {
+                ffi::ibv_port_state::IBV_PORT_DOWN => PortState::Down,
+                ffi::ibv_port_state::IBV_PORT_INIT => PortState::Init,
+                ffi::ibv_port_state::IBV_PORT_ARMED => PortState::Armed,
+                ffi::ibv_port_state::IBV_PORT_ACTIVE => PortState::Active,
+                other => PortState::Other(other),
+            },
+            active_mtu: Mtu::from_raw(attr.active_mtu).unwrap_or(Mtu::Mtu256),
+            max_mtu: Mtu::from_raw(attr.max_mtu).unwrap_or(Mtu::Mtu256),
+            lid: attr.lid,
+            link_layer: match attr.link_layer {
+                1 => LinkLayer::InfiniBand,
+                2 => LinkLayer::Ethernet,
+                _ => LinkLayer::Unspecified,
+            },
+            gid_table_len: attr.gid_tbl_len.max(0) as u32,
+        })
+    }
+
+    /// The first port in the `ACTIVE` state.
+    pub fn first_active_port(&self) -> Option<u8> {
+        let count = self.port_count().ok()?;
+        (1..=count).find(|&p| matches!(self.port(p), Ok(PortInfo { state: PortState::Active, .. })))
+    }
+
+    /// GID `index` of `port`.
+    pub fn gid(&self, port: u8, index: u32) -> Result<Gid> {
+        let info = self.port(port)?;
+        if index >= info.gid_table_len {
+            return Err(Error::NoSuchIndex {
+                what: "GID index",
+                index,
+                device: self.inner.name.clone(),
+                valid: format!("0..{}", info.gid_table_len),
+            });
+        }
+        let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: ctx is live, port and index are in range, gid is a valid out-pointer.
+        let rc = unsafe { ffi::ibv_query_gid(self.inner.ctx, port, index as i32, &mut gid) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_query_gid", rc));
+        }
+        // SAFETY: every bit pattern of the union is a valid [u8; 16].
+        Ok(Gid::from_bytes(unsafe { gid.raw }))
+    }
+
+    /// The populated (non-zero) entries of `port`'s GID table.
+    pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
+        let info = self.port(port)?;
+        let mut out = Vec::new();
+        for index in 0..info.gid_table_len {
+            let Ok(gid) = self.gid(port, index) else { continue };
+            if gid.is_zero() {
+                continue;
+            }
+            let path = format!("/sys/class/infiniband/{}/ports/{port}/gid_attrs/types/{index}", self.inner.name);
+            let kind = std::fs::read_to_string(path).ok().map(|s| s.trim().to_string());
+            out.push(GidEntry { index, gid, kind });
+        }
+        Ok(out)
+    }
+
+    /// The GID index to use on `port` when none is given: `MRALLOC_GID_INDEX` if set; on RoCE,
+    /// the first RoCE v2 entry holding an IPv4-mapped address (what perftest and rping use),
+    /// then the first RoCE v2 entry; on InfiniBand, 0.
+    pub fn default_gid_index(&self, port: u8) -> Result<u32> {
+        if let Some(i) = std::env::var("MRALLOC_GID_INDEX").ok().and_then(|s| s.trim().parse().ok()) {
+            return Ok(i);
+        }
+        let info = self.port(port)?;
+        if info.link_layer != LinkLayer::Ethernet {
+            return Ok(0);
+        }
+        let table = self.gid_table(port)?;
+        let v2 = |e: &&GidEntry| e.kind.as_deref().is_some_and(|k| k.contains("v2"));
+        table
+            .iter()
+            .filter(v2)
+            .find(|e| e.gid.is_ipv4_mapped())
+            .or_else(|| table.iter().find(v2))
+            .or_else(|| table.first())
+            .map(|e| e.index)
+            .ok_or_else(|| Error::NoSuchIndex {
+                what: "GID index",
+                index: 0,
+                device: self.inner.name.clone(),
+                valid: "none populated".into(),
+            })
+    }
+}

@@ -1,0 +1,27 @@
+//! Safe wrappers over libibverbs (via `rdma-sys`), one concept per file.
+//!
+//! Objects are reference counted the way the verbs require: a [`Mr`] or [`Qp`] keeps its [`Pd`]
+//! alive, a [`Qp`] keeps its [`Cq`]s alive, and all of them keep their [`Context`] (the opened
+//! device) alive. No drop order can free a PD under a live MR or a CQ under a live QP.
+//!
+//! Posting work requests ([`Qp::post_send`], [`Qp::post_recv`]) is `unsafe` at this layer: the
+//! NIC touches the memory after the call returns. The transfer layer makes that safe by owning
+//! or borrowing the memory until the completion is reaped.
+
+mod context;
+mod cq;
+mod device;
+mod endpoint;
+mod mr;
+mod pd;
+mod qp;
+mod wr;
+
+pub use context::{Context, GidEntry, LinkLayer, PortInfo, PortState};
+pub use cq::{Cq, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{devices, numa_node_of, DeviceInfo};
+pub use endpoint::{Endpoint, Gid, Mtu};
+pub use mr::{Access, Mr, RegisteredBuf};
+pub use pd::Pd;
+pub use qp::{ConnectOptions, Qp, QpBuilder, QpCaps, QpState};
+pub use wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge};

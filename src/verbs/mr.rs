@@ -1,0 +1,288 @@
+//! Memory regions: registering memory with a PD, and owned registered buffers.
+
+use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
+use std::time::Instant;
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::mmap::Mapping;
+use crate::verbs::{Pd, RemoteAddr, Sge};
+
+/// Access rights of a memory region (`IBV_ACCESS_*`).
+///
+/// Local read is always allowed. [`Access::LOCAL_WRITE`] is needed for anything the NIC writes
+/// locally (RDMA READ targets, receive buffers, atomics results); the remote rights must be
+/// asked for explicitly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Access(u32);
+
+impl Access {
+    /// No rights beyond local read.
+    pub const NONE: Access = Access(0);
+    /// The local NIC may write (receives, READ targets).
+    pub const LOCAL_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0);
+    /// Peers may RDMA WRITE into the region.
+    pub const REMOTE_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0);
+    /// Peers may RDMA READ from the region.
+    pub const REMOTE_READ: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
+    /// Peers may perform atomics on the region.
+    pub const REMOTE_ATOMIC: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0);
+    /// Memory windows may be bound to the region.
+    pub const MW_BIND: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0);
+    /// Local write plus every remote right: what a buffer exposed to a trusted peer needs.
+    pub const ALL_REMOTE: Access =
+        Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0);
+
+    /// The raw `IBV_ACCESS_*` bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether every right in `other` is in `self`.
+    pub const fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether any remote right is included.
+    pub const fn is_remote(self) -> bool {
+        self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0) != 0
+    }
+}
+
+impl BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl BitOrAssign for Access {
+    fn bitor_assign(&mut self, rhs: Access) {
+        self.0 |= rhs.0;
+    }
+}
+
+/// A registered memory region (`ibv_mr`): the NIC may access `[addr, addr+len)` with these keys.
+///
+/// Deregistered on drop. It keeps its [`Pd`] alive, so it can never outlive it.
+pub struct Mr {
+    mr: *mut ffi::ibv_mr,
+    access: Access,
+    pd: Pd,
+}
+
+// SAFETY: an ibv_mr is immutable after registration and may be used (its keys read, its
+// deregistration called) from any thread.
+unsafe impl Send for Mr {}
+// SAFETY: see Send; &Mr only reads immutable fields.
+unsafe impl Sync for Mr {}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mr")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+impl Mr {
+    /// Registers `[addr, addr+len)` with `pd`.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that stays mapped, and is not handed to anyone
+    /// else for reuse, until the returned `Mr` is dropped **and** no posted work request that
+    /// uses it can still be executed by the NIC. With remote rights, peers may write the range at
+    /// any time while the region lives: the caller must treat it as shared with the network.
+    pub unsafe fn register(pd: &Pd, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot register an empty memory range".into()));
+        }
+        let started = Instant::now();
+        // SAFETY: pd is live; the caller guarantees the range is valid memory (function
+        // contract). ibv_reg_mr validates the range and access bits and returns NULL on error.
+        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), addr.cast(), len, access.bits() as i32) };
+        if mr.is_null() {
+            return Err(Error::verbs("ibv_reg_mr", 0));
+        }
+        tracing::trace!(len, elapsed_us = started.elapsed().as_micros() as u64, "ibv_reg_mr");
+        Ok(Mr { mr, access, pd: pd.clone() })
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        // SAFETY: mr is a live registration; its fields are immutable.
+        unsafe { (*self.mr).addr as u64 }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        // SAFETY: as in addr().
+        unsafe { (*self.mr).length }
+    }
+
+    /// Never true: empty ranges cannot be registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Local key, for scatter/gather entries posted on this side.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: as in addr().
+        unsafe { (*self.mr).lkey }
+    }
+
+    /// Remote key, for peers addressing this region.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: as in addr().
+        unsafe { (*self.mr).rkey }
+    }
+
+    /// The rights it was registered with.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// The PD it belongs to.
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+
+    /// The raw `ibv_mr`, valid while this `Mr` lives.
+    pub fn as_raw(&self) -> *mut ffi::ibv_mr {
+        self.mr
+    }
+
+    fn check(&self, range: &Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "range {}..{} is outside the {}-byte memory region",
+                range.start,
+                range.end,
+                self.len()
+            )));
+        }
+        if range.end - range.start > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a scatter/gather entry holds at most 4 GiB, got {} bytes",
+                range.end - range.start
+            )));
+        }
+        Ok(())
+    }
+
+    /// A scatter/gather entry for `range` (byte offsets into the region), bounds-checked.
+    pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
+        self.check(&range)?;
+        Ok(Sge::new(self.addr() + range.start as u64, (range.end - range.start) as u32, self.lkey()))
+    }
+
+    /// The remote address of `offset` within the region, for a peer.
+    pub fn remote(&self, offset: usize) -> Result<RemoteAddr> {
+        self.check(&(offset..offset))?;
+        Ok(RemoteAddr { addr: self.addr() + offset as u64, rkey: self.rkey() })
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: mr came from ibv_reg_mr and is deregistered exactly once; the PD is still
+        // alive because we hold a clone.
+        let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
+        if rc != 0 {
+            tracing::warn!(rc, "ibv_dereg_mr failed");
+        }
+    }
+}
+
+/// Zeroed, page-aligned memory of its own, registered with a PD: the simplest safe way to get
+/// bytes the NIC can use. (The registered heap, [`crate::heap`], is the scalable way.)
+///
+/// ```no_run
+/// use mralloc::verbs::{Access, Context, Pd, RegisteredBuf};
+/// let ctx = Context::open_default()?;
+/// let pd = Pd::new(&ctx)?;
+/// let mut buf = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE)?;
+/// buf[..5].copy_from_slice(b"hello");
+/// println!("lkey {:#x} rkey {:#x}", buf.mr().lkey(), buf.mr().rkey());
+/// # Ok::<(), mralloc::Error>(())
+/// ```
+pub struct RegisteredBuf {
+    // Field order matters: the region is deregistered before the memory is unmapped.
+    mr: Mr,
+    map: Mapping,
+    len: usize,
+}
+
+impl RegisteredBuf {
+    /// Maps `len` zeroed bytes and registers them with `pd` with `access`.
+    pub fn new(pd: &Pd, len: usize, access: Access) -> Result<RegisteredBuf> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("a registered buffer needs at least one byte".into()));
+        }
+        let map = Mapping::anonymous(len)?;
+        // SAFETY: the mapping is ours, stays mapped until after the Mr is dropped (field order),
+        // and is never handed to anyone else.
+        let mr = unsafe { Mr::register(pd, map.as_ptr(), map.len(), access)? };
+        Ok(RegisteredBuf { mr, map, len })
+    }
+
+    /// The memory region covering the buffer.
+    pub fn mr(&self) -> &Mr {
+        &self.mr
+    }
+
+    /// A scatter/gather entry for `range` of the buffer.
+    pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
+        if range.end > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "range {}..{} is outside the {}-byte buffer",
+                range.start, range.end, self.len
+            )));
+        }
+        self.mr.sge(range)
+    }
+}
+
+impl Deref for RegisteredBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the mapping is at least len bytes, initialised (zeroed), and lives as long as
+        // self. The NIC only writes it through work requests the caller posted with unsafe
+        // calls, whose contract forbids overlapping CPU access.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for RegisteredBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref, and &mut self guarantees exclusive CPU access.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for RegisteredBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuf").field("len", &self.len).field("mr", &self.mr).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags_compose() {
+        let a = Access::LOCAL_WRITE | Access::REMOTE_READ;
+        assert!(a.contains(Access::LOCAL_WRITE));
+        assert!(!a.contains(Access::REMOTE_WRITE));
+        assert!(a.is_remote());
+        assert!(!Access::LOCAL_WRITE.is_remote());
+        assert!(Access::ALL_REMOTE.contains(a));
+        assert_eq!(Access::LOCAL_WRITE.bits(), 1);
+    }
+}

@@ -1,0 +1,487 @@
+//! Reliable-connected queue pairs: creation, RESET→INIT→RTR→RTS, posting.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::verbs::{Access, Cq, Endpoint, Gid, LinkLayer, Mtu, Pd, SendOp, SendWr, Sge};
+
+/// Sizes of a queue pair's queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Outstanding send-queue work requests.
+    pub max_send_wr: u32,
+    /// Outstanding receive work requests.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send request.
+    pub max_send_sge: u32,
+    /// Scatter/gather entries per receive request.
+    pub max_recv_sge: u32,
+    /// Bytes that may be sent inline.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> QpCaps {
+        QpCaps { max_send_wr: 128, max_recv_wr: 128, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 }
+    }
+}
+
+/// How the QP behaves once connected: retries, timeouts, RDMA-read depth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms). 0 means infinite; avoid.
+    pub timeout: u8,
+    /// Transport retries (0-7) before a request fails with `RETRY_EXC_ERR`.
+    pub retry_cnt: u8,
+    /// RNR retries (0-7; 7 = forever, as perftest uses) when the peer has no receive posted.
+    pub rnr_retry: u8,
+    /// RNR NAK delay code this side asks senders to wait (12 ≈ 0.64 ms).
+    pub min_rnr_timer: u8,
+    /// Outstanding RDMA READ/atomic requests this side initiates (capped by the device).
+    pub max_rd_atomic: u8,
+    /// Outstanding RDMA READ/atomic requests this side serves (capped by the device).
+    pub max_dest_rd_atomic: u8,
+    /// Hop limit of the GRH (RoCE v2: the IP TTL).
+    pub hop_limit: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> ConnectOptions {
+        ConnectOptions {
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 16,
+            max_dest_rd_atomic: 16,
+            hop_limit: 64,
+        }
+    }
+}
+
+/// QP state (`IBV_QPS_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// Just created, or reset.
+    Reset,
+    /// Initialised: receives may be posted.
+    Init,
+    /// Ready to receive.
+    ReadyToReceive,
+    /// Ready to send: fully connected.
+    ReadyToSend,
+    /// Send queue drained.
+    SendQueueDrained,
+    /// Send queue error.
+    SendQueueError,
+    /// Error: every outstanding and later request completes with `WR_FLUSH_ERR`.
+    Error,
+    /// Anything else.
+    Unknown(u32),
+}
+
+/// Builds an RC [`Qp`] and moves it to INIT.
+#[derive(Debug, Clone)]
+pub struct QpBuilder {
+    pd: Pd,
+    send_cq: Cq,
+    recv_cq: Cq,
+    caps: QpCaps,
+    port: Option<u8>,
+    gid_index: Option<u32>,
+    access: Access,
+}
+
+impl QpBuilder {
+    /// Queue sizes (default: 128 deep, 4 SGEs, 64 bytes inline).
+    pub fn caps(mut self, caps: QpCaps) -> Self {
+        self.caps = caps;
+        self
+    }
+
+    /// The device port (default: the first ACTIVE port).
+    pub fn port(mut self, port: u8) -> Self {
+        self.port = Some(port);
+        self
+    }
+
+    /// The local GID index (default: [`crate::verbs::Context::default_gid_index`]).
+    pub fn gid_index(mut self, index: u32) -> Self {
+        self.gid_index = Some(index);
+        self
+    }
+
+    /// What peers may do through this QP (default: remote read, write and atomics; each memory
+    /// region still has to grant them).
+    pub fn remote_access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// Creates the QP and moves it to INIT (receives may then be posted).
+    pub fn build(self) -> Result<Qp> {
+        let ctx = self.pd.context().clone();
+        let port = match self.port {
+            Some(p) => p,
+            None => ctx
+                .first_active_port()
+                .ok_or_else(|| Error::NoActiveDevice { available: vec![ctx.name().to_string()] })?,
+        };
+        let port_info = ctx.port(port)?;
+        let gid_index = match self.gid_index {
+            Some(i) => i,
+            None => ctx.default_gid_index(port)?,
+        };
+        let gid = ctx.gid(port, gid_index)?;
+        if port_info.link_layer == LinkLayer::Ethernet && gid.is_zero() {
+            return Err(Error::NoSuchIndex {
+                what: "GID index",
+                index: gid_index,
+                device: ctx.name().to_string(),
+                valid: "a populated entry (see Context::gid_table)".into(),
+            });
+        }
+        // SAFETY: ibv_qp_init_attr is plain old data; all-zero is a valid value.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = self.send_cq.as_raw();
+        init.recv_cq = self.recv_cq.as_raw();
+        init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        init.sq_sig_all = 0;
+        init.cap = ffi::ibv_qp_cap {
+            max_send_wr: self.caps.max_send_wr,
+            max_recv_wr: self.caps.max_recv_wr,
+            max_send_sge: self.caps.max_send_sge,
+            max_recv_sge: self.caps.max_recv_sge,
+            max_inline_data: self.caps.max_inline_data,
+        };
+        // SAFETY: pd and both CQs are live (we hold them); init is fully initialised.
+        let qp = unsafe { ffi::ibv_create_qp(self.pd.as_raw(), &mut init) };
+        if qp.is_null() {
+            return Err(Error::verbs("ibv_create_qp", 0));
+        }
+        let caps = QpCaps {
+            max_send_wr: init.cap.max_send_wr,
+            max_recv_wr: init.cap.max_recv_wr,
+            max_send_sge: init.cap.max_send_sge,
+            max_recv_sge: init.cap.max_recv_sge,
+            max_inline_data: init.cap.max_inline_data,
+        };
+        let mut rng = RandomState::new().build_hasher();
+        rng.write_usize(qp as usize);
+        let psn = (rng.finish() as u32) & 0xff_ffff;
+        let me = Qp {
+            qp,
+            // SAFETY: qp is live; qp_num is immutable.
+            qpn: unsafe { (*qp).qp_num },
+            psn,
+            port,
+            gid_index,
+            gid,
+            lid: port_info.lid,
+            mtu: port_info.active_mtu,
+            link_layer: port_info.link_layer,
+            caps,
+            pd: self.pd,
+            send_cq: self.send_cq,
+            recv_cq: self.recv_cq,
+        };
+        // SAFETY: ibv_qp_attr is plain old data; all-zero is a valid value.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
+        attr.pkey_index = 0;
+        attr.port_num = port;
+        attr.qp_access_flags = self.access.bits();
+        use ffi::ibv_qp_attr_mask as M;
+        me.modify(&mut attr, M::IBV_QP_STATE.0 | M::IBV_QP_PKEY_INDEX.0 | M::IBV_QP_PORT.0 | M::IBV_QP_ACCESS_FLAGS.0)?;
+        Ok(me)
+    }
+}
+
+/// A reliable-connected queue pair.
+///
+/// Keeps its PD and CQs alive. Posting is `unsafe` at this layer: the NIC reads and writes the
+/// posted memory asynchronously, after the call returns. [`crate::transfer`] builds safe,
+/// ownership-tracking operations on top.
+pub struct Qp {
+    qp: *mut ffi::ibv_qp,
+    qpn: u32,
+    psn: u32,
+    port: u8,
+    gid_index: u32,
+    gid: Gid,
+    lid: u16,
+    mtu: Mtu,
+    link_layer: LinkLayer,
+    caps: QpCaps,
+    pd: Pd,
+    send_cq: Cq,
+    recv_cq: Cq,
+}
+
+// SAFETY: libibverbs providers serialise posting and state changes on a QP internally; the
+// pointer is destroyed only in Drop.
+unsafe impl Send for Qp {}
+// SAFETY: see Send.
+unsafe impl Sync for Qp {}
+
+impl std::fmt::Debug for Qp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qp")
+            .field("qpn", &self.qpn)
+            .field("device", &self.pd.context().name())
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .finish()
+    }
+}
+
+impl Qp {
+    /// Starts building an RC QP in `pd` that completes sends on `send_cq` and receives on
+    /// `recv_cq` (they may be the same CQ).
+    pub fn builder(pd: &Pd, send_cq: &Cq, recv_cq: &Cq) -> QpBuilder {
+        QpBuilder {
+            pd: pd.clone(),
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            caps: QpCaps::default(),
+            port: None,
+            gid_index: None,
+            access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+        }
+    }
+
+    /// This QP's connection details, to hand to the peer.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint { qpn: self.qpn, psn: self.psn, gid: self.gid, lid: self.lid, mtu: self.mtu }
+    }
+
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The queue sizes the device granted.
+    pub fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    /// The PD.
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Cq {
+        &self.send_cq
+    }
+
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Cq {
+        &self.recv_cq
+    }
+
+    /// The raw `ibv_qp`, valid while this `Qp` lives.
+    pub fn as_raw(&self) -> *mut ffi::ibv_qp {
+        self.qp
+    }
+
+    fn modify(&self, attr: &mut ffi::ibv_qp_attr, mask: u32) -> Result<()> {
+        // SAFETY: qp is live; attr is fully initialised for the fields named by mask.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask as i32) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_modify_qp", rc));
+        }
+        Ok(())
+    }
+
+    /// Connects to `remote`: INIT → RTR → RTS.
+    pub fn connect(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+        let dev = self.pd.context().attributes()?;
+        let rd_atomic = opts.max_rd_atomic.min(dev.max_qp_rd_atom.clamp(1, 255) as u8).max(1);
+        let dest_rd_atomic = opts.max_dest_rd_atomic.min(dev.max_qp_init_rd_atom.clamp(1, 255) as u8).max(1);
+        use ffi::ibv_qp_attr_mask as M;
+
+        // SAFETY: ibv_qp_attr is plain old data; all-zero is a valid value.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
+        attr.path_mtu = self.mtu.min(remote.mtu).to_raw();
+        attr.dest_qp_num = remote.qpn;
+        attr.rq_psn = remote.psn;
+        attr.max_dest_rd_atomic = dest_rd_atomic;
+        attr.min_rnr_timer = opts.min_rnr_timer;
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.sl = 0;
+        attr.ah_attr.src_path_bits = 0;
+        attr.ah_attr.port_num = self.port;
+        if self.link_layer == LinkLayer::Ethernet || !remote.gid.is_zero() {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid.raw = *remote.gid.as_bytes();
+            attr.ah_attr.grh.sgid_index = self.gid_index as u8;
+            attr.ah_attr.grh.hop_limit = opts.hop_limit;
+            attr.ah_attr.grh.flow_label = 0;
+            attr.ah_attr.grh.traffic_class = 0;
+        }
+        self.modify(
+            &mut attr,
+            M::IBV_QP_STATE.0
+                | M::IBV_QP_AV.0
+                | M::IBV_QP_PATH_MTU.0
+                | M::IBV_QP_DEST_QPN.0
+                | M::IBV_QP_RQ_PSN.0
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
+                | M::IBV_QP_MIN_RNR_TIMER.0,
+        )?;
+
+        // SAFETY: as above.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
+        attr.timeout = opts.timeout;
+        attr.retry_cnt = opts.retry_cnt.min(7);
+        attr.rnr_retry = opts.rnr_retry.min(7);
+        attr.sq_psn = self.psn;
+        attr.max_rd_atomic = rd_atomic;
+        self.modify(
+            &mut attr,
+            M::IBV_QP_STATE.0
+                | M::IBV_QP_TIMEOUT.0
+                | M::IBV_QP_RETRY_CNT.0
+                | M::IBV_QP_RNR_RETRY.0
+                | M::IBV_QP_SQ_PSN.0
+                | M::IBV_QP_MAX_QP_RD_ATOMIC.0,
+        )
+    }
+
+    /// Moves the QP to the error state: outstanding requests complete with `WR_FLUSH_ERR`.
+    pub fn set_error(&self) -> Result<()> {
+        // SAFETY: as above.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0)
+    }
+
+    /// The current state, as the device reports it.
+    pub fn state(&self) -> Result<QpState> {
+        // SAFETY: both structs are plain old data; all-zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: qp is live; both out-pointers are valid.
+        let rc =
+            unsafe { ffi::ibv_query_qp(self.qp, &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_query_qp", rc));
+        }
+        use ffi::ibv_qp_state::*;
+        Ok(match attr.qp_state {
+            IBV_QPS_RESET => QpState::Reset,
+            IBV_QPS_INIT => QpState::Init,
+            IBV_QPS_RTR => QpState::ReadyToReceive,
+            IBV_QPS_RTS => QpState::ReadyToSend,
+            IBV_QPS_SQD => QpState::SendQueueDrained,
+            IBV_QPS_SQE => QpState::SendQueueError,
+            IBV_QPS_ERR => QpState::Error,
+            other => QpState::Unknown(other),
+        })
+    }
+
+    fn validate(&self, wr: &SendWr<'_>) -> Result<()> {
+        if wr.sges.len() > self.caps.max_send_sge as usize {
+            return Err(Error::InvalidArgument(format!(
+                "work request {} has {} SGEs; the QP allows {}",
+                wr.wr_id,
+                wr.sges.len(),
+                self.caps.max_send_sge
+            )));
+        }
+        if let SendOp::FetchAdd { remote, .. } | SendOp::CompareSwap { remote, .. } = wr.op {
+            if remote.addr % 8 != 0 || wr.sges.len() != 1 || wr.sges[0].len() != 8 {
+                return Err(Error::InvalidArgument(format!(
+                    "atomic work request {} needs an 8-byte-aligned remote word (got {:#x}) and one 8-byte local SGE",
+                    wr.wr_id, remote.addr
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts `wrs` to the send queue as one chain (one doorbell).
+    ///
+    /// # Safety
+    /// Every SGE must lie in a live memory region of this QP's PD, and that memory must stay
+    /// valid — and not be accessed by the CPU in a way that races the NIC (written while the
+    /// NIC reads it, or read or written while it writes it) — until the completion of the
+    /// request (or of a later signaled request on this QP) has been polled. Remote addresses are
+    /// checked by the peer's NIC, not here.
+    pub unsafe fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        for wr in wrs {
+            self.validate(wr)?;
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        let rc = match wrs {
+            [] => return Ok(()),
+            [one] => {
+                let mut raw = one.raw();
+                // SAFETY: raw is a valid single request; its SGE list outlives the call; the
+                // memory contract is the caller's (function contract).
+                unsafe { ffi::ibv_post_send(self.qp, &mut raw, &mut bad) }
+            }
+            many => {
+                let mut raws: Vec<ffi::ibv_send_wr> = many.iter().map(SendWr::raw).collect();
+                let base = raws.as_mut_ptr();
+                for i in 0..raws.len() - 1 {
+                    // SAFETY: i+1 < len; pointers into the live Vec, which is not resized.
+                    raws[i].next = unsafe { base.add(i + 1) };
+                }
+                // SAFETY: the chain lives in `raws` for the whole call; see above.
+                unsafe { ffi::ibv_post_send(self.qp, base, &mut bad) }
+            }
+        };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_post_send", rc));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive request scattering into `sges`.
+    ///
+    /// # Safety
+    /// The SGEs must lie in live memory regions of this QP's PD registered with
+    /// [`Access::LOCAL_WRITE`], and the memory must stay valid and untouched by the CPU until
+    /// the receive's completion has been polled (or the QP is destroyed).
+    pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
+        if sges.len() > self.caps.max_recv_sge as usize {
+            return Err(Error::InvalidArgument(format!(
+                "receive {wr_id} has {} SGEs; the QP allows {}",
+                sges.len(),
+                self.caps.max_recv_sge
+            )));
+        }
+        let mut wr = ffi::ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: sges.as_ptr() as *mut ffi::ibv_sge,
+            num_sge: sges.len() as i32,
+        };
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: qp is live; wr and its SGE list outlive the call; memory per the contract.
+        let rc = unsafe { ffi::ibv_post_recv(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_post_recv", rc));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: qp came from ibv_create_qp and is destroyed once; PD and CQs are still alive
+        // (we hold clones, dropped after this).
+        let rc = unsafe { ffi::ibv_destroy_qp(self.qp) };
+        if rc != 0 {
+            tracing::warn!(qpn = self.qpn, rc, "ibv_destroy_qp failed");
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! Shared helpers for the integration tests.
+//!
+//! Convention: every test that needs an RDMA device is `#[ignore = "needs an RDMA device: run
+//! scripts/test"]`. Plain `cargo test` skips them and says so; `scripts/test` runs them with
+//! `--ignored` inside the Soft-RoCE VM (or on a host that has a device).
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use mralloc::verbs::{ConnectOptions, Context, Cq, Pd, Qp};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// The device the test run was given (scripts/softroce sets MRALLOC_DEVICE).
+pub fn device_name() -> String {
+    std::env::var("MRALLOC_DEVICE")
+        .expect("MRALLOC_DEVICE is not set: device tests run inside the Soft-RoCE VM; use scripts/test")
+}
+
+pub fn open() -> Context {
+    let name = device_name();
+    Context::open(&name).unwrap_or_else(|e| panic!("opening {name}: {e}"))
+}
+
+/// Two RC queue pairs on one device, connected to each other, each with its own CQ.
+pub struct Loopback {
+    pub ctx: Context,
+    pub pd: Pd,
+    pub cq_a: Cq,
+    pub cq_b: Cq,
+    pub a: Qp,
+    pub b: Qp,
+}
+
+pub fn loopback() -> Loopback {
+    let ctx = open();
+    let pd = Pd::new(&ctx).expect("alloc PD");
+    loopback_in(&ctx, &pd)
+}
+
+pub fn loopback_in(ctx: &Context, pd: &Pd) -> Loopback {
+    let cq_a = Cq::new(ctx, 256).expect("create CQ a");
+    let cq_b = Cq::new(ctx, 256).expect("create CQ b");
+    let a = Qp::builder(pd, &cq_a, &cq_a).build().expect("create QP a");
+    let b = Qp::builder(pd, &cq_b, &cq_b).build().expect("create QP b");
+    let opts = ConnectOptions::default();
+    a.connect(&b.endpoint(), &opts).expect("connect a -> b");
+    b.connect(&a.endpoint(), &opts).expect("connect b -> a");
+    Loopback { ctx: ctx.clone(), pd: pd.clone(), cq_a, cq_b, a, b }
+}
+
+/// A deterministic, position-dependent byte pattern (never constant, never periodic at 256).
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Asserts equality byte by byte, reporting the first difference.
+pub fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(g, w)| g != w) {
+        panic!("{what}: first difference at byte {i} of {}: got {:#04x}, want {:#04x}", want.len(), got[i], want[i]);
+    }
+}
