@@ -72,6 +72,61 @@ pub enum Error {
     /// A peer's endpoint description could not be decoded.
     #[error("malformed endpoint: {0}")]
     MalformedEndpoint(String),
+    /// Registering a new heap chunk with the NIC failed (often the memlock limit).
+    #[error("memory registration failed: {} (errno {errno}); {hint}", std::io::Error::from_raw_os_error(*.errno))]
+    Registration {
+        /// The errno `ibv_reg_mr` left.
+        errno: i32,
+        /// What to do about it, with the current memlock limit.
+        hint: String,
+    },
+    /// The heap's configured limit on mapped bytes would be exceeded.
+    #[error("heap limit exceeded: {requested} more bytes needed, {mapped} of {limit} bytes already mapped")]
+    LimitExceeded {
+        /// The limit set with `HeapBuilder::limit`.
+        limit: usize,
+        /// Bytes mapped when the request came.
+        mapped: usize,
+        /// Bytes the request needed.
+        requested: usize,
+    },
+    /// The allocator had no memory to give.
+    #[error("out of memory allocating {requested} bytes: {why}")]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+        /// Why.
+        why: &'static str,
+    },
+    /// Memory that no heap registered (or a heap bound to no PD) was used where keys are needed.
+    #[error("memory at {addr:#x} is not registered: allocate it from a bound mralloc heap")]
+    NotRegistered {
+        /// The address.
+        addr: u64,
+    },
+    /// An rkey was asked of a heap built without remote access rights.
+    #[error(
+        "the heap was built without remote access rights: use HeapBuilder::access(... REMOTE_*) to expose its rkey"
+    )]
+    NoRemoteAccess,
+    /// A range lies outside the buffer it refers to.
+    #[error("range of {len} bytes at offset {offset} is outside the {size}-byte buffer")]
+    OutOfBounds {
+        /// Start offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Size of the buffer.
+        size: u64,
+    },
+    /// A jemalloc control call failed.
+    #[error("jemalloc {what} failed (error {errno})")]
+    Jemalloc {
+        /// The mallctl name.
+        what: String,
+        /// Its error code.
+        errno: i32,
+    },
     /// An I/O error outside the verbs (e.g. mmap, sysfs).
     #[error("{what}: {source}")]
     Io {

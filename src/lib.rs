@@ -44,7 +44,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod error;
+pub mod heap;
 mod mmap;
+mod remote;
 pub mod verbs;
 
 pub use error::{Error, Result};
+pub use heap::{keys_of, keys_of_for, Buffer, Heap, Keys};
+pub use remote::RemoteBuf;

@@ -1,0 +1,220 @@
+//! `Buffer`: bytes from a registered heap that know their keys.
+
+use std::alloc::Layout;
+use std::marker::PhantomData;
+use std::ops::{Bound, Deref, DerefMut, RangeBounds};
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+use crate::heap::keys::Keys;
+use crate::heap::Heap;
+use crate::remote::RemoteBuf;
+use crate::verbs::{Pd, Sge};
+
+/// Memory from a [`Heap`]: owns its bytes like a `Box<[u8]>`, and carries the keys of the
+/// registered chunk it lies in. It borrows the heap, so the heap outlives it:
+///
+/// ```compile_fail
+/// # fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
+/// let heap = mralloc::heap::Heap::new(pd)?;
+/// let buf = heap.alloc(64)?;
+/// drop(heap); // error: `heap` is still borrowed by `buf`
+/// buf.len();
+/// # Ok(()) }
+/// ```
+pub struct Buffer<'h> {
+    ptr: NonNull<u8>,
+    layout: Layout,
+    heap: &'h Heap,
+}
+
+// SAFETY: a Buffer owns its bytes exclusively (like Box<[u8]>); freeing from another thread is
+// supported by the heap (it uses that thread's cache).
+unsafe impl Send for Buffer<'_> {}
+// SAFETY: &Buffer only gives shared access to the bytes.
+unsafe impl Sync for Buffer<'_> {}
+
+fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match r.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match r.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds {
+            offset: start as u64,
+            len: end.saturating_sub(start) as u64,
+            size: len as u64,
+        });
+    }
+    Ok((start, end))
+}
+
+impl<'h> Buffer<'h> {
+    /// # Safety
+    /// `ptr` is a live allocation of `layout` from `heap` that nothing else owns.
+    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, layout: Layout, heap: &'h Heap) -> Buffer<'h> {
+        Buffer { ptr, layout, heap }
+    }
+
+    /// Start address, as the NIC sees it.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// The heap it came from.
+    pub fn heap(&self) -> &'h Heap {
+        self.heap
+    }
+
+    /// Keys for the heap's primary PD; `None` while the heap is bound to no PD.
+    pub fn keys(&self) -> Option<Keys> {
+        self.heap.keys(self.ptr.as_ptr())
+    }
+
+    /// Keys for a specific bound PD.
+    pub fn keys_for(&self, pd: &Pd) -> Option<Keys> {
+        self.heap.keys_for(self.ptr.as_ptr(), pd)
+    }
+
+    /// Local key (primary PD).
+    pub fn lkey(&self) -> Option<u32> {
+        self.keys().map(|k| k.lkey)
+    }
+
+    /// Remote key (primary PD) — only when the heap was built with a remote access right.
+    pub fn rkey(&self) -> Option<u32> {
+        if self.heap.access().is_remote() {
+            self.keys().map(|k| k.rkey)
+        } else {
+            None
+        }
+    }
+
+    /// A scatter/gather entry for `range` of the buffer (primary PD).
+    pub fn sge(&self, range: impl RangeBounds<usize>) -> Result<Sge> {
+        let (s, e) = range_of(range, self.len())?;
+        self.slice(s..e)?.sge()
+    }
+
+    /// What a peer needs to RDMA-access the whole buffer.
+    pub fn remote(&self) -> Result<RemoteBuf> {
+        self.as_slice().remote()
+    }
+
+    /// A borrowed view of `range` that keeps the keys.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<BufSlice<'_>> {
+        let (s, e) = range_of(range, self.len())?;
+        Ok(BufSlice {
+            // SAFETY: s <= len, so the pointer stays inside (or one past) the allocation.
+            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(s)) },
+            len: e - s,
+            heap: self.heap,
+            _borrow: PhantomData,
+        })
+    }
+
+    fn as_slice(&self) -> BufSlice<'_> {
+        BufSlice { ptr: self.ptr, len: self.layout.size(), heap: self.heap, _borrow: PhantomData }
+    }
+}
+
+impl Deref for Buffer<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is a live allocation of layout.size() bytes; jemalloc memory is always
+        // initialised (fresh chunks are zero-filled by mmap, reused memory holds old bytes).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl DerefMut for Buffer<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref; &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for Buffer<'_> {
+    fn drop(&mut self) {
+        // SAFETY: ptr/layout come from this heap's raw_alloc and are freed exactly once.
+        unsafe { self.heap.raw_free(self.ptr, self.layout) };
+    }
+}
+
+impl std::fmt::Debug for Buffer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("keys", &self.keys())
+            .finish()
+    }
+}
+
+/// A borrowed range of a [`Buffer`] that keeps its keys.
+#[derive(Clone, Copy)]
+pub struct BufSlice<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    heap: &'a Heap,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+// SAFETY: a BufSlice is a shared borrow of bytes, like &[u8].
+unsafe impl Send for BufSlice<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for BufSlice<'_> {}
+
+impl BufSlice<'_> {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Keys (primary PD).
+    pub fn keys(&self) -> Option<Keys> {
+        self.heap.keys(self.ptr.as_ptr())
+    }
+
+    /// Local key (primary PD).
+    pub fn lkey(&self) -> Option<u32> {
+        self.keys().map(|k| k.lkey)
+    }
+
+    /// A scatter/gather entry for the whole slice.
+    pub fn sge(&self) -> Result<Sge> {
+        let len = u32::try_from(self.len)
+            .map_err(|_| Error::InvalidArgument(format!("an SGE holds at most 4 GiB, got {} bytes", self.len)))?;
+        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        Ok(Sge::new(self.addr(), len, keys.lkey))
+    }
+
+    /// What a peer needs to RDMA-access this range.
+    pub fn remote(&self) -> Result<RemoteBuf> {
+        if !self.heap.access().is_remote() {
+            return Err(Error::NoRemoteAccess);
+        }
+        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        Ok(RemoteBuf { addr: self.addr(), len: self.len as u64, rkey: keys.rkey })
+    }
+}
+
+impl Deref for BufSlice<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the slice lies inside a live Buffer that this value borrows.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for BufSlice<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufSlice").field("addr", &format_args!("{:#x}", self.addr())).field("len", &self.len).finish()
+    }
+}

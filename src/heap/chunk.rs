@@ -1,0 +1,251 @@
+//! Chunks: the big, registered mappings jemalloc carves allocations from.
+//!
+//! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, excluded from
+//! `fork()`, optionally advised to use transparent huge pages, then registered with every PD its
+//! heap is bound to. Its record lives in a fixed, statically allocated table (never on a heap,
+//! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
+
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+use rdma_sys as ffi;
+
+use crate::heap::pagemap::{PAGEMAP, SLOT};
+
+/// PDs one heap can be registered with at once (multi-device registration).
+pub const MAX_PDS: usize = 4;
+/// Chunks alive at once, over all heaps of the process.
+pub(crate) const MAX_CHUNKS: usize = 1 << 15;
+
+/// The record of one chunk. All fields are atomics so lookups never lock.
+pub(crate) struct ChunkRec {
+    pub(crate) base: AtomicUsize,
+    pub(crate) len: AtomicUsize,
+    /// Id of the owning heap; 0 = free record.
+    pub(crate) owner: AtomicU64,
+    /// Registration per PD slot of the owning heap (NULL = not registered with that slot).
+    pub(crate) mrs: [AtomicPtr<ffi::ibv_mr>; MAX_PDS],
+    /// `(lkey << 32) | rkey`, written before the matching `mrs` entry is published.
+    pub(crate) keys: [AtomicU64; MAX_PDS],
+    next_free: AtomicU32,
+}
+
+impl ChunkRec {
+    // Only used to initialise the static table, element by element.
+    #[allow(clippy::declare_interior_mutable_const)]
+    const EMPTY: ChunkRec = ChunkRec {
+        base: AtomicUsize::new(0),
+        len: AtomicUsize::new(0),
+        owner: AtomicU64::new(0),
+        mrs: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
+        keys: [const { AtomicU64::new(0) }; MAX_PDS],
+        next_free: AtomicU32::new(u32::MAX),
+    };
+
+    /// `(lkey, rkey)` for PD slot `slot`, if registered.
+    #[inline]
+    pub(crate) fn keys(&self, slot: usize) -> Option<(u32, u32)> {
+        if self.mrs[slot].load(Ordering::Acquire).is_null() {
+            return None;
+        }
+        let k = self.keys[slot].load(Ordering::Relaxed);
+        Some(((k >> 32) as u32, k as u32))
+    }
+
+    /// Publishes a registration for `slot`.
+    pub(crate) fn set_mr(&self, slot: usize, mr: *mut ffi::ibv_mr) {
+        // SAFETY: mr is a live registration made by the caller.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        self.keys[slot].store((u64::from(lkey) << 32) | u64::from(rkey), Ordering::Relaxed);
+        self.mrs[slot].store(mr, Ordering::Release);
+    }
+}
+
+static TABLE: [ChunkRec; MAX_CHUNKS] = [const { ChunkRec::EMPTY }; MAX_CHUNKS];
+
+struct FreeList {
+    /// Records never used yet start here.
+    fresh: u32,
+    /// Head of the list of released records (u32::MAX = empty).
+    head: u32,
+}
+
+static ALLOC: Mutex<FreeList> = parking_lot::const_mutex(FreeList { fresh: 0, head: u32::MAX });
+
+/// The record at `index`.
+#[inline]
+pub(crate) fn rec(index: u32) -> &'static ChunkRec {
+    &TABLE[index as usize]
+}
+
+/// The chunk containing `addr`, if any heap mapped it.
+#[inline]
+pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
+    let i = PAGEMAP.get(addr)?;
+    let r = rec(i);
+    let base = r.base.load(Ordering::Acquire);
+    if addr >= base && addr < base + r.len.load(Ordering::Acquire) && r.owner.load(Ordering::Acquire) != 0 {
+        Some((i, r))
+    } else {
+        None
+    }
+}
+
+/// Records a new chunk for `owner` and publishes it in the page map. `None` when the table is
+/// full or the page map could not grow.
+pub(crate) fn publish(owner: u64, base: usize, len: usize) -> Option<u32> {
+    let index = {
+        let mut fl = ALLOC.lock();
+        if fl.head != u32::MAX {
+            let i = fl.head;
+            fl.head = rec(i).next_free.load(Ordering::Relaxed);
+            i
+        } else if (fl.fresh as usize) < MAX_CHUNKS {
+            fl.fresh += 1;
+            fl.fresh - 1
+        } else {
+            return None;
+        }
+    };
+    let r = rec(index);
+    r.base.store(base, Ordering::Relaxed);
+    r.len.store(len, Ordering::Relaxed);
+    r.owner.store(owner, Ordering::Release);
+    if !PAGEMAP.insert(base, len, index) {
+        release(index);
+        return None;
+    }
+    Some(index)
+}
+
+/// Returns a record to the free list (its registrations must already be gone).
+pub(crate) fn release(index: u32) {
+    let r = rec(index);
+    PAGEMAP.remove(r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed));
+    r.owner.store(0, Ordering::Release);
+    for m in &r.mrs {
+        m.store(ptr::null_mut(), Ordering::Release);
+    }
+    let mut fl = ALLOC.lock();
+    r.next_free.store(fl.head, Ordering::Relaxed);
+    fl.head = index;
+}
+
+/// Every live record owned by `owner` (scans the used part of the table).
+pub(crate) fn owned_by(owner: u64) -> impl Iterator<Item = (u32, &'static ChunkRec)> {
+    let used = ALLOC.lock().fresh;
+    (0..used).map(|i| (i, rec(i))).filter(move |(_, r)| r.owner.load(Ordering::Acquire) == owner)
+}
+
+/// Maps `len` bytes aligned to `max(align, SLOT)`. Returns the base or the errno.
+pub(crate) fn map(len: usize, align: usize) -> Result<usize, i32> {
+    let align = align.max(SLOT);
+    if !align.is_power_of_two() {
+        return Err(libc::EINVAL);
+    }
+    let total = len.checked_add(align).ok_or(libc::ENOMEM)?;
+    // SAFETY: anonymous private mapping at a kernel-chosen address.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(errno());
+    }
+    let start = p as usize;
+    let base = (start + align - 1) & !(align - 1);
+    let head = base - start;
+    let tail = total - head - len;
+    // SAFETY: both trims lie inside the mapping we just made and outside [base, base+len).
+    unsafe {
+        if head > 0 {
+            libc::munmap(p, head);
+        }
+        if tail > 0 {
+            libc::munmap((base + len) as *mut libc::c_void, tail);
+        }
+    }
+    Ok(base)
+}
+
+/// Unmaps a chunk (all its registrations must be gone).
+pub(crate) fn unmap(base: usize, len: usize) {
+    // SAFETY: the caller owns the chunk and nothing references it any more.
+    unsafe { libc::munmap(base as *mut libc::c_void, len) };
+}
+
+/// Advice applied to a fresh chunk before it is touched or registered.
+pub(crate) fn advise(base: usize, len: usize, hugepages: bool) {
+    // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
+    unsafe {
+        libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK);
+        if hugepages {
+            libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
+/// Registers `[base, base+len)` with `pd`. Returns the MR or the errno.
+pub(crate) fn register(pd: *mut ffi::ibv_pd, base: usize, len: usize, access: u32) -> Result<*mut ffi::ibv_mr, i32> {
+    // SAFETY: pd is a live PD held by the heap; the range is a chunk the heap owns and keeps
+    // mapped until after the MR is deregistered.
+    let mr = unsafe { ffi::ibv_reg_mr(pd, base as *mut libc::c_void, len, access as i32) };
+    if mr.is_null() {
+        Err(match errno() {
+            0 => libc::ENOMEM,
+            e => e,
+        })
+    } else {
+        Ok(mr)
+    }
+}
+
+/// Deregisters an MR made by [`register`].
+pub(crate) fn deregister(mr: *mut ffi::ibv_mr) {
+    // SAFETY: mr came from register() and is deregistered once, by the chunk's owner.
+    let rc = unsafe { ffi::ibv_dereg_mr(mr) };
+    if rc != 0 {
+        tracing::warn!(rc, "ibv_dereg_mr of a heap chunk failed");
+    }
+}
+
+pub(crate) fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_is_slot_aligned_and_published() {
+        let len = 3 * SLOT + 4096;
+        let base = map(len, 4096).unwrap();
+        assert_eq!(base % SLOT, 0);
+        let owner = u64::MAX - 7;
+        let i = publish(owner, base, len).unwrap();
+        assert_eq!(find(base).map(|(j, _)| j), Some(i));
+        assert_eq!(find(base + len - 1).map(|(j, _)| j), Some(i));
+        assert!(find(base + len).is_none(), "past the end of the chunk");
+        assert!(owned_by(owner).any(|(j, _)| j == i));
+        assert_eq!(rec(i).keys(0), None, "not registered");
+        release(i);
+        assert!(find(base).is_none());
+        unmap(base, len);
+    }
+
+    #[test]
+    fn big_alignment() {
+        let base = map(SLOT, 8 * SLOT).unwrap();
+        assert_eq!(base % (8 * SLOT), 0);
+        unmap(base, SLOT);
+        assert_eq!(map(SLOT, 3 * SLOT), Err(libc::EINVAL));
+    }
+}

@@ -1,0 +1,137 @@
+//! The jemalloc extent hooks.
+//!
+//! | hook          | what it does                                                              |
+//! |---------------|---------------------------------------------------------------------------|
+//! | alloc         | map + mbind + advise + `ibv_reg_mr` per bound PD + publish (new chunk)   |
+//! | dalloc        | refuse: registered memory is never returned while registered             |
+//! | destroy       | nothing: the owner deregisters and unmaps whole chunks after the arena   |
+//! | commit        | succeed: chunk memory is always committed                                 |
+//! | decommit      | absent (= refuse): a decommitted page would no longer be the NIC's page   |
+//! | purge_lazy    | absent (= refuse): `MADV_FREE` on pinned memory is not safe on all kernels|
+//! | purge_forced  | absent (= refuse): after `MADV_DONTNEED` CPU and NIC see different pages  |
+//! | split         | allow                                                                     |
+//! | merge         | allow within one chunk, refuse across chunks (each has its own MRs)       |
+//!
+//! Hooks never allocate through a heap, never unwind into C (a panic is caught and reported as
+//! a failure), and report the reason of a failure through a thread-local read by the caller.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use libc::{c_uint, c_void};
+use tikv_jemalloc_sys::extent_hooks_t;
+
+use crate::heap::chunk;
+use crate::heap::owner::{set_hook_error, HookError, Owner};
+
+type CBool = bool;
+
+/// The hook table every heap copies into its `Owner`.
+pub(crate) const HOOKS: extent_hooks_t = extent_hooks_t {
+    alloc: Some(hook_alloc),
+    dalloc: Some(hook_dalloc),
+    destroy: Some(hook_destroy),
+    commit: Some(hook_commit),
+    decommit: None,
+    purge_lazy: None,
+    purge_forced: None,
+    split: Some(hook_split),
+    merge: Some(hook_merge),
+};
+
+unsafe extern "C" fn hook_alloc(
+    hooks: *mut extent_hooks_t,
+    new_addr: *mut c_void,
+    size: usize,
+    alignment: usize,
+    zero: *mut CBool,
+    commit: *mut CBool,
+    _arena_ind: c_uint,
+) -> *mut c_void {
+    if !new_addr.is_null() {
+        // jemalloc asks for a specific address only to grow in place; we map fresh chunks.
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `hooks` is the first field of a live Owner (see Owner::hooks_ptr); owners outlive
+    // their arenas.
+    let owner = unsafe { &*(hooks as *const Owner) };
+    let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment)));
+    match r {
+        Ok(Ok(base)) => {
+            // SAFETY: jemalloc passes valid out-pointers.
+            unsafe {
+                *zero = true;
+                *commit = true;
+            }
+            base as *mut c_void
+        }
+        Ok(Err(e)) => {
+            set_hook_error(e);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            set_hook_error(HookError::None);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn hook_dalloc(
+    _hooks: *mut extent_hooks_t,
+    _addr: *mut c_void,
+    _size: usize,
+    _committed: CBool,
+    _arena_ind: c_uint,
+) -> CBool {
+    true // opt out: jemalloc retains the extent
+}
+
+unsafe extern "C" fn hook_destroy(
+    _hooks: *mut extent_hooks_t,
+    _addr: *mut c_void,
+    _size: usize,
+    _committed: CBool,
+    _arena_ind: c_uint,
+) {
+    // Whole chunks are deregistered and unmapped by Owner::release_all once the arena is gone.
+}
+
+unsafe extern "C" fn hook_commit(
+    _hooks: *mut extent_hooks_t,
+    _addr: *mut c_void,
+    _size: usize,
+    _offset: usize,
+    _length: usize,
+    _arena_ind: c_uint,
+) -> CBool {
+    false // success: chunk memory is always committed
+}
+
+unsafe extern "C" fn hook_split(
+    _hooks: *mut extent_hooks_t,
+    _addr: *mut c_void,
+    _size: usize,
+    _size_a: usize,
+    _size_b: usize,
+    _committed: CBool,
+    _arena_ind: c_uint,
+) -> CBool {
+    false // allow
+}
+
+unsafe extern "C" fn hook_merge(
+    _hooks: *mut extent_hooks_t,
+    addr_a: *mut c_void,
+    _size_a: usize,
+    addr_b: *mut c_void,
+    _size_b: usize,
+    _committed: CBool,
+    _arena_ind: c_uint,
+) -> CBool {
+    match (chunk::find(addr_a as usize), chunk::find(addr_b as usize)) {
+        (Some((a, _)), Some((b, _))) if a == b => false, // same chunk: allow
+        _ => {
+            crate::heap::stats::CROSS_CHUNK_MERGES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            true
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! Pointer → keys, for any byte any heap handed out.
+
+use crate::heap::chunk::{self, ChunkRec};
+use crate::verbs::Pd;
+
+/// The memory-region keys covering a byte of heap memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Keys {
+    /// Local key (for scatter/gather entries on this side).
+    pub lkey: u32,
+    /// Remote key (for peers; grants only what the heap's access rights allow).
+    pub rkey: u32,
+    /// Start of the registered chunk holding the byte.
+    pub chunk_base: usize,
+    /// Length of that chunk.
+    pub chunk_len: usize,
+}
+
+#[inline]
+pub(crate) fn keys_in_slot(rec: &ChunkRec, slot: usize) -> Option<Keys> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (lkey, rkey) = rec.keys(slot)?;
+    Some(Keys { lkey, rkey, chunk_base: rec.base.load(Relaxed), chunk_len: rec.len.load(Relaxed) })
+}
+
+/// The keys (for the owning heap's primary PD) of the registered chunk holding `ptr`, from any
+/// heap — scoped or global. `None` for memory no heap handed out, or a heap bound to no PD.
+/// O(1), lock-free: two table loads and a record read.
+///
+/// ```no_run
+/// # let heap = mralloc::heap::Heap::new(&mralloc::verbs::Pd::new(&mralloc::verbs::Context::open_default()?)?)?;
+/// let buf = heap.alloc(100)?;
+/// assert_eq!(mralloc::keys_of(buf.as_ptr()).map(|k| k.lkey), buf.lkey());
+/// assert!(mralloc::keys_of(&0u64 as *const u64).is_none()); // stack memory
+/// # Ok::<(), mralloc::Error>(())
+/// ```
+#[inline]
+pub fn keys_of<T>(ptr: *const T) -> Option<Keys> {
+    let (_, rec) = chunk::find(ptr as usize)?;
+    keys_in_slot(rec, 0)
+}
+
+/// Like [`keys_of`], for a specific PD the owning heap is bound to.
+pub fn keys_of_for<T>(ptr: *const T, pd: &Pd) -> Option<Keys> {
+    use std::sync::atomic::Ordering::Acquire;
+    let (_, rec) = chunk::find(ptr as usize)?;
+    (0..chunk::MAX_PDS).find_map(|slot| {
+        let mr = rec.mrs[slot].load(Acquire);
+        // SAFETY: a published MR stays registered while its chunk is live (we just found it).
+        (!mr.is_null() && unsafe { (*mr).pd } == pd.as_raw()).then(|| keys_in_slot(rec, slot)).flatten()
+    })
+}
+
+/// The registered chunk (`base`, `len`) holding `ptr`, from any heap; `None` for foreign memory.
+pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (_, rec) = chunk::find(ptr as usize)?;
+    Some((rec.base.load(Relaxed), rec.len.load(Relaxed)))
+}

@@ -1,0 +1,29 @@
+//! The registered heap: jemalloc arenas whose chunks are RDMA memory regions.
+//!
+//! Custom jemalloc extent hooks ([`hooks`](self#hooks)) map every arena chunk slot-aligned,
+//! bind it to the NIC's NUMA node, register it with each bound PD (`ibv_reg_mr`) and record it in
+//! a lock-free page map, so any pointer the heap handed out maps to its keys in O(1)
+//! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while
+//! registered; chunks are released whole when their heap is dropped.
+//!
+//! - [`Heap`]: a scoped heap (one arena, explicit per-thread caches), usable as an
+//!   `allocator_api2` allocator (`Vec::new_in(&heap)`) and through [`Buffer`]s.
+
+mod buffer;
+mod chunk;
+mod hooks;
+mod jemalloc;
+mod keys;
+mod numa;
+mod owner;
+mod pagemap;
+mod scoped;
+mod stats;
+mod tcache;
+
+pub use buffer::{BufSlice, Buffer};
+pub use chunk::MAX_PDS;
+pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
+pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
+pub use scoped::{Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
+pub use stats::HeapStats;

@@ -1,0 +1,246 @@
+//! The state a heap's extent hooks work with: bound PDs, placement, limits and counters.
+//!
+//! `Owner` is `#[repr(C)]` with jemalloc's `extent_hooks_t` as its first field, so the hooks
+//! pointer jemalloc passes back to every hook call *is* a pointer to the owner.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tikv_jemalloc_sys::extent_hooks_t;
+
+use crate::error::{memlock_text, Error, Result};
+use crate::heap::chunk::{self, MAX_PDS};
+use crate::heap::hooks;
+use crate::heap::numa;
+use crate::verbs::{Access, Pd};
+
+/// Why the last extent-hook call on this thread failed. Read by the allocating call after
+/// jemalloc returned NULL, to turn it into a typed error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HookError {
+    None,
+    Limit { limit: usize, mapped: usize, requested: usize },
+    Map(i32),
+    Numa(i32),
+    Register(i32),
+    TableFull,
+}
+
+thread_local! {
+    static HOOK_ERROR: Cell<HookError> = const { Cell::new(HookError::None) };
+}
+
+pub(crate) fn set_hook_error(e: HookError) {
+    let _ = HOOK_ERROR.try_with(|c| c.set(e));
+}
+
+/// Takes (and clears) this thread's last hook error.
+pub(crate) fn take_hook_error() -> HookError {
+    HOOK_ERROR.try_with(|c| c.replace(HookError::None)).unwrap_or(HookError::None)
+}
+
+impl HookError {
+    /// The typed error for a failed allocation of `requested` bytes.
+    pub(crate) fn into_error(self, requested: usize) -> Error {
+        match self {
+            HookError::Limit { limit, mapped, requested: chunk } => {
+                Error::LimitExceeded { limit, mapped, requested: requested.max(chunk) }
+            }
+            HookError::Register(errno) => Error::Registration {
+                errno,
+                hint: format!(
+                    "ibv_reg_mr of a new chunk failed ({}); registered memory is pinned: {}",
+                    std::io::Error::from_raw_os_error(errno),
+                    memlock_text()
+                ),
+            },
+            HookError::Map(errno) => Error::Io {
+                what: format!("mapping a chunk for a {requested}-byte allocation"),
+                source: std::io::Error::from_raw_os_error(errno),
+            },
+            HookError::Numa(errno) => Error::Io {
+                what: "binding a chunk to its NUMA node (mbind)".into(),
+                source: std::io::Error::from_raw_os_error(errno),
+            },
+            HookError::TableFull => Error::OutOfMemory { requested, why: "the chunk table is full" },
+            HookError::None => Error::OutOfMemory { requested, why: "jemalloc returned no memory" },
+        }
+    }
+}
+
+/// Counters, all relaxed atomics.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) chunks: AtomicU64,
+    pub(crate) mapped: AtomicU64,
+    pub(crate) registered: [AtomicU64; MAX_PDS],
+    pub(crate) reg_calls: AtomicU64,
+    pub(crate) reg_nanos: AtomicU64,
+    pub(crate) reg_failures: AtomicU64,
+    /// Live bytes freed or allocated outside any thread cache slot (thread exit).
+    pub(crate) orphan_live: AtomicI64,
+}
+
+pub(crate) struct Bound {
+    pub(crate) pds: [Option<Pd>; MAX_PDS],
+}
+
+/// Owner of a set of chunks: a scoped heap, or the global allocator.
+#[repr(C)]
+pub(crate) struct Owner {
+    /// Must stay the first field: jemalloc hands this pointer back to the hooks.
+    pub(crate) hooks: extent_hooks_t,
+    pub(crate) id: u64,
+    pub(crate) bound: Mutex<Bound>,
+    pub(crate) access: Access,
+    /// NUMA node to bind new chunks to; u32::MAX = none.
+    pub(crate) numa_node: AtomicU32,
+    pub(crate) hugepages: bool,
+    pub(crate) limit: usize,
+    pub(crate) counters: Counters,
+}
+
+static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Owner {
+    pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
+        Owner {
+            hooks: hooks::HOOKS,
+            id: NEXT_OWNER_ID.fetch_add(1, Ordering::Relaxed),
+            bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
+            access,
+            numa_node: AtomicU32::new(numa_node.unwrap_or(u32::MAX)),
+            hugepages,
+            limit,
+            counters: Counters::default(),
+        }
+    }
+
+    pub(crate) fn numa_node(&self) -> Option<u32> {
+        match self.numa_node.load(Ordering::Relaxed) {
+            u32::MAX => None,
+            n => Some(n),
+        }
+    }
+
+    /// The pointer to give jemalloc as this owner's `extent_hooks_t *`.
+    pub(crate) fn hooks_ptr(&self) -> *mut extent_hooks_t {
+        self as *const Owner as *mut extent_hooks_t
+    }
+
+    /// Maps, binds, registers and publishes a new chunk. Runs inside the alloc hook: it must not
+    /// allocate through any heap, panic, or block on anything jemalloc may hold.
+    pub(crate) fn new_chunk(&self, size: usize, align: usize) -> std::result::Result<usize, HookError> {
+        let bound = self.bound.lock();
+        let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
+        if mapped.saturating_add(size) > self.limit {
+            return Err(HookError::Limit { limit: self.limit, mapped, requested: size });
+        }
+        let base = chunk::map(size, align).map_err(HookError::Map)?;
+        if let Some(node) = self.numa_node() {
+            if let Err(e) = numa::bind(base, size, node) {
+                chunk::unmap(base, size);
+                return Err(HookError::Numa(e));
+            }
+        }
+        chunk::advise(base, size, self.hugepages);
+        let mut mrs = [std::ptr::null_mut(); MAX_PDS];
+        for (slot, pd) in bound.pds.iter().enumerate() {
+            let Some(pd) = pd else { continue };
+            let t = Instant::now();
+            match chunk::register(pd.as_raw(), base, size, self.access.bits()) {
+                Ok(mr) => {
+                    mrs[slot] = mr;
+                    self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
+                    self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
+                    mrs.iter().filter(|m| !m.is_null()).for_each(|&m| chunk::deregister(m));
+                    chunk::unmap(base, size);
+                    return Err(HookError::Register(e));
+                }
+            }
+        }
+        let Some(index) = chunk::publish(self.id, base, size) else {
+            mrs.iter().filter(|m| !m.is_null()).for_each(|&m| chunk::deregister(m));
+            chunk::unmap(base, size);
+            return Err(HookError::TableFull);
+        };
+        let rec = chunk::rec(index);
+        for (slot, &mr) in mrs.iter().enumerate() {
+            if !mr.is_null() {
+                rec.set_mr(slot, mr);
+                self.counters.registered[slot].fetch_add(size as u64, Ordering::Relaxed);
+            }
+        }
+        self.counters.chunks.fetch_add(1, Ordering::Relaxed);
+        self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
+        Ok(base)
+    }
+
+    /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
+    pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
+        let mut bound = self.bound.lock();
+        if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
+            return Ok(slot);
+        }
+        let Some(slot) = bound.pds.iter().position(Option::is_none) else {
+            return Err(Error::InvalidArgument(format!("a heap can be bound to at most {MAX_PDS} PDs")));
+        };
+        let mut done: Vec<(u32, *mut rdma_sys::ibv_mr)> = Vec::new();
+        for (index, rec) in chunk::owned_by(self.id) {
+            let base = rec.base.load(Ordering::Relaxed);
+            let len = rec.len.load(Ordering::Relaxed);
+            let t = Instant::now();
+            match chunk::register(pd.as_raw(), base, len, self.access.bits()) {
+                Ok(mr) => {
+                    self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
+                    self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    done.push((index, mr));
+                }
+                Err(errno) => {
+                    self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
+                    done.iter().for_each(|&(_, mr)| chunk::deregister(mr));
+                    return Err(HookError::Register(errno).into_error(len));
+                }
+            }
+        }
+        for (index, mr) in done {
+            let rec = chunk::rec(index);
+            rec.set_mr(slot, mr);
+            self.counters.registered[slot].fetch_add(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+        }
+        bound.pds[slot] = Some(pd.clone());
+        Ok(slot)
+    }
+
+    /// The slot `pd` is bound in.
+    pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
+        self.bound.lock().pds.iter().position(|p| p.as_ref() == Some(pd))
+    }
+
+    /// Deregisters and unmaps every chunk (the arena must be gone).
+    pub(crate) fn release_all(&self) {
+        let _bound = self.bound.lock();
+        let chunks: Vec<(u32, usize, usize)> = chunk::owned_by(self.id)
+            .map(|(i, r)| (i, r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed)))
+            .collect();
+        for (index, base, len) in chunks {
+            let rec = chunk::rec(index);
+            for (slot, m) in rec.mrs.iter().enumerate() {
+                let mr = m.swap(std::ptr::null_mut(), Ordering::AcqRel);
+                if !mr.is_null() {
+                    chunk::deregister(mr);
+                    self.counters.registered[slot].fetch_sub(len as u64, Ordering::Relaxed);
+                }
+            }
+            chunk::release(index);
+            chunk::unmap(base, len);
+            self.counters.chunks.fetch_sub(1, Ordering::Relaxed);
+            self.counters.mapped.fetch_sub(len as u64, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! Heap statistics.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::heap::chunk::MAX_PDS;
+use crate::heap::owner::Owner;
+
+/// Merges across chunk boundaries that the merge hook refused (process-wide).
+pub(crate) static CROSS_CHUNK_MERGES_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// A snapshot of what a heap holds and what registering it cost.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HeapStats {
+    /// Chunks currently mapped.
+    pub chunks: u64,
+    /// Bytes currently mapped in chunks (all of it pinned once bound).
+    pub mapped_bytes: u64,
+    /// Bytes registered per bound PD, in the order the PDs were bound.
+    pub registered_bytes: [u64; MAX_PDS],
+    /// Bytes handed out and not yet freed, as requested by the callers.
+    pub live_bytes: u64,
+    /// Bytes jemalloc counts as allocated in the heap's arena (includes objects parked in
+    /// thread caches and size-class rounding); `None` where jemalloc does not say.
+    pub jemalloc_allocated: Option<u64>,
+    /// `ibv_reg_mr` calls made (chunks × PDs, plus registrations at bind time).
+    pub reg_mr_calls: u64,
+    /// Total time spent in `ibv_reg_mr`.
+    pub reg_mr_time: Duration,
+    /// Registrations that failed (each one failed an allocation or a bind).
+    pub registration_failures: u64,
+    /// Merges across chunk boundaries that were refused (process-wide counter).
+    pub cross_chunk_merges_refused: u64,
+}
+
+impl HeapStats {
+    pub(crate) fn from_owner(owner: &Owner, live_bytes: u64, jemalloc_allocated: Option<u64>) -> HeapStats {
+        let c = &owner.counters;
+        HeapStats {
+            chunks: c.chunks.load(Ordering::Relaxed),
+            mapped_bytes: c.mapped.load(Ordering::Relaxed),
+            registered_bytes: std::array::from_fn(|i| c.registered[i].load(Ordering::Relaxed)),
+            live_bytes,
+            jemalloc_allocated,
+            reg_mr_calls: c.reg_calls.load(Ordering::Relaxed),
+            reg_mr_time: Duration::from_nanos(c.reg_nanos.load(Ordering::Relaxed)),
+            registration_failures: c.reg_failures.load(Ordering::Relaxed),
+            cross_chunk_merges_refused: CROSS_CHUNK_MERGES_REFUSED.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Explicit jemalloc thread caches, one per (thread, heap).
+//!
+//! A custom arena must not share jemalloc's implicit thread cache: objects of different arenas
+//! would be mixed in it (see DESIGN.md, "thread-cache gotcha"). Each thread therefore gets its own
+//! explicit tcache for each heap it uses, created lazily and registered with the heap, destroyed
+//! at thread exit (if the heap still lives) or by the heap before its arena is destroyed. Each
+//! slot also carries the thread's live-byte counter, so statistics need no shared atomics on
+//! the hot path.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::error::Result;
+use crate::heap::jemalloc;
+
+/// One thread's cache for one heap.
+pub(crate) struct Slot {
+    pub(crate) tcache: u32,
+    pub(crate) alive: bool,
+    pub(crate) live: Box<AtomicI64>,
+}
+
+/// A heap's list of the thread caches made for it.
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub(crate) slots: Mutex<Vec<Slot>>,
+    /// Set once the heap has destroyed its caches: no new ones may be created.
+    pub(crate) closed: std::sync::atomic::AtomicBool,
+}
+
+impl Registry {
+    /// Sum of the live-byte counters of every slot.
+    pub(crate) fn live(&self) -> i64 {
+        self.slots.lock().iter().map(|s| s.live.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Destroys every cache (flushing its objects back to the arena). Called by the heap
+    /// before it destroys its arena; no other thread can be using the heap then.
+    pub(crate) fn destroy_all(&self) {
+        self.closed.store(true, Ordering::Release);
+        for s in self.slots.lock().iter_mut().filter(|s| s.alive) {
+            if let Err(e) = jemalloc::tcache_destroy(s.tcache) {
+                tracing::warn!("tcache.destroy({}) failed: {e}", s.tcache);
+            }
+            s.alive = false;
+        }
+    }
+}
+
+struct Entry {
+    heap: u64,
+    tcache: u32,
+    live: *const AtomicI64,
+    registry: Weak<Registry>,
+}
+
+struct ThreadCaches {
+    entries: Vec<Entry>,
+}
+
+impl Drop for ThreadCaches {
+    fn drop(&mut self) {
+        for e in self.entries.drain(..) {
+            let Some(reg) = e.registry.upgrade() else { continue };
+            let mut slots = reg.slots.lock();
+            if let Some(s) = slots.iter_mut().find(|s| s.tcache == e.tcache && s.alive) {
+                let _ = jemalloc::tcache_destroy(s.tcache);
+                s.alive = false;
+            }
+        }
+    }
+}
+
+thread_local! {
+    static CACHES: RefCell<ThreadCaches> = const { RefCell::new(ThreadCaches { entries: Vec::new() }) };
+}
+
+/// This thread's tcache id and live counter for heap `heap`, creating them on first use.
+/// `None` while the thread is exiting (its thread-locals are gone): the caller then goes
+/// without a tcache.
+#[inline]
+pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<Result<(u32, *const AtomicI64)>> {
+    CACHES
+        .try_with(|c| {
+            let mut c = c.try_borrow_mut().ok()?;
+            if let Some(e) = c.entries.iter().find(|e| e.heap == heap) {
+                return Some(Ok((e.tcache, e.live)));
+            }
+            Some(create(&mut c, heap, registry))
+        })
+        .ok()
+        .flatten()
+}
+
+#[cold]
+fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<(u32, *const AtomicI64)> {
+    c.entries.retain(|e| e.registry.strong_count() > 0);
+    let mut slots = registry.slots.lock();
+    if registry.closed.load(Ordering::Acquire) {
+        return Err(crate::Error::InvalidArgument("the heap is being dropped".into()));
+    }
+    let tcache = jemalloc::tcache_create()?;
+    let live = Box::new(AtomicI64::new(0));
+    let ptr: *const AtomicI64 = &*live;
+    slots.push(Slot { tcache, alive: true, live });
+    c.entries.push(Entry { heap, tcache, live: ptr, registry: Arc::downgrade(registry) });
+    Ok((tcache, ptr))
+}
