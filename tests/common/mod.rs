@@ -69,3 +69,43 @@ pub fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
         panic!("{what}: first difference at byte {i} of {}: got {:#04x}, want {:#04x}", want.len(), got[i], want[i]);
     }
 }
+
+/// A small deterministic RNG for workloads (xorshift64*).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Churns a heap: `ops` operations, at most `max_live` buffers, sizes 64 B..=`max_size`
+/// (log-uniform). Returns (peak live bytes, mapped bytes at the end).
+pub fn churn(heap: &mralloc::heap::Heap, ops: usize, max_live: usize, max_size: usize) -> (u64, u64) {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut live = Vec::new();
+    let (mut cur, mut peak) = (0u64, 0u64);
+    for _ in 0..ops {
+        if live.len() < max_live && (live.is_empty() || rng.below(2) == 0) {
+            let lg = 6 + rng.below((max_size.ilog2() - 6 + 1) as u64) as u32;
+            let size = ((1usize << lg) + rng.below(1 << lg) as usize).clamp(64, max_size);
+            let mut b = heap.alloc(size).expect("churn allocation");
+            b[0] = 1;
+            b[size - 1] = 2;
+            cur += size as u64;
+            peak = peak.max(cur);
+            live.push(b);
+        } else {
+            let b = live.swap_remove(rng.below(live.len() as u64) as usize);
+            cur -= b.len() as u64;
+        }
+    }
+    drop(live);
+    (peak, heap.stats().mapped_bytes)
+}
