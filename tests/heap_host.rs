@@ -3,135 +3,17 @@
 
 mod common;
 
-use std::alloc::Layout;
-use std::collections::BTreeMap;
-use std::ptr::NonNull;
-
 use allocator_api2::alloc::Allocator;
-use common::pattern;
+use common::model::{op, run_model, SendLive};
 use mralloc::heap::{chunk_of, Heap};
 use mralloc::Error;
 use proptest::prelude::*;
-
-#[derive(Debug, Clone)]
-enum Op {
-    Alloc { size: usize, align_log2: u32 },
-    Free(usize),
-    Resize(usize, usize),
-    Write(usize),
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (prop_oneof![8 => 1usize..4096, 3 => 4096usize..(1 << 20), 1 => (1usize << 20)..(16 << 20)], 0u32..=12)
-            .prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
-        3 => any::<usize>().prop_map(Op::Free),
-        2 => (any::<usize>(), 1usize..(2 << 20)).prop_map(|(i, n)| Op::Resize(i, n)),
-        2 => any::<usize>().prop_map(Op::Write),
-    ]
-}
-
-struct Live {
-    ptr: NonNull<u8>,
-    layout: Layout,
-    seed: u64,
-}
-
-/// Runs `ops` against `heap` and a model; checks every invariant after each step. Returns the
-/// live bytes left (the caller frees nothing: it checks them against the stats, then frees).
-fn run_model(heap: &Heap, ops: &[Op], salt: u64) -> Vec<Live> {
-    let alloc = heap;
-    let mut live: Vec<Live> = Vec::new();
-    let check = |l: &Live| {
-        // SAFETY: l is a live allocation of l.layout.size() bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(l.ptr.as_ptr(), l.layout.size()) };
-        common::assert_bytes_eq(bytes, &pattern(l.seed, l.layout.size()), "contents preserved");
-        assert_eq!(l.ptr.as_ptr() as usize % l.layout.align(), 0, "alignment");
-        let first = chunk_of(l.ptr.as_ptr()).expect("first byte lies in a heap chunk");
-        let last = chunk_of(l.ptr.as_ptr().wrapping_add(l.layout.size() - 1)).expect("last byte in a chunk");
-        assert_eq!(first, last, "an allocation spans exactly one chunk");
-    };
-    for (step, op) in ops.iter().enumerate() {
-        let seed = salt ^ (step as u64) << 8;
-        match *op {
-            Op::Alloc { size, align_log2 } => {
-                let layout = Layout::from_size_align(size, 1 << align_log2).unwrap();
-                let p = alloc.allocate(layout).expect("allocation").cast::<u8>();
-                // SAFETY: fresh allocation of layout.size() bytes.
-                unsafe { std::ptr::copy_nonoverlapping(pattern(seed, size).as_ptr(), p.as_ptr(), size) };
-                live.push(Live { ptr: p, layout, seed });
-            }
-            Op::Free(i) if !live.is_empty() => {
-                let l = live.swap_remove(i % live.len());
-                check(&l);
-                // SAFETY: allocated by `alloc` with l.layout, freed once.
-                unsafe { alloc.deallocate(l.ptr, l.layout) };
-            }
-            Op::Resize(i, new_size) if !live.is_empty() => {
-                let k = i % live.len();
-                let l = &mut live[k];
-                check(l);
-                let new = Layout::from_size_align(new_size, l.layout.align()).unwrap();
-                // SAFETY: l.ptr was allocated by `alloc` with l.layout.
-                let p = unsafe {
-                    if new.size() >= l.layout.size() {
-                        alloc.grow(l.ptr, l.layout, new)
-                    } else {
-                        alloc.shrink(l.ptr, l.layout, new)
-                    }
-                }
-                .expect("resize")
-                .cast::<u8>();
-                let keep = l.layout.size().min(new_size);
-                // SAFETY: p is live for new_size bytes.
-                let kept = unsafe { std::slice::from_raw_parts(p.as_ptr(), keep) };
-                common::assert_bytes_eq(kept, &pattern(l.seed, l.layout.size())[..keep], "resize keeps the prefix");
-                // SAFETY: as above.
-                unsafe { std::ptr::copy_nonoverlapping(pattern(seed, new_size).as_ptr(), p.as_ptr(), new_size) };
-                *l = Live { ptr: p, layout: new, seed };
-            }
-            Op::Write(i) if !live.is_empty() => {
-                let n = live.len();
-                let l = &mut live[i % n];
-                check(l);
-                // SAFETY: l is live for its size.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        pattern(seed, l.layout.size()).as_ptr(),
-                        l.ptr.as_ptr(),
-                        l.layout.size(),
-                    )
-                };
-                l.seed = seed;
-            }
-            _ => {}
-        }
-    }
-    // No overlap among live allocations.
-    let mut spans: BTreeMap<usize, usize> = BTreeMap::new();
-    for l in &live {
-        check(l);
-        spans.insert(l.ptr.as_ptr() as usize, l.layout.size());
-    }
-    let mut end = 0;
-    for (&start, &len) in &spans {
-        assert!(start >= end, "allocations overlap at {start:#x}");
-        end = start + len;
-    }
-    live
-}
-
-// SAFETY note for the test: Live holds raw pointers; it is only moved across the scoped thread
-// boundary and used with the heap that allocated it.
-struct SendLive(Vec<Live>);
-// SAFETY: the pointers are plain heap memory owned by the vector's user.
-unsafe impl Send for SendLive {}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
-    fn heap_matches_model_from_two_threads(a in proptest::collection::vec(op(), 1..60), b in proptest::collection::vec(op(), 1..60)) {
+    fn heap_matches_model_from_two_threads(a in proptest::collection::vec(op(16 << 20), 1..60), b in proptest::collection::vec(op(16 << 20), 1..60)) {
         let heap = Heap::builder().build().unwrap();
         let (la, lb) = std::thread::scope(|s| {
             let ta = s.spawn(|| SendLive(run_model(&heap, &a, 1)));
@@ -285,4 +167,25 @@ fn allocator_api2_vec_grows_in_the_heap() {
     assert_eq!(heap.stats().live_bytes, (v.capacity() * 4) as u64);
     drop(v);
     assert_eq!(heap.stats().live_bytes, 0);
+}
+
+#[test]
+fn fork_with_a_live_heap_leaves_the_child_working() {
+    // jemalloc's fork handlers touch every arena's metadata in the child: metadata chunks must
+    // not be excluded from fork (regression: the child died of SIGSEGV).
+    let heap = Heap::builder().build().unwrap();
+    let b = heap.alloc(1 << 20).unwrap();
+    // SAFETY: the child only calls async-signal-safe functions and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+    assert!(heap.stats().metadata_bytes > 0);
+    drop(b);
 }

@@ -6,7 +6,7 @@
 //! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
 
 use std::ptr;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use rdma_sys as ffi;
@@ -24,6 +24,8 @@ pub(crate) struct ChunkRec {
     pub(crate) len: AtomicUsize,
     /// Id of the owning heap; 0 = free record.
     pub(crate) owner: AtomicU64,
+    /// jemalloc metadata (a base block): never handed out, never registered.
+    pub(crate) meta: AtomicBool,
     /// Registration per PD slot of the owning heap (NULL = not registered with that slot).
     pub(crate) mrs: [AtomicPtr<ffi::ibv_mr>; MAX_PDS],
     /// `(lkey << 32) | rkey`, written before the matching `mrs` entry is published.
@@ -38,6 +40,7 @@ impl ChunkRec {
         base: AtomicUsize::new(0),
         len: AtomicUsize::new(0),
         owner: AtomicU64::new(0),
+        meta: AtomicBool::new(false),
         mrs: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
         keys: [const { AtomicU64::new(0) }; MAX_PDS],
         next_free: AtomicU32::new(u32::MAX),
@@ -94,7 +97,7 @@ pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
 
 /// Records a new chunk for `owner` and publishes it in the page map. `None` when the table is
 /// full or the page map could not grow.
-pub(crate) fn publish(owner: u64, base: usize, len: usize) -> Option<u32> {
+pub(crate) fn publish(owner: u64, base: usize, len: usize, meta: bool) -> Option<u32> {
     let index = {
         let mut fl = ALLOC.lock();
         if fl.head != u32::MAX {
@@ -111,6 +114,7 @@ pub(crate) fn publish(owner: u64, base: usize, len: usize) -> Option<u32> {
     let r = rec(index);
     r.base.store(base, Ordering::Relaxed);
     r.len.store(len, Ordering::Relaxed);
+    r.meta.store(meta, Ordering::Relaxed);
     r.owner.store(owner, Ordering::Release);
     if !PAGEMAP.insert(base, len, index) {
         release(index);
@@ -182,10 +186,12 @@ pub(crate) fn unmap(base: usize, len: usize) {
 }
 
 /// Advice applied to a fresh chunk before it is touched or registered.
-pub(crate) fn advise(base: usize, len: usize, hugepages: bool) {
+pub(crate) fn advise(base: usize, len: usize, hugepages: bool, dontfork: bool) {
     // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
     unsafe {
-        libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK);
+        if dontfork {
+            libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK);
+        }
         if hugepages {
             libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
@@ -230,7 +236,7 @@ mod tests {
         let base = map(len, 4096).unwrap();
         assert_eq!(base % SLOT, 0);
         let owner = u64::MAX - 7;
-        let i = publish(owner, base, len).unwrap();
+        let i = publish(owner, base, len, false).unwrap();
         assert_eq!(find(base).map(|(j, _)| j), Some(i));
         assert_eq!(find(base + len - 1).map(|(j, _)| j), Some(i));
         assert!(find(base + len).is_none(), "past the end of the chunk");

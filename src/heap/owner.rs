@@ -14,6 +14,7 @@ use crate::error::{memlock_text, Error, Result};
 use crate::heap::chunk::{self, MAX_PDS};
 use crate::heap::hooks;
 use crate::heap::numa;
+use crate::heap::pagemap::SLOT;
 use crate::verbs::{Access, Pd};
 
 /// Why the last extent-hook call on this thread failed. Read by the allocating call after
@@ -75,6 +76,8 @@ impl HookError {
 pub(crate) struct Counters {
     pub(crate) chunks: AtomicU64,
     pub(crate) mapped: AtomicU64,
+    /// Of `mapped`, bytes holding jemalloc's own metadata (never registered).
+    pub(crate) meta: AtomicU64,
     pub(crate) registered: [AtomicU64; MAX_PDS],
     pub(crate) reg_calls: AtomicU64,
     pub(crate) reg_nanos: AtomicU64,
@@ -98,6 +101,8 @@ pub(crate) struct Owner {
     /// NUMA node to bind new chunks to; u32::MAX = none.
     pub(crate) numa_node: AtomicU32,
     pub(crate) hugepages: bool,
+    /// Exclude data chunks from fork() children (scoped heaps); the global allocator cannot.
+    pub(crate) dontfork: bool,
     pub(crate) limit: usize,
     pub(crate) counters: Counters,
 }
@@ -113,6 +118,7 @@ impl Owner {
             access,
             numa_node: AtomicU32::new(numa_node.unwrap_or(u32::MAX)),
             hugepages,
+            dontfork: true,
             limit,
             counters: Counters::default(),
         }
@@ -132,7 +138,13 @@ impl Owner {
 
     /// Maps, binds, registers and publishes a new chunk. Runs inside the alloc hook: it must not
     /// allocate through any heap, panic, or block on anything jemalloc may hold.
+    ///
+    /// jemalloc asks for its metadata (base blocks) with huge-page alignment and for data
+    /// extents with page alignment (with `opt.retain`, the default). Metadata chunks are neither
+    /// registered (nothing in them is handed out) nor excluded from fork (jemalloc's fork
+    /// handlers touch them in the child).
     pub(crate) fn new_chunk(&self, size: usize, align: usize) -> std::result::Result<usize, HookError> {
+        let meta = align >= SLOT;
         let bound = self.bound.lock();
         let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
         if mapped.saturating_add(size) > self.limit {
@@ -145,10 +157,10 @@ impl Owner {
                 return Err(HookError::Numa(e));
             }
         }
-        chunk::advise(base, size, self.hugepages);
+        chunk::advise(base, size, self.hugepages, self.dontfork && !meta);
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         for (slot, pd) in bound.pds.iter().enumerate() {
-            let Some(pd) = pd else { continue };
+            let Some(pd) = pd.as_ref().filter(|_| !meta) else { continue };
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access.bits()) {
                 Ok(mr) => {
@@ -164,7 +176,7 @@ impl Owner {
                 }
             }
         }
-        let Some(index) = chunk::publish(self.id, base, size) else {
+        let Some(index) = chunk::publish(self.id, base, size, meta) else {
             mrs.iter().filter(|m| !m.is_null()).for_each(|&m| chunk::deregister(m));
             chunk::unmap(base, size);
             return Err(HookError::TableFull);
@@ -178,6 +190,9 @@ impl Owner {
         }
         self.counters.chunks.fetch_add(1, Ordering::Relaxed);
         self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
+        if meta {
+            self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
+        }
         Ok(base)
     }
 
@@ -191,7 +206,7 @@ impl Owner {
             return Err(Error::InvalidArgument(format!("a heap can be bound to at most {MAX_PDS} PDs")));
         };
         let mut done: Vec<(u32, *mut rdma_sys::ibv_mr)> = Vec::new();
-        for (index, rec) in chunk::owned_by(self.id) {
+        for (index, rec) in chunk::owned_by(self.id).filter(|(_, r)| !r.meta.load(Ordering::Relaxed)) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
             let t = Instant::now();
@@ -236,6 +251,9 @@ impl Owner {
                     chunk::deregister(mr);
                     self.counters.registered[slot].fetch_sub(len as u64, Ordering::Relaxed);
                 }
+            }
+            if rec.meta.load(Ordering::Relaxed) {
+                self.counters.meta.fetch_sub(len as u64, Ordering::Relaxed);
             }
             chunk::release(index);
             chunk::unmap(base, len);

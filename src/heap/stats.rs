@@ -16,6 +16,9 @@ pub struct HeapStats {
     pub chunks: u64,
     /// Bytes currently mapped in chunks (all of it pinned once bound).
     pub mapped_bytes: u64,
+    /// Of `mapped_bytes`, bytes holding jemalloc's own metadata (not registered: nothing in
+    /// them is ever handed out).
+    pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
     /// Bytes handed out and not yet freed, as requested by the callers.
@@ -39,6 +42,7 @@ impl HeapStats {
         HeapStats {
             chunks: c.chunks.load(Ordering::Relaxed),
             mapped_bytes: c.mapped.load(Ordering::Relaxed),
+            metadata_bytes: c.meta.load(Ordering::Relaxed),
             registered_bytes: std::array::from_fn(|i| c.registered[i].load(Ordering::Relaxed)),
             live_bytes,
             jemalloc_allocated,

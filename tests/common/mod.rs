@@ -5,6 +5,8 @@
 //! `--ignored` inside the Soft-RoCE VM (or on a host that has a device).
 #![allow(dead_code)]
 
+pub mod model;
+
 use std::time::Duration;
 
 use mralloc::verbs::{ConnectOptions, Context, Cq, Pd, Qp};

@@ -1,0 +1,310 @@
+//! The registered heap against a real device (Soft-RoCE in the VM). Run by `scripts/test`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use mralloc::heap::{nodes_of_pages, online_nodes, Buffer, Heap, NumaPolicy};
+use mralloc::verbs::{Access, Pd, SendOp, SendWr};
+use mralloc::Error;
+
+fn remote_heap(pd: &Pd) -> Heap {
+    Heap::builder().bind(pd).access(Access::ALL_REMOTE).max_chunk(16 << 20).build().expect("bound heap")
+}
+
+/// RDMA-WRITEs `src` into `dst` (with dst's own rkey) and RDMA-READs `dst` back into `back`
+/// (with their own lkeys), verifying both byte by byte.
+fn write_read(lb: &Loopback, src: &Buffer<'_>, dst: &Buffer<'_>, back: &Buffer<'_>, what: &str) {
+    let n = src.len();
+    assert!(dst.len() >= n && back.len() >= n);
+    let remote = dst.remote().expect("dst remote");
+    let sge = [src.sge(..).expect("src sge")];
+    // SAFETY: src/dst/back outlive the completions polled right after each post, and the CPU
+    // does not touch them meanwhile.
+    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, n as u64).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: write: {e}"));
+    assert_bytes_eq(&dst[..n], src, &format!("{what}: RDMA WRITE"));
+    let sge = [back.sge(..n).expect("back sge")];
+    // SAFETY: as above.
+    unsafe { lb.a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, n as u64).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: read: {e}"));
+    assert_bytes_eq(&back[..n], src, &format!("{what}: RDMA READ"));
+}
+
+fn filled<'h>(heap: &'h Heap, n: usize, seed: u64) -> Buffer<'h> {
+    let mut b = heap.alloc(n).unwrap();
+    b.copy_from_slice(&pattern(seed, n));
+    b
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_heap_buffers_are_rdma_writable_and_readable_with_their_own_keys() {
+    let lb = loopback();
+    let heap = remote_heap(&lb.pd);
+    // Sizes from 1 byte to above the 16 MiB max chunk, at odd offsets inside chunks.
+    for (i, &n) in [1usize, 63, 4096, 65536, 1 << 20, 5 << 20, 20 << 20].iter().enumerate() {
+        let _pad = heap.alloc(24 + i).unwrap();
+        let src = filled(&heap, n, i as u64);
+        let dst = heap.alloc(n).unwrap();
+        let back = heap.alloc(n).unwrap();
+        assert_eq!(heap.keys(dst.as_ptr()), heap.keys(dst.as_ptr().wrapping_add(n - 1)));
+        write_read(&lb, &src, &dst, &back, &format!("{n} bytes"));
+    }
+    // The purge hazard: free, ask jemalloc to purge and decay, reuse — still the NIC's pages.
+    let freed: Vec<_> = (0..32).map(|i| filled(&heap, 256 << 10, 100 + i)).collect();
+    drop(freed);
+    heap.purge().unwrap();
+    heap.decay().unwrap();
+    for i in 0..32 {
+        let src = filled(&heap, 256 << 10, 200 + i);
+        let dst = heap.alloc(256 << 10).unwrap();
+        let back = heap.alloc(256 << 10).unwrap();
+        write_read(&lb, &src, &dst, &back, &format!("reused after purge #{i}"));
+    }
+    let st = heap.stats();
+    println!("heap stats after the sample: {st:?}");
+    assert!(st.metadata_bytes > 0);
+    assert_eq!(st.registered_bytes[0], st.mapped_bytes - st.metadata_bytes, "every data byte is registered");
+    assert_eq!(st.registration_failures, 0);
+    assert!(st.reg_mr_calls >= 1);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_late_bind_registers_existing_chunks() {
+    let lb = loopback();
+    let heap = Heap::builder().access(Access::ALL_REMOTE).build().unwrap();
+    let early = filled(&heap, 300_000, 7);
+    assert_eq!(early.lkey(), None);
+    heap.bind(&lb.pd).unwrap();
+    assert!(early.lkey().is_some(), "bind registers chunks made before it");
+    let dst = heap.alloc(300_000).unwrap();
+    let back = heap.alloc(300_000).unwrap();
+    write_read(&lb, &early, &dst, &back, "late bind");
+    assert_eq!(mralloc::keys_of(early.as_ptr()), early.keys());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_multi_pd_registration() {
+    let ctx = open();
+    let (pd1, pd2) = (Pd::new(&ctx).unwrap(), Pd::new(&ctx).unwrap());
+    let heap = Heap::builder().bind(&pd1).bind(&pd2).access(Access::ALL_REMOTE).build().unwrap();
+    let src = filled(&heap, 100_000, 9);
+    let (k1, k2) = (src.keys_for(&pd1).unwrap(), src.keys_for(&pd2).unwrap());
+    assert_ne!(k1.lkey, k2.lkey);
+    assert_eq!(mralloc::keys_of_for(src.as_ptr(), &pd2), Some(k2));
+    // Each PD's QPs move the buffer with that PD's keys.
+    for pd in [&pd1, &pd2] {
+        let lb = loopback_in(&ctx, pd);
+        let dst = heap.alloc(100_000).unwrap();
+        let keys = src.keys_for(pd).unwrap();
+        let sge = [mralloc::verbs::Sge::new(src.addr(), 100_000, keys.lkey)];
+        let remote = mralloc::verbs::RemoteAddr { addr: dst.addr(), rkey: dst.keys_for(pd).unwrap().rkey };
+        // SAFETY: buffers outlive the completion polled below.
+        unsafe { lb.a.post_send(&[SendWr::new(3, &sge, SendOp::Write(remote))]).unwrap() };
+        lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+        assert_bytes_eq(&dst, &src, "write through the second PD");
+    }
+    assert_eq!(heap.stats().registered_bytes[0], heap.stats().registered_bytes[1]);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_memory_written_after_fork_in_the_parent() {
+    let lb = loopback();
+    let heap = remote_heap(&lb.pd);
+    let mut src = filled(&heap, 1 << 20, 11);
+    let dst = heap.alloc(1 << 20).unwrap();
+    let back = heap.alloc(1 << 20).unwrap();
+    // SAFETY: the child only sleeps and _exits (async-signal-safe calls).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: async-signal-safe calls only.
+        unsafe {
+            libc::usleep(300_000);
+            libc::_exit(0);
+        }
+    }
+    // While the child runs, the parent writes the registered memory (copy-on-write would give
+    // the parent a new page the NIC does not see; MADV_DONTFORK prevents it).
+    src.copy_from_slice(&pattern(12, 1 << 20));
+    write_read(&lb, &src, &dst, &back, "after fork");
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(rc, pid, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_churn_keeps_registered_bytes_bounded() {
+    let lb = loopback();
+    let heap = Heap::builder().bind(&lb.pd).build().unwrap();
+    let (peak, mapped) = churn(&heap, 20_000, 64, 3 << 20);
+    let st = heap.stats();
+    let registered = st.registered_bytes[0];
+    let bound = 2 * peak + mralloc::heap::DEFAULT_MAX_CHUNK as u64;
+    println!(
+        "churn (VM, bound to {}): peak live {peak} B, registered {registered} B, bound {bound} B, ratio {:.2}, {} chunks, {} reg_mr calls in {:?}",
+        lb.ctx.name(),
+        registered as f64 / peak as f64,
+        st.chunks,
+        st.reg_mr_calls,
+        st.reg_mr_time
+    );
+    assert_eq!(registered, mapped - st.metadata_bytes);
+    assert!(registered <= bound, "registered {registered} > 2 x peak {peak} + max chunk");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_bound_heap_matches_model() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    let lb = loopback();
+    let heap = remote_heap(&lb.pd);
+    let mut runner = TestRunner::new(Config { cases: 4, ..Config::default() });
+    let strategy =
+        (proptest::collection::vec(model::op(2 << 20), 1..25), proptest::collection::vec(model::op(2 << 20), 1..25));
+    runner
+        .run(&strategy, |(a, b)| {
+            let (la, lb_) = std::thread::scope(|s| {
+                let ta = s.spawn(|| model::SendLive(model::run_model(&heap, &a, 1)));
+                let tb = s.spawn(|| model::SendLive(model::run_model(&heap, &b, 2)));
+                (ta.join().unwrap().0, tb.join().unwrap().0)
+            });
+            let live: usize = la.iter().chain(&lb_).map(|l| l.layout.size()).sum();
+            prop_assert_eq!(heap.stats().live_bytes, live as u64);
+            // Every live allocation is readable by the NIC with its own keys.
+            for l in la.iter().chain(&lb_) {
+                let keys = heap.keys(l.ptr.as_ptr()).expect("bound heap gives keys");
+                let back = heap.alloc(l.layout.size()).unwrap();
+                let sge = [back.sge(..).unwrap()];
+                let remote = mralloc::verbs::RemoteAddr { addr: l.ptr.as_ptr() as u64, rkey: keys.rkey };
+                // SAFETY: both live until the completion below is polled.
+                unsafe { lb.a.post_send(&[SendWr::new(4, &sge, SendOp::Read(remote))]).unwrap() };
+                lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+                assert_bytes_eq(&back, &pattern(l.seed, l.layout.size()), "NIC sees the model's bytes");
+            }
+            for l in la.into_iter().chain(lb_) {
+                // SAFETY: allocated from &heap with l.layout.
+                unsafe { allocator_api2::alloc::Allocator::deallocate(&&heap, l.ptr, l.layout) };
+            }
+            prop_assert_eq!(heap.stats().live_bytes, 0);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_numa_binding_is_visible_to_move_pages() {
+    let nodes = online_nodes();
+    if std::env::var("MRALLOC_IN_VM").is_ok() {
+        assert!(nodes.len() >= 2, "scripts/test boots a 2-node NUMA VM; online nodes: {nodes:?}");
+    }
+    let pd = Pd::new(&open()).unwrap();
+    for &node in nodes.iter().rev().take(2) {
+        let heap = Heap::builder().bind(&pd).numa(NumaPolicy::Node(node)).build().unwrap();
+        assert_eq!(heap.numa_node(), Some(node));
+        for n in [4096usize, 100_000, 3 << 20] {
+            let mut b = heap.alloc(n).unwrap();
+            b.fill(1);
+            let pages: Vec<*const u8> = (0..n).step_by(4096).map(|o| b.as_ptr().wrapping_add(o)).collect();
+            let got = nodes_of_pages(&pages).unwrap();
+            assert!(got.iter().all(|&g| g == node as i32), "{n}-byte buffer on node {node}: pages on {got:?}");
+        }
+        println!("NumaPolicy::Node({node}): every sampled page on node {node}");
+    }
+    // DeviceLocal on a device without a NUMA node: no binding, no error.
+    let heap = Heap::builder().bind(&pd).build().unwrap();
+    assert_eq!(heap.numa_node(), pd.context().numa_node());
+}
+
+/// Drops CAP_IPC_LOCK from this process (root ignores RLIMIT_MEMLOCK otherwise).
+fn drop_ipc_lock() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const CAP_IPC_LOCK: u32 = 14;
+    let mut hdr = Header { version: 0x2008_0522, pid: 0 };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget/capset with a v3 header and two data words, as the ABI requires.
+    unsafe {
+        assert_eq!(libc::syscall(libc::SYS_capget, &mut hdr as *mut Header, data.as_mut_ptr()), 0);
+        data[0].effective &= !(1 << CAP_IPC_LOCK);
+        data[0].permitted &= !(1 << CAP_IPC_LOCK);
+        assert_eq!(libc::syscall(libc::SYS_capset, &mut hdr as *mut Header, data.as_ptr()), 0);
+    }
+}
+
+fn vm_pinned_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmPin:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives() {
+    if std::env::var("MRALLOC_MEMLOCK_CHILD").is_err() {
+        // Run the body in a child process: it lowers its own memlock limit.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives"])
+            .args(["--ignored", "--nocapture", "--test-threads=1"])
+            .env("MRALLOC_MEMLOCK_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        // Prefixed, so that the child's own libtest summary is not counted as a result.
+        for line in text.lines() {
+            println!("  child| {line}");
+        }
+        assert!(out.status.success(), "memlock child failed");
+        assert!(text.contains("memlock child: OK"), "child did not run its body");
+        return;
+    }
+    // Lower the limit and drop the capability that ignores it *before* opening the device: the
+    // kernel refuses uverbs writes on a file opened under other credentials.
+    let limit: u64 = 32 << 20;
+    let lim = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+    // SAFETY: setrlimit with a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) }, 0);
+    drop_ipc_lock();
+    let lb = loopback();
+    let heap = remote_heap(&lb.pd);
+    let small = filled(&heap, 4096, 1);
+    println!("pinned before the big request: {} KiB of {} KiB allowed", vm_pinned_kib(), limit >> 10);
+    match heap.alloc(64 << 20) {
+        Err(Error::Registration { errno, hint }) => {
+            println!("64 MiB with memlock {limit} B: errno {errno}; {hint}");
+            assert!(hint.contains("RLIMIT_MEMLOCK"), "{hint}");
+        }
+        other => panic!("expected Error::Registration, got {other:?}"),
+    }
+    assert!(heap.stats().registration_failures >= 1);
+    // The heap is consistent: allocations from registered chunks still work and move data.
+    for i in 0..16 {
+        let src = filled(&heap, 8192, 50 + i);
+        let dst = heap.alloc(8192).unwrap();
+        let back = heap.alloc(8192).unwrap();
+        write_read(&lb, &src, &dst, &back, "after memlock failure");
+    }
+    drop(small);
+    std::thread::sleep(Duration::from_millis(1));
+    println!("memlock child: OK");
+}
