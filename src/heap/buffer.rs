@@ -14,7 +14,7 @@ use crate::verbs::{Pd, Sge};
 /// Memory from a [`Heap`]: owns its bytes like a `Box<[u8]>`, and carries the keys of the
 /// registered chunk it lies in. It borrows the heap, so the heap outlives it:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0505
 /// # fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
 /// let heap = mralloc::heap::Heap::new(pd)?;
 /// let buf = heap.alloc(64)?;

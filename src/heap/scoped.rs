@@ -145,6 +145,25 @@ impl HeapBuilder {
 /// assert!(heap.keys(v.as_ptr()).is_some());
 /// # Ok::<(), mralloc::Error>(())
 /// ```
+///
+/// A collection in the heap cannot outlive it either:
+///
+/// ```compile_fail,E0597
+/// let v = {
+///     let heap = mralloc::heap::Heap::builder().build().unwrap();
+///     let mut v = allocator_api2::vec::Vec::new_in(&heap);
+///     v.push(1u8);
+///     v // error: `heap` does not live long enough
+/// };
+/// ```
+///
+/// Nor can a buffer be sent out of the scope that owns the heap:
+///
+/// ```compile_fail,E0597
+/// let heap = mralloc::heap::Heap::builder().build().unwrap();
+/// let buf = heap.alloc(64).unwrap();
+/// std::thread::spawn(move || buf.len()); // error: `heap` does not live long enough ('static)
+/// ```
 pub struct Heap {
     owner: Arc<Owner>,
     tcaches: Arc<Registry>,
