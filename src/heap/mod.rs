@@ -6,11 +6,14 @@
 //! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while
 //! registered; chunks are released whole when their heap is dropped.
 //!
+//! - [`Global`]: the process allocator (`#[global_allocator]`) over jemalloc's automatic arenas,
+//!   so every `Vec` is RDMA-ready after [`Global::bind`].
 //! - [`Heap`]: a scoped heap (one arena, explicit per-thread caches), usable as an
 //!   `allocator_api2` allocator (`Vec::new_in(&heap)`) and through [`Buffer`]s.
 
 mod buffer;
 mod chunk;
+mod global;
 mod hooks;
 mod jemalloc;
 mod keys;
@@ -23,6 +26,7 @@ mod tcache;
 
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
+pub use global::Global;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
 pub use scoped::{Heap, HeapBuilder, DEFAULT_MAX_CHUNK};

@@ -124,6 +124,30 @@ impl Owner {
         }
     }
 
+    /// `const` form for the global allocator (no NUMA binding, no DONTFORK, no limit).
+    pub(crate) const fn new_static(access: Access) -> Owner {
+        Owner {
+            hooks: hooks::HOOKS,
+            id: u64::MAX,
+            bound: parking_lot::const_mutex(Bound { pds: [const { None }; MAX_PDS] }),
+            access,
+            numa_node: AtomicU32::new(u32::MAX),
+            hugepages: true,
+            dontfork: false,
+            limit: usize::MAX,
+            counters: Counters {
+                chunks: AtomicU64::new(0),
+                mapped: AtomicU64::new(0),
+                meta: AtomicU64::new(0),
+                registered: [const { AtomicU64::new(0) }; MAX_PDS],
+                reg_calls: AtomicU64::new(0),
+                reg_nanos: AtomicU64::new(0),
+                reg_failures: AtomicU64::new(0),
+                orphan_live: AtomicI64::new(0),
+            },
+        }
+    }
+
     pub(crate) fn numa_node(&self) -> Option<u32> {
         match self.numa_node.load(Ordering::Relaxed) {
             u32::MAX => None,

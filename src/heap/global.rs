@@ -1,0 +1,348 @@
+//! `Global`: the registered heap as the process allocator (`#[global_allocator]`).
+//!
+//! It keeps jemalloc's plain malloc/free fast path (automatic arenas, implicit thread caches)
+//! and installs mralloc's extent hooks on every automatic arena before the first data
+//! allocation, so every chunk the process allocates from is recorded (and, once
+//! [`Global::bind`] is called, registered). What it took, each step found necessary by a failing
+//! check (see DESIGN.md):
+//!
+//! 1. one-time init on the first `alloc`, guarded by UNINIT→BUSY→READY; other threads wait; a
+//!    re-entrant call from the initialising thread gets NULL; nothing here allocates;
+//! 2. hooks on arenas `0..opt.narenas`, and `oversize_threshold:0` baked into jemalloc's
+//!    `malloc_conf` so large requests never go to the default-hook huge arena — **this setting
+//!    applies to every binary that links mralloc** (it only matters for jemalloc's automatic
+//!    arenas, which only `Global` uses);
+//! 3. arena 0 already holds default-hook memory from jemalloc's own start-up: it is drained with
+//!    leaked 4 KiB probes until one lands in a hooked chunk.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+
+use tikv_jemalloc_sys as je;
+
+use crate::error::Result;
+use crate::heap::chunk;
+use crate::heap::jemalloc;
+use crate::heap::owner::{take_hook_error, HookError, Owner};
+use crate::heap::stats::HeapStats;
+use crate::verbs::{Access, Pd};
+
+/// jemalloc's start-up options for every binary linking mralloc (see the module docs).
+#[repr(transparent)]
+pub struct MallocConf(*const u8);
+// SAFETY: points at an immutable static string.
+unsafe impl Sync for MallocConf {}
+
+/// Read by jemalloc before `main`. A strong definition overriding jemalloc's weak one.
+#[no_mangle]
+#[used]
+#[allow(non_upper_case_globals)]
+pub static _rjem_malloc_conf: MallocConf = MallocConf(b"oversize_threshold:0\0".as_ptr());
+
+const UNINIT: u8 = 0;
+const BUSY: u8 = 1;
+const READY: u8 = 2;
+const FAILED: u8 = 3;
+
+/// The one Global whose hooks are installed.
+static INSTALLED: AtomicPtr<Global> = AtomicPtr::new(std::ptr::null_mut());
+static INIT_TID: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+/// The registered heap as the process allocator.
+///
+/// ```no_run
+/// #[global_allocator]
+/// static A: mralloc::heap::Global = mralloc::heap::Global::new();
+///
+/// fn main() -> mralloc::Result<()> {
+///     let v = vec![7u8; 1 << 20];                       // an ordinary Vec...
+///     let pd = mralloc::verbs::Pd::new(&mralloc::verbs::Context::open_default()?)?;
+///     A.bind(&pd)?;                                    // ...registered, with everything else
+///     let keys = mralloc::keys_of(v.as_ptr()).expect("every heap pointer has keys");
+///     println!("lkey {:#x}", keys.lkey);
+///     Ok(())
+/// }
+/// ```
+///
+/// Unbound, it behaves as jemalloc. Data chunks are not excluded from `fork()` children (every
+/// allocation of the process lives in them); on kernels with copy-on-fork for pinned pages
+/// (Linux ≥ 5.8, as `rdma system show` reports) a fork copies the registered pages for the child.
+pub struct Global {
+    owner: Owner,
+    state: AtomicU8,
+}
+
+fn gettid() -> i64 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::syscall(libc::SYS_gettid) as i64 }
+}
+
+/// Formats a mallctl name into a stack buffer (no allocation: this runs inside the allocator).
+struct Name {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Write for Name {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        if end >= self.buf.len() {
+            return Err(std::fmt::Error);
+        }
+        self.buf[self.len..end].copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+fn name(args: std::fmt::Arguments<'_>) -> Option<Name> {
+    let mut n = Name { buf: [0; 64], len: 0 };
+    n.write_fmt(args).ok()?;
+    Some(n) // buf is zeroed, so it stays NUL-terminated
+}
+
+fn mallctl_write<T>(n: &Name, v: &T) -> i32 {
+    // SAFETY: n is NUL-terminated; newp points at a T of newlen bytes.
+    unsafe {
+        je::mallctl(
+            n.buf.as_ptr().cast(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            v as *const T as *mut libc::c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+}
+
+fn mallctl_read<T: Copy>(n: &Name, v: &mut T) -> i32 {
+    let mut len = std::mem::size_of::<T>();
+    // SAFETY: n is NUL-terminated; oldp points at a T of oldlen bytes.
+    unsafe { je::mallctl(n.buf.as_ptr().cast(), (v as *mut T).cast(), &mut len, std::ptr::null_mut(), 0) }
+}
+
+/// Writes one line to stderr without allocating.
+fn report(args: std::fmt::Arguments<'_>) {
+    struct Buf([u8; 512], usize);
+    impl Write for Buf {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let n = s.len().min(self.0.len() - self.1);
+            self.0[self.1..self.1 + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.1 += n;
+            Ok(())
+        }
+    }
+    let mut b = Buf([0; 512], 0);
+    let _ = b.write_fmt(args);
+    let _ = b.write_str("\n");
+    // SAFETY: writes b.1 initialised bytes to fd 2.
+    unsafe { libc::write(2, b.0.as_ptr().cast(), b.1) };
+}
+
+impl Global {
+    /// A global allocator whose registrations allow local writes only.
+    pub const fn new() -> Global {
+        Global::with_access(Access::LOCAL_WRITE)
+    }
+
+    /// A global allocator whose registrations carry `access` (add remote rights to let peers
+    /// access heap memory with its rkey).
+    pub const fn with_access(access: Access) -> Global {
+        Global { owner: Owner::new_static(access), state: AtomicU8::new(UNINIT) }
+    }
+
+    /// Whether the hooks are installed (after the first allocation).
+    pub fn is_ready(&self) -> bool {
+        self.state.load(Ordering::Acquire) == READY
+    }
+
+    /// Registers every chunk allocated so far (memory from before `main` included) and every
+    /// later one with `pd`.
+    pub fn bind(&self, pd: &Pd) -> Result<()> {
+        if !self.ensure_init() {
+            return Err(crate::Error::InvalidArgument(
+                "mralloc::heap::Global is not the process allocator (or another Global is)".into(),
+            ));
+        }
+        self.owner.bind(pd).map(|_| ())
+    }
+
+    /// Chunk and registration statistics; `live_bytes` is jemalloc's `stats.allocated` (all
+    /// automatic arenas, thread caches included).
+    pub fn stats(&self) -> HeapStats {
+        jemalloc::refresh_stats();
+        let live = jemalloc::read::<usize>("stats.allocated").unwrap_or(0) as u64;
+        HeapStats::from_owner(&self.owner, live, Some(live))
+    }
+
+    #[inline]
+    fn ensure_init(&self) -> bool {
+        match self.state.load(Ordering::Acquire) {
+            READY => true,
+            _ => self.init_slow(),
+        }
+    }
+
+    #[cold]
+    fn init_slow(&self) -> bool {
+        loop {
+            match self.state.compare_exchange(UNINIT, BUSY, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(READY) => return true,
+                Err(FAILED) => return false,
+                Err(_) => {
+                    if INIT_TID.load(Ordering::Acquire) == gettid() {
+                        return false; // re-entrant call from the initialising thread
+                    }
+                    // SAFETY: sched_yield has no preconditions.
+                    unsafe { libc::sched_yield() };
+                }
+            }
+        }
+        INIT_TID.store(gettid(), Ordering::Release);
+        let ok = self.install();
+        self.state.store(if ok { READY } else { FAILED }, Ordering::Release);
+        ok
+    }
+
+    fn install(&self) -> bool {
+        let me = self as *const Global as *mut Global;
+        if INSTALLED.compare_exchange(std::ptr::null_mut(), me, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            report(format_args!("mralloc::Global: another Global already owns jemalloc's arenas"));
+            return false;
+        }
+        // Keep our malloc_conf definition linked in (and visible in a debugger).
+        let _ = std::hint::black_box(&_rjem_malloc_conf);
+        let mut narenas: libc::c_uint = 0;
+        let Some(n) = name(format_args!("opt.narenas")) else { return false };
+        if mallctl_read(&n, &mut narenas) != 0 {
+            return false;
+        }
+        let hooks = self.owner.hooks_ptr();
+        for i in 0..narenas {
+            let Some(n) = name(format_args!("arena.{i}.extent_hooks")) else { return false };
+            let rc = mallctl_write(&n, &hooks);
+            if rc != 0 {
+                report(format_args!("mralloc::Global: installing hooks on arena {i} failed (error {rc})"));
+                return false;
+            }
+            for what in ["dirty_decay_ms", "muzzy_decay_ms"] {
+                if let Some(n) = name(format_args!("arena.{i}.{what}")) {
+                    mallctl_write(&n, &(-1isize));
+                }
+            }
+        }
+        self.drain_arena0();
+        true
+    }
+
+    /// Makes arena 0 hand out hooked memory only: its pre-existing default-hook pages are used
+    /// up by leaked 4 KiB probes until one lands in a chunk our hook mapped.
+    fn drain_arena0(&self) {
+        let (Some(tc), Some(purge)) =
+            (name(format_args!("thread.tcache.enabled")), name(format_args!("arena.0.purge")))
+        else {
+            return;
+        };
+        mallctl_write(&tc, &false);
+        // SAFETY: a command mallctl with no values.
+        unsafe {
+            je::mallctl(purge.buf.as_ptr().cast(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), 0)
+        };
+        let flags = je::MALLOCX_ARENA(0) | je::MALLOCX_TCACHE_NONE;
+        for _ in 0..(64 << 20) / 4096 {
+            // SAFETY: a plain allocation from arena 0; intentionally leaked.
+            let p = unsafe { je::mallocx(4096, flags) };
+            if p.is_null() {
+                break;
+            }
+            if chunk::find(p as usize).is_some_and(|(_, r)| r.owner.load(Ordering::Relaxed) == self.owner.id) {
+                break;
+            }
+        }
+        mallctl_write(&tc, &true);
+    }
+
+    #[inline]
+    fn flags(layout: Layout) -> libc::c_int {
+        if layout.align() <= 16 && layout.align() <= layout.size() {
+            0
+        } else {
+            je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
+        }
+    }
+
+    #[cold]
+    fn failed(&self, size: usize) {
+        match take_hook_error() {
+            HookError::None => {}
+            e => {
+                // Inside the allocator: report without allocating (no typed Error here; the
+                // caller sees NULL and Rust's alloc-error path follows).
+                report(format_args!(
+                    "mralloc::Global: allocation of {size} bytes failed: {e:?} ({})",
+                    match e {
+                        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
+                        HookError::Limit { .. } => "heap limit reached",
+                        HookError::Map(_) => "mmap of a new chunk failed",
+                        HookError::Numa(_) => "mbind of a new chunk failed",
+                        _ => "chunk table full",
+                    }
+                ));
+            }
+        }
+    }
+}
+
+impl Default for Global {
+    fn default() -> Global {
+        Global::new()
+    }
+}
+
+// SAFETY: allocations come from jemalloc (mallocx/sdallocx/rallocx) with flags derived from the
+// layout exactly as jemalloc requires; sizes are never zero (GlobalAlloc contract).
+unsafe impl GlobalAlloc for Global {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if !self.ensure_init() {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: layout.size() > 0 by the GlobalAlloc contract.
+        let p = unsafe { je::mallocx(layout.size(), Self::flags(layout)) }.cast::<u8>();
+        if p.is_null() {
+            self.failed(layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if !self.ensure_init() {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: as in alloc.
+        let p = unsafe { je::mallocx(layout.size(), Self::flags(layout) | je::MALLOCX_ZERO) }.cast::<u8>();
+        if p.is_null() {
+            self.failed(layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: ptr came from this allocator with layout (GlobalAlloc contract).
+        unsafe { je::sdallocx(ptr.cast(), layout.size(), Self::flags(layout)) }
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let new = Layout::from_size_align(new_size, layout.align()).unwrap_or(layout);
+        // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).
+        let p = unsafe { je::rallocx(ptr.cast(), new_size, Self::flags(new)) }.cast::<u8>();
+        if p.is_null() {
+            self.failed(new_size);
+        }
+        p
+    }
+}

@@ -1,0 +1,131 @@
+//! `mralloc::heap::Global` as this test binary's `#[global_allocator]`.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use mralloc::heap::{chunk_of, Global};
+use mralloc::verbs::{Access, RegisteredBuf, SendOp, SendWr, Sge};
+
+#[global_allocator]
+static A: Global = Global::new();
+
+/// An allocation made before `main` (from an ELF constructor).
+static PRE_MAIN: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn before_main() {
+    let b = Box::new([7u8; 1000]);
+    PRE_MAIN.store(Box::into_raw(b) as usize, Ordering::SeqCst);
+}
+
+#[used]
+#[link_section = ".init_array"]
+static CTOR: extern "C" fn() = before_main;
+
+fn in_chunk(p: *const u8, len: usize) -> bool {
+    let first = chunk_of(p);
+    first.is_some() && first == chunk_of(p.wrapping_add(len.max(1) - 1))
+}
+
+#[test]
+fn every_allocation_lies_in_a_hooked_chunk() {
+    assert!(A.is_ready());
+    let pre = PRE_MAIN.load(Ordering::SeqCst);
+    assert_ne!(pre, 0, "the constructor ran");
+    assert!(in_chunk(pre as *const u8, 1000), "an allocation from before main is in a hooked chunk");
+    let escaped = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4u64)
+            .map(|t| {
+                std::thread::Builder::new()
+                    .name(format!("worker-{t}"))
+                    .spawn_scoped(s, move || {
+                        let mut rng = Rng(t + 1);
+                        let mut live: Vec<Vec<u8>> = Vec::new();
+                        let mut escaped = 0usize;
+                        for i in 0..50_000 {
+                            let size = match rng.below(1000) {
+                                0 => 64 << 20,
+                                1..=20 => 1 + rng.below(4 << 20) as usize,
+                                _ => 1 + rng.below(64 << 10) as usize,
+                            };
+                            if live.len() > 64 || (i % 3 == 0 && !live.is_empty()) {
+                                live.swap_remove(rng.below(live.len() as u64) as usize);
+                            }
+                            let v = vec![i as u8; size];
+                            escaped += usize::from(!in_chunk(v.as_ptr(), v.len()));
+                            live.push(v);
+                        }
+                        let name = std::thread::current().name().map(str::to_owned).unwrap();
+                        escaped += usize::from(!in_chunk(name.as_ptr(), name.len()));
+                        escaped
+                    })
+                    .unwrap()
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum::<usize>()
+    });
+    assert_eq!(escaped, 0, "allocations outside any hooked chunk");
+    let st = A.stats();
+    println!("Global after 4 x 50k allocations: {st:?}");
+    assert!(st.chunks > 0 && st.mapped_bytes > 0);
+}
+
+#[test]
+fn malloc_conf_override_is_in_effect() {
+    // SAFETY: reads a size_t option by its NUL-terminated name.
+    let t: usize = unsafe { tikv_jemalloc_ctl::raw::read(b"opt.oversize_threshold\0") }.unwrap();
+    assert_eq!(t, 0, "mralloc's malloc_conf (oversize_threshold:0) was not linked in");
+}
+
+#[test]
+fn strings_boxes_and_big_blocks_are_in_chunks() {
+    let s = String::from("registered by default");
+    let b = Box::new([1u64; 512]);
+    let big = vec![3u8; 64 << 20];
+    assert!(in_chunk(s.as_ptr(), s.len()));
+    assert!(in_chunk(b.as_ptr().cast(), 4096));
+    assert!(in_chunk(big.as_ptr(), big.len()));
+}
+
+#[test]
+fn forked_child_allocates_normally() {
+    let _warm = vec![0u8; 1 << 20];
+    // SAFETY: the child allocates (jemalloc's fork handlers make that safe), checks, and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        let v = vec![5u8; 100_000];
+        let ok = in_chunk(v.as_ptr(), v.len()) && v.iter().all(|&x| x == 5);
+        // SAFETY: terminates the child without running the test harness.
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_global_bind_registers_values_created_before_bind() {
+    let v: Vec<u8> = pattern(21, 300_000);
+    let s: String = "a String made before bind, sent zero-copy ".repeat(100);
+    let lb = loopback();
+    A.bind(&lb.pd).unwrap();
+    let st = A.stats();
+    println!("Global bound to {}: {st:?}", lb.ctx.name());
+    assert_eq!(st.registered_bytes[0], st.mapped_bytes - st.metadata_bytes);
+    for (bytes, what) in [(&v[..], "Vec<u8>"), (s.as_bytes(), "String")] {
+        let keys = mralloc::keys_of(bytes.as_ptr()).unwrap_or_else(|| panic!("{what} has no keys"));
+        let dst = RegisteredBuf::new(&lb.pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+        let sge = [Sge::new(bytes.as_ptr() as u64, bytes.len() as u32, keys.lkey)];
+        // SAFETY: `bytes` and `dst` outlive the completion polled below; nothing writes them.
+        unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0).unwrap()))]).unwrap() };
+        lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+        assert_bytes_eq(&dst, bytes, what);
+    }
+    // Allocations after bind are registered as they come.
+    let later = vec![9u8; 5 << 20];
+    assert!(mralloc::keys_of(later.as_ptr()).is_some());
+}
