@@ -30,7 +30,7 @@ use crate::verbs::{Access, Pd};
 
 /// jemalloc's start-up options for every binary linking mralloc (see the module docs).
 #[repr(transparent)]
-pub struct MallocConf(*const u8);
+pub struct MallocConf(*const libc::c_char);
 // SAFETY: points at an immutable static string.
 unsafe impl Sync for MallocConf {}
 
@@ -38,7 +38,7 @@ unsafe impl Sync for MallocConf {}
 #[no_mangle]
 #[used]
 #[allow(non_upper_case_globals)]
-pub static _rjem_malloc_conf: MallocConf = MallocConf(b"oversize_threshold:0\0".as_ptr());
+pub static _rjem_malloc_conf: MallocConf = MallocConf(c"oversize_threshold:0".as_ptr());
 
 const UNINIT: u8 = 0;
 const BUSY: u8 = 1;
