@@ -308,8 +308,17 @@ unsafe impl GlobalAlloc for Global {
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
-        // SAFETY: layout.size() > 0 by the GlobalAlloc contract.
-        let p = unsafe { je::mallocx(layout.size(), Self::flags(layout)) }.cast::<u8>();
+        let flags = Self::flags(layout);
+        // SAFETY: layout.size() > 0 by the GlobalAlloc contract. Without flags, jemalloc's
+        // malloc fast path is the cheapest entry.
+        let p = unsafe {
+            if flags == 0 {
+                je::malloc(layout.size())
+            } else {
+                je::mallocx(layout.size(), flags)
+            }
+        }
+        .cast::<u8>();
         if p.is_null() {
             self.failed(layout.size());
         }
@@ -321,8 +330,16 @@ unsafe impl GlobalAlloc for Global {
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
+        let flags = Self::flags(layout);
         // SAFETY: as in alloc.
-        let p = unsafe { je::mallocx(layout.size(), Self::flags(layout) | je::MALLOCX_ZERO) }.cast::<u8>();
+        let p = unsafe {
+            if flags == 0 {
+                je::calloc(1, layout.size())
+            } else {
+                je::mallocx(layout.size(), flags | je::MALLOCX_ZERO)
+            }
+        }
+        .cast::<u8>();
         if p.is_null() {
             self.failed(layout.size());
         }
@@ -338,8 +355,16 @@ unsafe impl GlobalAlloc for Global {
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let new = Layout::from_size_align(new_size, layout.align()).unwrap_or(layout);
+        let flags = Self::flags(new);
         // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).
-        let p = unsafe { je::rallocx(ptr.cast(), new_size, Self::flags(new)) }.cast::<u8>();
+        let p = unsafe {
+            if flags == 0 {
+                je::realloc(ptr.cast(), new_size)
+            } else {
+                je::rallocx(ptr.cast(), new_size, flags)
+            }
+        }
+        .cast::<u8>();
         if p.is_null() {
             self.failed(new_size);
         }

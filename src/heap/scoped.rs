@@ -114,7 +114,8 @@ impl HeapBuilder {
                 return Err(e);
             }
         };
-        let heap = Heap { owner, tcaches: Arc::new(Registry::default()), arena, max_chunk: self.max_chunk };
+        let heap =
+            Heap { id: owner.id, owner, tcaches: Arc::new(Registry::default()), arena, max_chunk: self.max_chunk };
         jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
         jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
@@ -165,6 +166,8 @@ impl HeapBuilder {
 /// std::thread::spawn(move || buf.len()); // error: `heap` does not live long enough ('static)
 /// ```
 pub struct Heap {
+    /// Copy of `owner.id`, read on every allocation without a pointer chase.
+    id: u64,
     owner: Arc<Owner>,
     tcaches: Arc<Registry>,
     arena: u32,
@@ -220,6 +223,7 @@ impl Heap {
         self.owner.numa_node()
     }
 
+    #[inline]
     /// Allocates `len` bytes (uninitialised memory is never exposed: contents are unspecified
     /// but initialised bytes — fresh chunks are zero, reused memory holds old data).
     pub fn alloc(&self, len: usize) -> Result<Buffer<'_>> {
@@ -236,6 +240,7 @@ impl Heap {
     }
 
     /// Allocates with an explicit size and alignment (alignment up to the page size and beyond).
+    #[inline]
     pub fn alloc_layout(&self, layout: Layout) -> Result<Buffer<'_>> {
         self.check_len(layout.size())?;
         let ptr = self.raw_alloc(layout, false)?;
@@ -253,11 +258,13 @@ impl Heap {
         Ok(())
     }
 
+    /// This thread's cache flag and live-byte counter; `true` when the counter is this thread's
+    /// own (single writer), `false` for the shared fallback used while a thread exits.
     #[inline]
-    fn cache(&self) -> (libc::c_int, *const AtomicI64) {
-        match tcache::get(self.owner.id, &self.tcaches) {
-            Some(Ok((tc, live))) => (je::MALLOCX_TCACHE(tc as usize), live),
-            _ => (je::MALLOCX_TCACHE_NONE, &self.owner.counters.orphan_live as *const AtomicI64),
+    fn cache(&self) -> (libc::c_int, *const AtomicI64, bool) {
+        match tcache::get(self.id, &self.tcaches) {
+            Some(Ok((tc, live))) => (je::MALLOCX_TCACHE(tc as usize), live, true),
+            _ => (je::MALLOCX_TCACHE_NONE, &self.owner.counters.orphan_live as *const AtomicI64, false),
         }
     }
 
@@ -273,7 +280,7 @@ impl Heap {
     /// Allocates `layout` (size > 0) from the arena through this thread's cache.
     #[inline]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
-        let (tc, live) = self.cache();
+        let (tc, live, own) = self.cache();
         let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | Self::align_flag(layout);
         if zeroed {
             flags |= je::MALLOCX_ZERO;
@@ -282,7 +289,7 @@ impl Heap {
         let p = unsafe { je::mallocx(layout.size(), flags) };
         match NonNull::new(p.cast::<u8>()) {
             Some(p) => {
-                add_live(live, layout.size() as i64);
+                add_live(live, own, layout.size() as i64);
                 Ok(p)
             }
             None => Err(take_hook_error().into_error(layout.size())),
@@ -295,11 +302,11 @@ impl Heap {
     /// `ptr` must come from `raw_alloc(layout)` on this heap and not have been freed.
     #[inline]
     pub(crate) unsafe fn raw_free(&self, ptr: NonNull<u8>, layout: Layout) {
-        let (tc, live) = self.cache();
+        let (tc, live, own) = self.cache();
         // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the size and
         // alignment flags match the allocation.
         unsafe { je::sdallocx(ptr.as_ptr().cast(), layout.size(), tc | Self::align_flag(layout)) };
-        add_live(live, -(layout.size() as i64));
+        add_live(live, own, -(layout.size() as i64));
     }
 
     /// The keys of the chunk holding `ptr` for the primary PD, if this heap handed it out.
@@ -342,13 +349,16 @@ impl Heap {
 }
 
 #[inline]
-fn add_live(live: *const AtomicI64, delta: i64) {
+fn add_live(live: *const AtomicI64, own: bool, delta: i64) {
     // SAFETY: `live` points at a counter owned by the heap's registry (or the owner), which
     // outlives every call made through &Heap.
     let live = unsafe { &*live };
-    // Each slot has a single writer (its thread) except the shared orphan counter, which is
-    // only used while threads exit; a plain RMW keeps both correct.
-    live.fetch_add(delta, Ordering::Relaxed);
+    if own {
+        // This thread is the counter's only writer: a plain load + store (no locked RMW).
+        live.store(live.load(Ordering::Relaxed) + delta, Ordering::Relaxed);
+    } else {
+        live.fetch_add(delta, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Heap {

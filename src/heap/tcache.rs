@@ -7,7 +7,7 @@
 //! slot also carries the thread's live-byte counter, so statistics need no shared atomics on
 //! the hot path.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -16,11 +16,16 @@ use parking_lot::Mutex;
 use crate::error::Result;
 use crate::heap::jemalloc;
 
+/// A live-byte counter on a cache line of its own (two threads' counters must not share one).
+#[repr(align(128))]
+#[derive(Default)]
+pub(crate) struct Counter(pub(crate) AtomicI64);
+
 /// One thread's cache for one heap.
 pub(crate) struct Slot {
     pub(crate) tcache: u32,
     pub(crate) alive: bool,
-    pub(crate) live: Box<AtomicI64>,
+    pub(crate) live: Box<Counter>,
 }
 
 /// A heap's list of the thread caches made for it.
@@ -34,7 +39,7 @@ pub(crate) struct Registry {
 impl Registry {
     /// Sum of the live-byte counters of every slot.
     pub(crate) fn live(&self) -> i64 {
-        self.slots.lock().iter().map(|s| s.live.load(Ordering::Relaxed)).sum()
+        self.slots.lock().iter().map(|s| s.live.0.load(Ordering::Relaxed)).sum()
     }
 
     /// Destroys every cache (flushing its objects back to the arena). Called by the heap
@@ -63,6 +68,8 @@ struct ThreadCaches {
 
 impl Drop for ThreadCaches {
     fn drop(&mut self) {
+        // From here on this thread goes without caches (LAST must not point at destroyed ones).
+        let _ = LAST.try_with(|c| c.set((0, 0, std::ptr::null())));
         for e in self.entries.drain(..) {
             let Some(reg) = e.registry.upgrade() else { continue };
             let mut slots = reg.slots.lock();
@@ -76,6 +83,8 @@ impl Drop for ThreadCaches {
 
 thread_local! {
     static CACHES: RefCell<ThreadCaches> = const { RefCell::new(ThreadCaches { entries: Vec::new() }) };
+    /// The last (heap, tcache, counter) this thread used: the hot path is one TLS read.
+    static LAST: Cell<(u64, u32, *const AtomicI64)> = const { Cell::new((0, 0, std::ptr::null())) };
 }
 
 /// This thread's tcache id and live counter for heap `heap`, creating them on first use.
@@ -83,6 +92,20 @@ thread_local! {
 /// without a tcache.
 #[inline]
 pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<Result<(u32, *const AtomicI64)>> {
+    if let Ok((h, tc, live)) = LAST.try_with(Cell::get) {
+        if h == heap {
+            return Some(Ok((tc, live)));
+        }
+    }
+    let r = get_slow(heap, registry);
+    if let Some(Ok((tc, live))) = r {
+        let _ = LAST.try_with(|c| c.set((heap, tc, live)));
+    }
+    r
+}
+
+#[cold]
+fn get_slow(heap: u64, registry: &Arc<Registry>) -> Option<Result<(u32, *const AtomicI64)>> {
     CACHES
         .try_with(|c| {
             let mut c = c.try_borrow_mut().ok()?;
@@ -103,8 +126,8 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<(
         return Err(crate::Error::InvalidArgument("the heap is being dropped".into()));
     }
     let tcache = jemalloc::tcache_create()?;
-    let live = Box::new(AtomicI64::new(0));
-    let ptr: *const AtomicI64 = &*live;
+    let live = Box::new(Counter::default());
+    let ptr: *const AtomicI64 = &live.0;
     slots.push(Slot { tcache, alive: true, live });
     c.entries.push(Entry { heap, tcache, live: ptr, registry: Arc::downgrade(registry) });
     Ok((tcache, ptr))

@@ -1,0 +1,157 @@
+//! Allocation throughput, natively on the host (the hot path does not depend on the device:
+//! registration happens once per chunk). Scoped `Heap` (unbound) vs plain jemalloc
+//! (tikv-jemallocator) vs glibc (`std::alloc::System`); 1 and 2 threads; `keys_of` lookups.
+//! `Global` is measured in benches/global.rs (it must be the process allocator).
+//!
+//! `scripts/bench-alloc` runs this and prints the ratios.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mralloc::heap::Heap;
+use tikv_jemallocator::Jemalloc;
+
+const SIZES: [usize; 5] = [64, 512, 4096, 65536, 1 << 20];
+
+fn label(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 => format!("{}MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{}KiB", n >> 10),
+        n => format!("{n}B"),
+    }
+}
+
+/// One alloc+free pair through a GlobalAlloc-like pair of closures.
+fn pairs(c: &mut Criterion, heap: &Heap) {
+    let mut g = c.benchmark_group("pair");
+    for n in SIZES {
+        let layout = Layout::from_size_align(n, 8).unwrap();
+        g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
+            b.iter(|| {
+                let buf = heap.alloc(black_box(n)).unwrap();
+                black_box(buf.as_ptr());
+            })
+        });
+        g.bench_function(BenchmarkId::new("jemalloc", label(n)), |b| {
+            b.iter(|| unsafe {
+                let p = Jemalloc.alloc(black_box(layout));
+                black_box(p);
+                Jemalloc.dealloc(p, layout);
+            })
+        });
+        g.bench_function(BenchmarkId::new("glibc", label(n)), |b| {
+            b.iter(|| unsafe {
+                let p = System.alloc(black_box(layout));
+                black_box(p);
+                System.dealloc(p, layout);
+            })
+        });
+    }
+    g.finish();
+}
+
+/// 1000 allocations, then 1000 frees.
+fn batches(c: &mut Criterion, heap: &Heap) {
+    let mut g = c.benchmark_group("batch1000");
+    for n in SIZES {
+        let layout = Layout::from_size_align(n, 8).unwrap();
+        g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
+            let mut v = Vec::with_capacity(1000);
+            b.iter(|| {
+                for _ in 0..1000 {
+                    v.push(heap.alloc(n).unwrap());
+                }
+                v.clear();
+            })
+        });
+        for (name, a) in [("jemalloc", &Jemalloc as &dyn GlobalAlloc), ("glibc", &System)] {
+            g.bench_function(BenchmarkId::new(name, label(n)), |b| {
+                let mut v = Vec::with_capacity(1000);
+                b.iter(|| unsafe {
+                    for _ in 0..1000 {
+                        v.push(a.alloc(layout));
+                    }
+                    for p in v.drain(..) {
+                        a.dealloc(p, layout);
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Throughput of `threads` threads each doing `iters` 64-byte pairs; reports time per pair per
+/// thread (so perfect scaling keeps it constant).
+fn threaded(c: &mut Criterion, heap: &Heap) {
+    let mut g = c.benchmark_group("threads64B");
+    for threads in [1usize, 2] {
+        g.bench_function(BenchmarkId::new("heap", threads), |b| {
+            b.iter_custom(|iters| run_threads(threads, iters, || drop(black_box(heap.alloc(64).unwrap()))))
+        });
+        g.bench_function(BenchmarkId::new("jemalloc", threads), |b| {
+            let layout = Layout::from_size_align(64, 8).unwrap();
+            b.iter_custom(|iters| {
+                run_threads(threads, iters, || unsafe {
+                    let p = Jemalloc.alloc(layout);
+                    Jemalloc.dealloc(black_box(p), layout);
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+fn run_threads(threads: usize, iters: u64, f: impl Fn() + Sync) -> Duration {
+    let barrier = std::sync::Barrier::new(threads);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    f(); // create this thread's cache outside the timing
+                    barrier.wait();
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        f();
+                    }
+                    t.elapsed()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).max().unwrap()
+    })
+}
+
+fn lookups(c: &mut Criterion, heap: &Heap) {
+    let bufs: Vec<_> = (0..1024).map(|i| heap.alloc(64 + i * 97).unwrap()).collect();
+    let ptrs: Vec<*const u8> = bufs.iter().map(|b| b.as_ptr()).collect();
+    let mut g = c.benchmark_group("lookup");
+    g.bench_function("keys_of_unbound", |b| {
+        let mut i = 0;
+        b.iter(|| {
+            i = (i + 1) & 1023;
+            black_box(mralloc::keys_of(black_box(ptrs[i])))
+        })
+    });
+    g.finish();
+}
+
+fn all(c: &mut Criterion) {
+    let heap = Heap::builder().build().unwrap();
+    pairs(c, &heap);
+    batches(c, &heap);
+    threaded(c, &heap);
+    lookups(c, &heap);
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1200))
+        .sample_size(20)
+}
+
+criterion_group! { name = benches; config = config(); targets = all }
+criterion_main!(benches);

@@ -1,0 +1,74 @@
+//! `mralloc::heap::Global` as the process allocator: alloc+free pairs and batches of 1000 through
+//! `std::alloc`, at the same sizes as benches/alloc.rs (whose `jemalloc` rows are the baseline).
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+
+#[global_allocator]
+static A: mralloc::heap::Global = mralloc::heap::Global::new();
+
+const SIZES: [usize; 5] = [64, 512, 4096, 65536, 1 << 20];
+
+fn label(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 => format!("{}MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{}KiB", n >> 10),
+        n => format!("{n}B"),
+    }
+}
+
+fn all(c: &mut Criterion) {
+    assert!(A.is_ready());
+    let mut g = c.benchmark_group("pair");
+    for n in SIZES {
+        let layout = Layout::from_size_align(n, 8).unwrap();
+        g.bench_function(BenchmarkId::new("global", label(n)), |b| {
+            b.iter(|| unsafe {
+                let p = alloc(black_box(layout));
+                black_box(p);
+                dealloc(p, layout);
+            })
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("batch1000");
+    for n in SIZES {
+        let layout = Layout::from_size_align(n, 8).unwrap();
+        g.bench_function(BenchmarkId::new("global", label(n)), |b| {
+            let mut v = Vec::with_capacity(1000);
+            b.iter(|| unsafe {
+                for _ in 0..1000 {
+                    v.push(alloc(layout));
+                }
+                for p in v.drain(..) {
+                    dealloc(p, layout);
+                }
+            })
+        });
+    }
+    g.finish();
+    // The lookup against the global heap (every pointer of the process is in a chunk).
+    let bufs: Vec<Vec<u8>> = (0..1024).map(|i| vec![0u8; 64 + i * 97]).collect();
+    let mut g = c.benchmark_group("lookup");
+    g.bench_function("keys_of_global_unbound", |b| {
+        let mut i = 0;
+        b.iter(|| {
+            i = (i + 1) & 1023;
+            black_box(mralloc::keys_of(black_box(bufs[i].as_ptr())))
+        })
+    });
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1200))
+        .sample_size(20)
+}
+
+criterion_group! { name = benches; config = config(); targets = all }
+criterion_main!(benches);
