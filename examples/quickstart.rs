@@ -1,15 +1,17 @@
-//! Quickstart: register memory, connect two RC queue pairs, RDMA WRITE and READ, verify.
+//! Quickstart: a registered heap, two connected RC queue pairs, RDMA WRITE, READ and SEND.
 //!
 //! ```text
 //! scripts/softroce -- cargo run --release --example quickstart -- [--size BYTES]
 //! ```
 //!
+//! Buffers come out of a `Heap` bound to the device: no `ibv_reg_mr` per buffer, keys included.
 //! Both queue pairs live on one device (a loopback connection), so one process shows the whole
 //! path: the endpoint each side prints is exactly what two hosts would exchange over TCP.
 
 use std::time::{Duration, Instant};
 
-use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, RegisteredBuf, SendOp, SendWr};
+use mralloc::heap::Heap;
+use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, SendOp, SendWr};
 
 fn main() {
     if let Err(e) = run() {
@@ -50,19 +52,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("device {} port {port}: {:?}, active MTU {} bytes", ctx.name(), info.state, info.active_mtu.bytes());
 
     let pd = Pd::new(&ctx)?;
-    let cq = Cq::new(&ctx, 64)?;
-    let started = Instant::now();
-    let mut src = RegisteredBuf::new(&pd, size, Access::LOCAL_WRITE)?;
-    let dst = RegisteredBuf::new(&pd, size, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
-    let back = RegisteredBuf::new(&pd, size, Access::LOCAL_WRITE)?;
+    let heap =
+        Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ).build()?;
+    let t = Instant::now();
+    let mut src = heap.alloc(size)?;
+    let dst = heap.alloc(size)?;
+    let back = heap.alloc(size)?;
+    let inbox = heap.alloc(size)?;
+    let (src_keys, dst_keys) = (src.keys().ok_or("src has no keys")?, dst.keys().ok_or("dst has no keys")?);
     println!(
-        "registered 3 x {size} bytes in {:.2} ms: src lkey {:#x}; dst lkey {:#x} rkey {:#x}",
-        started.elapsed().as_secs_f64() * 1e3,
-        src.mr().lkey(),
-        dst.mr().lkey(),
-        dst.mr().rkey()
+        "heap: 4 x {size} bytes in {:.2} ms (registered per chunk, not per buffer): src lkey {:#x}; dst lkey {:#x} rkey {:#x}",
+        t.elapsed().as_secs_f64() * 1e3,
+        src_keys.lkey,
+        dst_keys.lkey,
+        dst_keys.rkey
     );
 
+    let cq = Cq::new(&ctx, 64)?;
     let a = Qp::builder(&pd, &cq, &cq).build()?;
     let b = Qp::builder(&pd, &cq, &cq).build()?;
     println!("QP a endpoint: {:?}", a.endpoint());
@@ -74,42 +80,61 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for (i, byte) in src.iter_mut().enumerate() {
         *byte = (i as u64).wrapping_mul(2654435761).to_le_bytes()[1];
     }
+    let remote = dst.remote()?;
+    println!("peer would be sent: {remote:?}");
 
     // RDMA WRITE: a's src -> b's dst.
-    let sge = [src.sge(0..size)?];
+    let sge = [src.sge(..)?];
     let t = Instant::now();
     // SAFETY: src and dst stay alive and are not touched by the CPU until the completion below.
-    unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0)?))])? };
+    unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, size as u64)?))])? };
     cq.next(wait)?.ok()?;
-    let write_s = t.elapsed().as_secs_f64();
-    let mismatch = src.iter().zip(dst.iter()).position(|(x, y)| x != y);
-    if let Some(i) = mismatch {
-        return Err(format!("RDMA WRITE: byte {i} differs").into());
-    }
-    println!(
-        "RDMA WRITE {size} bytes: verified {size}/{size} bytes in {:.3} ms ({:.1} MiB/s)",
-        write_s * 1e3,
-        size as f64 / write_s / (1 << 20) as f64
-    );
+    report("RDMA WRITE", &src, &dst, t.elapsed())?;
 
     // RDMA READ: b's dst -> a's back buffer.
-    let sge = [back.sge(0..size)?];
+    let sge = [back.sge(..)?];
     let t = Instant::now();
     // SAFETY: as above, for back and dst.
-    unsafe { a.post_send(&[SendWr::new(2, &sge, SendOp::Read(dst.mr().remote(0)?))])? };
-    let wc = cq.next(wait)?;
-    wc.ok()?;
-    let read_s = t.elapsed().as_secs_f64();
-    if let Some(i) = src.iter().zip(back.iter()).position(|(x, y)| x != y) {
-        return Err(format!("RDMA READ: byte {i} differs").into());
+    unsafe { a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, size as u64)?))])? };
+    cq.next(wait)?.ok()?;
+    report("RDMA READ ", &src, &back, t.elapsed())?;
+
+    // SEND/RECV: b posts a receive into inbox, a sends src.
+    let rsge = [inbox.sge(..)?];
+    // SAFETY: inbox stays alive and untouched until the receive completes below.
+    unsafe { b.post_recv(7, &rsge)? };
+    let sge = [src.sge(..)?];
+    let t = Instant::now();
+    // SAFETY: src stays alive until the completions below.
+    unsafe { a.post_send(&[SendWr::new(3, &sge, SendOp::SendWithImm(0x600d))])? };
+    let mut imm = None;
+    for _ in 0..2 {
+        let wc = cq.next(wait)?;
+        wc.ok()?;
+        if wc.wr_id() == 7 {
+            imm = wc.imm();
+        }
     }
+    report("SEND/RECV ", &src, &inbox, t.elapsed())?;
+    println!("receive carried immediate {}", imm.map_or("none".to_string(), |v| format!("{v:#x}")));
+    let st = heap.stats();
     println!(
-        "RDMA READ  {size} bytes: verified {size}/{size} bytes in {:.3} ms ({:.1} MiB/s), completion {:?}",
-        read_s * 1e3,
-        size as f64 / read_s / (1 << 20) as f64,
-        wc.opcode()
+        "heap stats: {} chunks, {} bytes registered, {} reg_mr calls in {:?}, {} live bytes",
+        st.chunks, st.registered_bytes[0], st.reg_mr_calls, st.reg_mr_time, st.live_bytes
     );
-    println!("first bytes: {:02x?}", &back[..8.min(size)]);
     println!("quickstart: OK");
+    Ok(())
+}
+
+fn report(what: &str, want: &[u8], got: &[u8], took: Duration) -> Result<(), String> {
+    if let Some(i) = want.iter().zip(got).position(|(x, y)| x != y) {
+        return Err(format!("{what}: byte {i} differs"));
+    }
+    let n = want.len();
+    println!(
+        "{what} {n} bytes: verified {n}/{n} bytes in {:.3} ms ({:.1} MiB/s)",
+        took.as_secs_f64() * 1e3,
+        n as f64 / took.as_secs_f64() / (1 << 20) as f64
+    );
     Ok(())
 }

@@ -1,39 +1,71 @@
 //! # mralloc — registered memory for RDMA that feels like `std`
 //!
-//! mralloc makes RDMA memory management disappear: memory comes out of allocators whose chunks
-//! are already registered with the NIC, so any buffer can be handed to an RDMA operation with
-//! its keys, and a thin, safe verbs layer moves it.
-//!
-//! This release contains the verbs core ([`verbs`]): devices, protection domains, memory
-//! regions, completion queues and RC queue pairs, with typed errors.
+//! RDMA NICs can only touch memory registered with them (`ibv_reg_mr`), and registering is slow
+//! (tens of microseconds to milliseconds), pins pages, and hands back keys that must travel with
+//! every work request. mralloc makes that disappear: its allocators take memory from jemalloc
+//! arenas whose chunks are registered once, when jemalloc maps them, so every allocation is
+//! already a memory region and any pointer the heap handed out maps to its keys in O(1).
 //!
 //! ## The whole path
 //!
-//! Open the device, register memory, connect two queue pairs (here both on one device, a
-//! loopback connection), RDMA-WRITE from one buffer into the other and check the bytes:
+//! Heap → buffer → connect → write → verify. (Both queue pairs are on one device here, a loopback
+//! connection; between hosts the endpoints travel over TCP or RDMA CM.)
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, RegisteredBuf, SendOp, SendWr};
+//! use mralloc::heap::Heap;
+//! use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, SendOp, SendWr};
 //!
-//! let ctx = Context::open_default()?;            // MRALLOC_DEVICE, or the first active device
+//! // 1. A registered heap on the device (MRALLOC_DEVICE, or the first active one).
+//! let ctx = Context::open_default()?;
 //! let pd = Pd::new(&ctx)?;
-//! let cq = Cq::new(&ctx, 64)?;
-//! let (a, b) = (Qp::builder(&pd, &cq, &cq).build()?, Qp::builder(&pd, &cq, &cq).build()?);
-//! a.connect(&b.endpoint(), &ConnectOptions::default())?;   // endpoints normally travel by TCP
-//! b.connect(&a.endpoint(), &ConnectOptions::default())?;
+//! let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
 //!
-//! let mut src = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE)?;
-//! let dst = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! // 2. Buffers come out registered: no ibv_reg_mr per buffer, keys included.
+//! let mut src = heap.alloc(4096)?;
+//! let dst = heap.alloc(4096)?;
 //! src[..11].copy_from_slice(b"hello, rdma");
 //!
-//! let sge = [src.sge(0..11)?];
-//! // SAFETY: `src` and `dst` stay alive and untouched until the completion is polled below.
-//! unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0)?))])? };
+//! // 3. Connect two RC queue pairs.
+//! let cq = Cq::new(&ctx, 64)?;
+//! let (a, b) = (Qp::builder(&pd, &cq, &cq).build()?, Qp::builder(&pd, &cq, &cq).build()?);
+//! a.connect(&b.endpoint(), &ConnectOptions::default())?;
+//! b.connect(&a.endpoint(), &ConnectOptions::default())?;
+//!
+//! // 4. RDMA WRITE src into dst (dst.remote() is what a peer would be sent), and verify.
+//! let remote = dst.remote()?;
+//! let sge = [src.sge(..11)?];
+//! // SAFETY: src and dst stay alive and untouched until the completion is polled below.
+//! unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, 11)?))])? };
 //! cq.next(Duration::from_secs(5))?.ok()?;
 //! assert_eq!(&dst[..11], b"hello, rdma");
 //! # Ok::<(), mralloc::Error>(())
 //! ```
+//!
+//! ## Global or scoped
+//!
+//! - [`heap::Global`] is a `#[global_allocator]`: every `Vec`, `String` and `Box` of the process
+//!   lives in hooked chunks, and [`heap::Global::bind`] registers all of them — including memory
+//!   allocated before `main` — so plain collections can be sent zero-copy ([`keys_of`]).
+//! - [`heap::Heap`] is a scoped allocator: one arena, its own access rights, NUMA node, chunk cap
+//!   and memory limit; [`heap::Buffer`]s and `allocator_api2` collections (`Vec::new_in(&heap)`)
+//!   borrow it, so it cannot be dropped while any of them lives.
+//!
+//! ## NUMA
+//!
+//! [`heap::NumaPolicy::DeviceLocal`] (the default) binds chunks to the NIC's node with `mbind`
+//! before they are touched (registered pages cannot migrate later); `Node(n)` picks one; a device
+//! without a node (virtual ones such as rxe) means no binding, and a `tracing` event says so.
+//! [`heap::nodes_of_pages`] checks placement from outside.
+//!
+//! ## What is pinned, what is never purged
+//!
+//! Registered chunks are pinned and count against `RLIMIT_MEMLOCK`. mralloc's extent hooks refuse
+//! to purge, decommit or unmap registered memory (after `MADV_DONTNEED` the CPU and the NIC see
+//! different pages, silently) and refuse merges across chunks; chunks are released whole when
+//! their heap is dropped. Registration failures come back as [`Error::Registration`] with the
+//! current memlock limit; nothing aborts inside an allocator hook. Scoped-heap chunks are excluded
+//! from `fork()` children (`MADV_DONTFORK`).
 //!
 //! ## Getting an RDMA device
 //!

@@ -1,6 +1,6 @@
 //! The registered heap: jemalloc arenas whose chunks are RDMA memory regions.
 //!
-//! Custom jemalloc extent hooks ([`hooks`](self#hooks)) map every arena chunk slot-aligned,
+//! Custom jemalloc extent hooks map every arena chunk 2 MiB-aligned,
 //! bind it to the NIC's NUMA node, register it with each bound PD (`ibv_reg_mr`) and record it in
 //! a lock-free page map, so any pointer the heap handed out maps to its keys in O(1)
 //! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while

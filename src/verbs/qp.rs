@@ -203,7 +203,7 @@ impl QpBuilder {
 /// A reliable-connected queue pair.
 ///
 /// Keeps its PD and CQs alive. Posting is `unsafe` at this layer: the NIC reads and writes the
-/// posted memory asynchronously, after the call returns. [`crate::transfer`] builds safe,
+/// posted memory asynchronously, after the call returns. The transfer layer builds safe,
 /// ownership-tracking operations on top.
 pub struct Qp {
     qp: *mut ffi::ibv_qp,
