@@ -63,6 +63,22 @@ pub enum Error {
         /// Provider-specific detail.
         vendor_err: u32,
     },
+    /// An operation of a connection failed (or the connection had already failed).
+    #[error("{op} (work request {wr_id}) failed: {} (vendor error {vendor_err:#x}); the connection is unusable", .status.name())]
+    Operation {
+        /// What was being done, e.g. `"RDMA WRITE"`.
+        op: &'static str,
+        /// The work request that failed first.
+        wr_id: u64,
+        /// Its completion status (`REM_ACCESS_ERR`, `RETRY_EXC_ERR`, ...; `RESP_TIMEOUT_ERR` when
+        /// mralloc's own operation timeout expired).
+        status: WcStatus,
+        /// Provider-specific detail.
+        vendor_err: u32,
+    },
+    /// A peer sent something that is not a valid mralloc connection message.
+    #[error("protocol error: {0}")]
+    Protocol(String),
     /// Waiting for completions took longer than allowed.
     #[error("timed out after {0:?} waiting for {1}")]
     Timeout(std::time::Duration, &'static str),
@@ -170,7 +186,7 @@ impl Error {
     /// The completion status, if this error came from a failed work completion.
     pub fn wc_status(&self) -> Option<WcStatus> {
         match self {
-            Error::WorkCompletion { status, .. } => Some(*status),
+            Error::WorkCompletion { status, .. } | Error::Operation { status, .. } => Some(*status),
             _ => None,
         }
     }

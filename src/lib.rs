@@ -79,6 +79,7 @@ mod error;
 pub mod heap;
 mod mmap;
 mod remote;
+pub mod transfer;
 pub mod verbs;
 
 pub use error::{Error, Result};

@@ -1,0 +1,125 @@
+//! `Batch`: many work requests on borrowed memory, posted with few doorbells and selective
+//! signaling, never overflowing the send queue or CQ.
+
+use std::marker::PhantomData;
+
+use crate::error::{Error, Result};
+use crate::remote::RemoteBuf;
+use crate::transfer::local::{Local, LocalMut};
+use crate::transfer::Connection;
+use crate::verbs::{SendFlags, SendOp, Sge};
+
+/// Collects operations on memory borrowed for `'b`; [`Batch::submit`] posts them in chunks (one
+/// doorbell and one signaled completion per chunk; several chunks in flight) and returns only
+/// when all have completed. Dropping a batch without submitting posts nothing.
+///
+/// ```no_run
+/// # fn f(conn: &mralloc::transfer::Connection, bufs: &[mralloc::Buffer<'_>], remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
+/// let mut batch = conn.batch();
+/// for (i, b) in bufs.iter().enumerate() {
+///     batch.write(b, remote, (i * 4096) as u64)?;
+/// }
+/// batch.submit()?;
+/// # Ok(()) }
+/// ```
+pub struct Batch<'c, 'b> {
+    conn: &'c Connection,
+    sges: Vec<Sge>,
+    ops: Vec<(SendOp, &'static str)>,
+    _borrow: PhantomData<&'b mut ()>,
+}
+
+impl Connection {
+    /// Starts a batch.
+    pub fn batch<'b>(&self) -> Batch<'_, 'b> {
+        Batch { conn: self, sges: Vec::new(), ops: Vec::new(), _borrow: PhantomData }
+    }
+}
+
+impl<'b> Batch<'_, 'b> {
+    fn push(&mut self, sge: Sge, op: SendOp, name: &'static str) -> &mut Self {
+        self.sges.push(sge);
+        self.ops.push((op, name));
+        self
+    }
+
+    /// Adds an RDMA WRITE of `local` to `offset` in `remote`.
+    pub fn write<L: Local + ?Sized>(&mut self, local: &'b L, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
+        let sge = self.conn.checked(local, "RDMA WRITE")?;
+        let to = remote.at(offset, sge.len().into())?;
+        Ok(self.push(sge, SendOp::Write(to), "RDMA WRITE"))
+    }
+
+    /// Adds an RDMA WRITE with immediate.
+    pub fn write_with_imm<L: Local + ?Sized>(
+        &mut self,
+        local: &'b L,
+        remote: &RemoteBuf,
+        offset: u64,
+        imm: u32,
+    ) -> Result<&mut Self> {
+        let sge = self.conn.checked(local, "RDMA WRITE with immediate")?;
+        let to = remote.at(offset, sge.len().into())?;
+        Ok(self.push(sge, SendOp::WriteWithImm(to, imm), "RDMA WRITE with immediate"))
+    }
+
+    /// Adds an RDMA READ into `local` from `offset` in `remote`.
+    pub fn read<L: LocalMut + ?Sized>(
+        &mut self,
+        local: &'b mut L,
+        remote: &RemoteBuf,
+        offset: u64,
+    ) -> Result<&mut Self> {
+        let sge = self.conn.checked(&*local, "RDMA READ")?;
+        let from = remote.at(offset, sge.len().into())?;
+        Ok(self.push(sge, SendOp::Read(from), "RDMA READ"))
+    }
+
+    /// Adds a SEND of `local`.
+    pub fn send<L: Local + ?Sized>(&mut self, local: &'b L) -> Result<&mut Self> {
+        let sge = self.conn.checked(local, "SEND")?;
+        Ok(self.push(sge, SendOp::Send, "SEND"))
+    }
+
+    /// Number of operations collected.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether nothing was collected.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Posts everything and waits for all of it. On failure, waits for whatever was posted, then
+    /// returns the first error.
+    pub fn submit(self) -> Result<()> {
+        let depth = self.conn.options().send_depth as usize;
+        let chunk = (depth / 4).max(1);
+        let mut tails = Vec::new();
+        let mut first_err: Option<Error> = None;
+        for (sges, ops) in self.sges.chunks(chunk).zip(self.ops.chunks(chunk)) {
+            let name = ops[0].1;
+            let ops: Vec<SendOp> = ops.iter().map(|&(o, _)| o).collect();
+            // SAFETY: every SGE's memory is borrowed for 'b, which outlives this call, and this
+            // call returns only after every posted chunk's tail completed (in-order RC
+            // completion retires the whole chunk).
+            match unsafe { self.conn.post_chain(name, sges, &ops, SendFlags::NONE) } {
+                Ok(t) => tails.push(t),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+        for t in tails {
+            if let Err(e) = self.conn.wait_send_borrowed(t) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

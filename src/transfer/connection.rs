@@ -1,0 +1,405 @@
+//! `Connection`: one RC queue pair with its CQs, completion routing and failure state.
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::transfer::Options;
+use crate::verbs::{
+    Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// What a successful completion reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completed {
+    /// Bytes received (receives) or transferred.
+    pub byte_len: u32,
+    /// Immediate data, if the peer attached some.
+    pub imm: Option<u32>,
+    /// The completion's opcode.
+    pub opcode: WcOpcode,
+}
+
+/// The first failure of a connection; every later post reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Failure {
+    pub(crate) op: &'static str,
+    pub(crate) wr_id: u64,
+    pub(crate) status: WcStatus,
+    pub(crate) vendor_err: u32,
+}
+
+impl Failure {
+    pub(crate) fn error(&self) -> Error {
+        Error::Operation { op: self.op, wr_id: self.wr_id, status: self.status, vendor_err: self.vendor_err }
+    }
+}
+
+/// What [`Error::Timeout`] names when a failed connection's flush never arrived.
+pub(crate) const FLUSH_LOST: &str = "the flush of a failed connection";
+
+pub(crate) type Outcome = std::result::Result<Completed, Failure>;
+
+#[derive(Default)]
+struct SendState {
+    /// Completions reaped but not yet claimed by their waiter.
+    done: HashMap<u64, Outcome>,
+    /// Send-queue slots in use (posted, not yet retired by a completion).
+    used: u32,
+    /// For each signaled request: how many slots its completion retires, and its operation.
+    tails: HashMap<u64, (u32, &'static str)>,
+}
+
+#[derive(Default)]
+struct RecvState {
+    done: HashMap<u64, Outcome>,
+    posted: u32,
+}
+
+/// A reliable connection to one peer. Operations are in [`crate::transfer`]'s `ops`, `pending`
+/// and `batch` modules; this type owns the queue pair and routes completions to their waiters.
+///
+/// Once any operation fails (a failed completion, or a timeout), the QP is in the error state and
+/// every later post fails fast with the original error.
+pub struct Connection {
+    pub(crate) qp: Qp,
+    pub(crate) send_cq: Cq,
+    pub(crate) recv_cq: Cq,
+    pub(crate) pd: Pd,
+    pub(crate) peer: Endpoint,
+    pub(crate) peer_blob: Vec<u8>,
+    pub(crate) opts: Options,
+    failed: OnceLock<Failure>,
+    next_id: AtomicU64,
+    send: Mutex<SendState>,
+    recv: Mutex<RecvState>,
+    /// 8-byte landing zone for atomics' old values.
+    pub(crate) scratch: Mutex<RegisteredBuf>,
+    pub(crate) _tcp: Option<TcpStream>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("local", &self.qp.endpoint())
+            .field("peer", &self.peer)
+            .field("failed", &self.failed.get())
+            .finish()
+    }
+}
+
+impl Connection {
+    /// Creates the QP (INIT) and CQs for a connection in `pd`.
+    pub(crate) fn prepare(pd: &Pd, opts: &Options) -> Result<(Qp, Cq, Cq)> {
+        let ctx = pd.context();
+        let send_cq = Cq::new(ctx, opts.send_depth + 8)?;
+        let recv_cq = Cq::new(ctx, opts.recv_depth + 8)?;
+        let mut b = Qp::builder(pd, &send_cq, &recv_cq).caps(opts.caps());
+        if let Some(p) = opts.port {
+            b = b.port(p);
+        }
+        if let Some(g) = opts.gid_index {
+            b = b.gid_index(g);
+        }
+        Ok((b.build()?, send_cq, recv_cq))
+    }
+
+    /// Connects a prepared QP to `peer` (RTR, RTS) and wraps it.
+    pub(crate) fn finish(
+        pd: &Pd,
+        opts: &Options,
+        (qp, send_cq, recv_cq): (Qp, Cq, Cq),
+        peer: Endpoint,
+        peer_blob: Vec<u8>,
+        tcp: Option<TcpStream>,
+    ) -> Result<Connection> {
+        qp.connect(&peer, &opts.connect_options())?;
+        let scratch = RegisteredBuf::new(pd, 64, Access::LOCAL_WRITE)?;
+        let mut opts = opts.clone();
+        opts.send_depth = qp.caps().max_send_wr.min(opts.send_depth).max(1);
+        opts.recv_depth = qp.caps().max_recv_wr.min(opts.recv_depth).max(1);
+        Ok(Connection {
+            qp,
+            send_cq,
+            recv_cq,
+            pd: pd.clone(),
+            peer,
+            peer_blob,
+            opts,
+            failed: OnceLock::new(),
+            next_id: AtomicU64::new(1),
+            send: Mutex::new(SendState::default()),
+            recv: Mutex::new(RecvState::default()),
+            scratch: Mutex::new(scratch),
+            _tcp: tcp,
+        })
+    }
+
+    /// Two connections in `pd` connected to each other on one device (loopback): what a single
+    /// process needs to exercise both sides.
+    pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {
+        let a = Connection::prepare(pd, opts)?;
+        let b = Connection::prepare(pd, opts)?;
+        let (ea, eb) = (a.0.endpoint(), b.0.endpoint());
+        let a = Connection::finish(pd, opts, a, eb, Vec::new(), None)?;
+        let b = Connection::finish(pd, opts, b, ea, Vec::new(), None)?;
+        Ok((a, b))
+    }
+
+    /// The PD local memory must be registered in.
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+
+    /// The peer's endpoint.
+    pub fn peer(&self) -> &Endpoint {
+        &self.peer
+    }
+
+    /// The application blob the peer sent while connecting (e.g. an encoded
+    /// [`crate::RemoteBuf`]); empty if none.
+    pub fn peer_blob(&self) -> &[u8] {
+        &self.peer_blob
+    }
+
+    /// The queue pair (for inspection).
+    pub fn qp(&self) -> &Qp {
+        &self.qp
+    }
+
+    /// The options in force (queue depths as granted by the device).
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// The error that failed the connection, if any.
+    pub fn error(&self) -> Option<Error> {
+        self.failed.get().map(Failure::error)
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        match self.failed.get() {
+            Some(f) => Err(f.error()),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn next_wr_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn fail(&self, f: Failure) {
+        if self.failed.set(f).is_ok() {
+            tracing::debug!("connection failed: {}", f.error());
+            let _ = self.qp.set_error();
+        }
+    }
+
+    /// Posts `wrs` (the last one signaled) as one chain, waiting for send-queue room first.
+    /// Returns the id of the signaled tail.
+    ///
+    /// # Safety
+    /// As [`Qp::post_send`]: the memory behind every SGE must stay valid and untouched until the
+    /// tail's completion has been claimed with [`Connection::wait_send`].
+    pub(crate) unsafe fn post_chain(
+        &self,
+        op: &'static str,
+        sges: &[Sge],
+        ops: &[SendOp],
+        flags: SendFlags,
+    ) -> Result<u64> {
+        debug_assert_eq!(sges.len(), ops.len());
+        let k = ops.len() as u32;
+        if k == 0 || k > self.opts.send_depth {
+            return Err(Error::InvalidArgument(format!("a chain holds 1..={} requests", self.opts.send_depth)));
+        }
+        let start = Instant::now();
+        loop {
+            self.check()?;
+            {
+                let mut st = self.send.lock();
+                if st.used + k <= self.opts.send_depth {
+                    let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
+                    let tail = first + u64::from(k) - 1;
+                    let wrs: Vec<SendWr<'_>> = ops
+                        .iter()
+                        .zip(sges)
+                        .enumerate()
+                        .map(|(i, (&op, sge))| {
+                            let signaled = i as u32 == k - 1;
+                            let f = if signaled { flags | SendFlags::SIGNALED } else { flags };
+                            let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
+                            SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
+                        })
+                        .collect();
+                    // SAFETY: the caller keeps the memory valid until the tail completes.
+                    unsafe { self.qp.post_send(&wrs)? };
+                    st.used += k;
+                    st.tails.insert(tail, (k, op));
+                    return Ok(tail);
+                }
+                self.reap_send(&mut st)?;
+            }
+            if start.elapsed() > self.opts.op_timeout {
+                return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    fn reap_send(&self, st: &mut SendState) -> Result<()> {
+        let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::empty());
+        let n = self.send_cq.poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            let (retired, op) = st.tails.remove(&wc.wr_id()).unwrap_or((1, "send-queue request"));
+            st.used = st.used.saturating_sub(retired);
+            st.done.insert(wc.wr_id(), self.outcome(wc, op));
+        }
+        Ok(())
+    }
+
+    fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
+        if wc.is_ok() {
+            Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
+        } else {
+            let f = Failure { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
+            self.fail(f);
+            // A flushed request reports the failure that caused the flush.
+            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
+        }
+    }
+
+    /// Waits for the completion of the signaled send request `wr_id`.
+    ///
+    /// On timeout the connection is failed (QP → error) and the flush completion is awaited, so
+    /// that when this returns the NIC no longer uses the request's memory.
+    pub(crate) fn wait_send(&self, wr_id: u64) -> Result<Completed> {
+        self.wait(wr_id, true)
+    }
+
+    /// [`Connection::wait_send`] for requests on *borrowed* memory: if the NIC never releases
+    /// it (no flush after the QP was failed — a driver bug), returning would hand memory the NIC
+    /// may still write back to safe code. That is the one case where the process is aborted.
+    pub(crate) fn wait_send_borrowed(&self, wr_id: u64) -> Result<Completed> {
+        self.wait_borrowed(wr_id, true)
+    }
+
+    /// Receive counterpart of [`Connection::wait_send_borrowed`].
+    pub(crate) fn wait_recv_borrowed(&self, wr_id: u64) -> Result<Completed> {
+        self.wait_borrowed(wr_id, false)
+    }
+
+    fn wait_borrowed(&self, wr_id: u64, send: bool) -> Result<Completed> {
+        match self.wait(wr_id, send) {
+            Err(Error::Timeout(_, FLUSH_LOST)) => {
+                eprintln!(
+                    "mralloc: the RDMA device did not flush work request {wr_id} after its queue pair was                      moved to the error state; its borrowed memory may still be written: aborting"
+                );
+                std::process::abort();
+            }
+            r => r,
+        }
+    }
+
+    /// Waits for the receive `wr_id`.
+    pub(crate) fn wait_recv(&self, wr_id: u64) -> Result<Completed> {
+        self.wait(wr_id, false)
+    }
+
+    fn wait(&self, wr_id: u64, send: bool) -> Result<Completed> {
+        let start = Instant::now();
+        let mut timed_out = false;
+        let mut spins = 0u32;
+        loop {
+            if let Some(o) = self.try_claim(wr_id, send)? {
+                return match o {
+                    Ok(c) if !timed_out => Ok(c),
+                    Ok(_) => Err(Error::Timeout(self.opts.op_timeout, "a completion")),
+                    Err(_) if timed_out => Err(Error::Timeout(self.opts.op_timeout, "a completion")),
+                    Err(f) => Err(f.error()),
+                };
+            }
+            let waited = start.elapsed();
+            if !timed_out && waited > self.opts.op_timeout {
+                timed_out = true;
+                let what = if send { "waiting for a send completion" } else { "waiting for a receive" };
+                self.fail(Failure { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
+            }
+            if timed_out && waited > self.opts.op_timeout + Duration::from_secs(5) {
+                // The flush never came: the memory may still be the NIC's. Callers that own
+                // memory leak it rather than free it.
+                return Err(Error::Timeout(self.opts.op_timeout, FLUSH_LOST));
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
+    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
+        if send {
+            let mut st = self.send.lock();
+            if let Some(o) = st.done.remove(&wr_id) {
+                return Ok(Some(o));
+            }
+            self.reap_send(&mut st)?;
+            Ok(st.done.remove(&wr_id))
+        } else {
+            let mut st = self.recv.lock();
+            if let Some(o) = st.done.remove(&wr_id) {
+                return Ok(Some(o));
+            }
+            let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::empty());
+            let n = self.recv_cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                st.posted = st.posted.saturating_sub(1);
+                let o = self.outcome(wc, "recv");
+                st.done.insert(wc.wr_id(), o);
+            }
+            Ok(st.done.remove(&wr_id))
+        }
+    }
+
+    /// Puts an outcome taken by [`Connection::try_claim`] back for its waiter.
+    pub(crate) fn unclaim(&self, wr_id: u64, send: bool, o: Outcome) {
+        if send {
+            self.send.lock().done.insert(wr_id, o);
+        } else {
+            self.recv.lock().done.insert(wr_id, o);
+        }
+    }
+
+    /// Posts one receive. Returns its id.
+    ///
+    /// # Safety
+    /// The SGE's memory must stay valid and untouched until the receive is claimed with
+    /// [`Connection::wait_recv`].
+    pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<u64> {
+        self.check()?;
+        let mut st = self.recv.lock();
+        if st.posted >= self.opts.recv_depth {
+            return Err(Error::InvalidArgument(format!(
+                "{} receives are already posted (the receive queue depth)",
+                st.posted
+            )));
+        }
+        let id = self.next_wr_id();
+        let list: &[Sge] = match &sge {
+            Some(s) => std::slice::from_ref(s),
+            None => &[],
+        };
+        // SAFETY: the caller keeps the memory valid until the receive is claimed.
+        unsafe { self.qp.post_recv(id, list)? };
+        st.posted += 1;
+        Ok(id)
+    }
+}

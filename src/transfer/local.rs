@@ -1,0 +1,127 @@
+//! What can be the local side of an operation: heap buffers, slices of any heap memory,
+//! registered buffers and mapped files — anything whose bytes lie in one memory region of the
+//! connection's PD. Foreign memory is a typed error, found before anything is posted.
+
+use crate::error::{Error, Result};
+use crate::heap::{keys_of_for, BufSlice, Buffer};
+use crate::verbs::{Pd, RegisteredBuf, Sge};
+
+/// Memory the NIC may read for an operation (the source of WRITE and SEND).
+///
+/// # Safety
+/// `local_ptr()..local_ptr()+local_len()` must be valid, initialised memory for as long as the
+/// implementing value is borrowed (or owned) by an operation, and `lkey_for` must only return a
+/// key of a memory region of `pd` that covers that whole range.
+pub unsafe trait Local {
+    /// Start of the bytes.
+    fn local_ptr(&self) -> *const u8;
+    /// Number of bytes.
+    fn local_len(&self) -> usize;
+    /// The local key covering the whole range in `pd`, if registered there.
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        heap_lkey(self.local_ptr(), self.local_len(), pd)
+    }
+}
+
+/// Memory the NIC may write for an operation (the target of READ, receives, atomics results).
+///
+/// # Safety
+/// As [`Local`], and the range must be writable and not aliased while an operation holds it.
+pub unsafe trait LocalMut: Local {}
+
+/// The lkey of `[ptr, ptr+len)` if it lies inside one registered chunk of a heap bound to `pd`.
+pub(crate) fn heap_lkey(ptr: *const u8, len: usize, pd: &Pd) -> Option<u32> {
+    let first = keys_of_for(ptr, pd)?;
+    let end = (ptr as usize).checked_add(len.max(1))?;
+    if end > first.chunk_base + first.chunk_len {
+        return None; // spans beyond the chunk: not one memory region
+    }
+    Some(first.lkey)
+}
+
+/// A bounds-checked SGE for `local` in `pd`, or the typed error saying why not.
+pub(crate) fn sge_of<L: Local + ?Sized>(local: &L, pd: &Pd) -> Result<Sge> {
+    let len = local.local_len();
+    let len32 = u32::try_from(len)
+        .map_err(|_| Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {len} bytes")))?;
+    let addr = local.local_ptr() as u64;
+    let lkey = local.lkey_for(pd).ok_or(Error::NotRegistered { addr })?;
+    Ok(Sge::new(addr, len32, lkey))
+}
+
+// SAFETY: a Buffer owns live heap memory of its length; keys come from its heap's chunk.
+unsafe impl Local for Buffer<'_> {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+}
+// SAFETY: as above; &mut access is exclusive.
+unsafe impl LocalMut for Buffer<'_> {}
+
+// SAFETY: a BufSlice borrows live heap memory of its length.
+unsafe impl Local for BufSlice<'_> {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: a slice is valid for its length while borrowed; the key is looked up, never assumed.
+unsafe impl Local for [u8] {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+}
+// SAFETY: as above; operations take it by &mut.
+unsafe impl LocalMut for [u8] {}
+
+// SAFETY: a RegisteredBuf owns its mapping and its region covers all of it.
+unsafe impl Local for RegisteredBuf {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        (self.mr().pd() == pd).then(|| self.mr().lkey())
+    }
+}
+// SAFETY: as above; registered with whatever access it was given (the NIC checks LOCAL_WRITE).
+unsafe impl LocalMut for RegisteredBuf {}
+
+// SAFETY: forwards to the referenced value, which outlives the borrow.
+unsafe impl<T: Local + ?Sized> Local for &T {
+    fn local_ptr(&self) -> *const u8 {
+        (**self).local_ptr()
+    }
+    fn local_len(&self) -> usize {
+        (**self).local_len()
+    }
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        (**self).lkey_for(pd)
+    }
+}
+
+// SAFETY: forwards to the referenced value, borrowed exclusively.
+unsafe impl<T: Local + ?Sized> Local for &mut T {
+    fn local_ptr(&self) -> *const u8 {
+        (**self).local_ptr()
+    }
+    fn local_len(&self) -> usize {
+        (**self).local_len()
+    }
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        (**self).lkey_for(pd)
+    }
+}
+// SAFETY: as above.
+unsafe impl<T: LocalMut + ?Sized> LocalMut for &mut T {}

@@ -1,0 +1,36 @@
+//! Connections and zero-copy RDMA operations on heap memory and mapped files.
+//!
+//! - Setup: [`Listener`] / [`Connection::connect`] exchange endpoints (and an optional blob, e.g.
+//!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message; [`Connection::pair`]
+//!   connects two QPs of one process (loopback).
+//! - Blocking operations borrow local memory for the call: [`Connection::write`], `read`, `send`,
+//!   `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`.
+//! - Non-blocking operations own it: [`Connection::post_write`] and friends return a [`Pending`]
+//!   that keeps the buffer until its completion is reaped.
+//! - [`Batch`]: many requests, few doorbells, selective signaling.
+//! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
+//!
+//! Local memory is anything [`Local`]: heap [`crate::Buffer`]s, slices of any heap memory (keys
+//! from [`crate::keys_of`]), [`crate::verbs::RegisteredBuf`]s and mapped files; foreign memory is
+//! a typed error ([`crate::Error::NotRegistered`]) before anything is posted. Remote ranges are
+//! bounds-checked locally. A failed completion fails the connection: later posts return the
+//! original error at once.
+
+mod batch;
+mod connection;
+pub mod exchange;
+mod local;
+mod mapped;
+mod ops;
+mod options;
+mod pending;
+mod tcp;
+
+pub use batch::Batch;
+pub use connection::{Completed, Connection};
+pub use local::{Local, LocalMut};
+pub use mapped::{MappedFile, MappedSlice, Mode};
+pub use ops::Received;
+pub use options::Options;
+pub use pending::{Pending, Rejected};
+pub use tcp::Listener;

@@ -1,0 +1,154 @@
+//! Blocking operations: post, wait for the completion, return. The local memory is borrowed for
+//! the call, which does not return while the NIC may still touch it.
+
+use crate::error::{Error, Result};
+use crate::remote::RemoteBuf;
+use crate::transfer::local::{sge_of, Local, LocalMut};
+use crate::transfer::{Completed, Connection};
+use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge};
+
+/// What a receive delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Received {
+    /// Bytes written into the receive buffer.
+    pub len: usize,
+    /// Immediate data, when the sender attached some (SEND or WRITE with immediate).
+    pub imm: Option<u32>,
+}
+
+impl From<Completed> for Received {
+    fn from(c: Completed) -> Received {
+        Received { len: c.byte_len as usize, imm: c.imm }
+    }
+}
+
+pub(crate) fn nonempty(len: usize, op: &str) -> Result<()> {
+    if len == 0 {
+        return Err(Error::InvalidArgument(format!("{op} of zero bytes")));
+    }
+    Ok(())
+}
+
+impl Connection {
+    pub(crate) fn one(&self, op: &'static str, sge: Sge, what: SendOp, flags: SendFlags) -> Result<Completed> {
+        // SAFETY: the memory behind `sge` is borrowed by our caller for this whole call, and we
+        // do not return before its completion is claimed (wait_send fails the QP and waits for
+        // the flush on timeout).
+        let id = unsafe { self.post_chain(op, &[sge], &[what], flags)? };
+        self.wait_send_borrowed(id)
+    }
+
+    fn inline_flag(&self, len: usize) -> SendFlags {
+        if len <= self.opts.max_inline as usize {
+            SendFlags::INLINE
+        } else {
+            SendFlags::NONE
+        }
+    }
+
+    /// RDMA WRITE of all of `local` to the start of `remote`.
+    pub fn write<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf) -> Result<()> {
+        self.write_at(local, remote, 0)
+    }
+
+    /// RDMA WRITE of all of `local` to `offset` bytes into `remote` (bounds-checked here).
+    pub fn write_at<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf, offset: u64) -> Result<()> {
+        let sge = self.checked(local, "RDMA WRITE")?;
+        let to = remote.at(offset, sge.len().into())?;
+        self.one("RDMA WRITE", sge, SendOp::Write(to), self.inline_flag(sge.len() as usize)).map(|_| ())
+    }
+
+    /// RDMA WRITE that also delivers `imm` to the peer (it consumes one of the peer's receives;
+    /// see [`Connection::recv_imm`]).
+    pub fn write_with_imm<L: Local + ?Sized>(
+        &self,
+        local: &L,
+        remote: &RemoteBuf,
+        offset: u64,
+        imm: u32,
+    ) -> Result<()> {
+        let sge = self.checked(local, "RDMA WRITE with immediate")?;
+        let to = remote.at(offset, sge.len().into())?;
+        let flags = self.inline_flag(sge.len() as usize);
+        self.one("RDMA WRITE with immediate", sge, SendOp::WriteWithImm(to, imm), flags).map(|_| ())
+    }
+
+    /// RDMA READ of `local.len()` bytes from the start of `remote` into `local`.
+    pub fn read<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf) -> Result<()> {
+        self.read_at(local, remote, 0)
+    }
+
+    /// RDMA READ of `local.len()` bytes from `offset` bytes into `remote`.
+    pub fn read_at<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf, offset: u64) -> Result<()> {
+        let sge = self.checked(&*local, "RDMA READ")?;
+        let from = remote.at(offset, sge.len().into())?;
+        self.one("RDMA READ", sge, SendOp::Read(from), SendFlags::NONE).map(|_| ())
+    }
+
+    /// SEND of all of `local` (the peer must post a receive: [`Connection::recv`]).
+    pub fn send<L: Local + ?Sized>(&self, local: &L) -> Result<()> {
+        let sge = self.checked(local, "SEND")?;
+        self.one("SEND", sge, SendOp::Send, self.inline_flag(sge.len() as usize)).map(|_| ())
+    }
+
+    /// SEND with immediate data.
+    pub fn send_with_imm<L: Local + ?Sized>(&self, local: &L, imm: u32) -> Result<()> {
+        let sge = self.checked(local, "SEND with immediate")?;
+        self.one("SEND with immediate", sge, SendOp::SendWithImm(imm), self.inline_flag(sge.len() as usize)).map(|_| ())
+    }
+
+    /// Posts a receive into `local` and waits for a SEND to fill it.
+    pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
+        let sge = self.checked(&*local, "receive")?;
+        // SAFETY: `local` is exclusively borrowed until the receive is claimed below (on timeout
+        // wait_recv fails the QP and waits for the flush).
+        let id = unsafe { self.post_recv_raw(Some(sge))? };
+        self.wait_recv_borrowed(id).map(Received::from)
+    }
+
+    /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty
+    /// SEND with immediate); returns the immediate.
+    pub fn recv_imm(&self) -> Result<u32> {
+        // SAFETY: a receive without memory.
+        let id = unsafe { self.post_recv_raw(None)? };
+        let got = self.wait_recv(id)?;
+        got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+    }
+
+    fn atomic(
+        &self,
+        op: &'static str,
+        remote: &RemoteBuf,
+        offset: u64,
+        what: impl FnOnce(RemoteAddr) -> SendOp,
+    ) -> Result<u64> {
+        let to = remote.at(offset, 8)?;
+        if to.addr % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{op} needs an 8-byte-aligned remote word, got {:#x}",
+                to.addr
+            )));
+        }
+        let scratch = self.scratch.lock();
+        let sge = scratch.sge(0..8)?;
+        self.one(op, sge, what(to), SendFlags::NONE)?;
+        Ok(u64::from_ne_bytes(scratch[..8].try_into().expect("8 bytes")))
+    }
+
+    /// Atomically adds `add` to the 64-bit word at `offset` in `remote`; returns its old value.
+    pub fn fetch_add(&self, remote: &RemoteBuf, offset: u64, add: u64) -> Result<u64> {
+        self.atomic("fetch-and-add", remote, offset, |r| SendOp::FetchAdd { remote: r, add })
+    }
+
+    /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
+    /// returns its old value (equal to `compare` when the swap happened).
+    pub fn compare_swap(&self, remote: &RemoteBuf, offset: u64, compare: u64, swap: u64) -> Result<u64> {
+        self.atomic("compare-and-swap", remote, offset, |r| SendOp::CompareSwap { remote: r, compare, swap })
+    }
+
+    pub(crate) fn checked<L: Local + ?Sized>(&self, local: &L, op: &str) -> Result<Sge> {
+        self.check()?;
+        nonempty(local.local_len(), op)?;
+        sge_of(local, &self.pd)
+    }
+}

@@ -1,0 +1,83 @@
+//! Connection options.
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::verbs::{ConnectOptions, Context, QpCaps};
+
+/// How a [`crate::transfer::Connection`] is set up. Defaults suit a data-center RC link; the
+/// device defaults come from `MRALLOC_DEVICE` / `MRALLOC_GID_INDEX` or the first active port.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Send-queue depth (outstanding work requests).
+    pub send_depth: u32,
+    /// Receive-queue depth (posted receives).
+    pub recv_depth: u32,
+    /// Bytes a SEND or WRITE may carry inline (no DMA read of the source).
+    pub max_inline: u32,
+    /// Transport retries before `RETRY_EXC_ERR` (0-7).
+    pub retry_count: u8,
+    /// ACK timeout exponent: 4.096 µs × 2^n.
+    pub ack_timeout: u8,
+    /// RNR retries (7 = forever, waiting for the peer to post a receive).
+    pub rnr_retry: u8,
+    /// Device name (default: `MRALLOC_DEVICE` or the first active device).
+    pub device: Option<String>,
+    /// Port (default: the first active one).
+    pub port: Option<u8>,
+    /// GID index (default: `MRALLOC_GID_INDEX`, else the RoCE v2 IPv4 entry).
+    pub gid_index: Option<u32>,
+    /// Limit on connection setup (TCP connect and the endpoint exchange).
+    pub connect_timeout: Duration,
+    /// Limit on waiting for one operation's completion; past it the connection is failed (its
+    /// QP moved to the error state) so that no memory stays in the NIC's hands.
+    pub op_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            send_depth: 256,
+            recv_depth: 256,
+            max_inline: 64,
+            retry_count: 7,
+            ack_timeout: 14,
+            rnr_retry: 7,
+            device: None,
+            port: None,
+            gid_index: None,
+            connect_timeout: Duration::from_secs(10),
+            op_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Options {
+    /// Opens the device these options name (`device`, else `MRALLOC_DEVICE`, else the first
+    /// active one).
+    pub fn open_device(&self) -> Result<Context> {
+        match &self.device {
+            Some(name) => Context::open(name),
+            None => Context::open_default(),
+        }
+    }
+
+    pub(crate) fn caps(&self) -> QpCaps {
+        QpCaps {
+            max_send_wr: self.send_depth,
+            max_recv_wr: self.recv_depth,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: self.max_inline,
+        }
+    }
+
+    pub(crate) fn connect_options(&self) -> ConnectOptions {
+        ConnectOptions {
+            timeout: self.ack_timeout,
+            retry_cnt: self.retry_count,
+            rnr_retry: self.rnr_retry,
+            ..ConnectOptions::default()
+        }
+    }
+}

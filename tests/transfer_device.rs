@@ -1,0 +1,328 @@
+//! The transfer layer against a real device (Soft-RoCE in the VM). Run by `scripts/test`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use mralloc::heap::Heap;
+use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options};
+use mralloc::verbs::{Access, Pd, WcStatus};
+use mralloc::{Error, RemoteBuf};
+
+fn setup() -> (Pd, Heap) {
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
+    (pd, heap)
+}
+
+const SIZES: [usize; 6] = [1, 63, 4096, 65536, 1 << 20, 16 << 20];
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_every_operation_at_every_size_and_unaligned_offsets() {
+    let (pd, heap) = setup();
+    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    for (i, &n) in SIZES.iter().enumerate() {
+        let off = 3 + i * 7; // unaligned local and remote offsets
+        let want = pattern(i as u64, n);
+        let mut src = heap.alloc(n + off).unwrap();
+        src[off..].copy_from_slice(&want);
+        let dst = heap.alloc(n + 2 * off).unwrap();
+        let remote = dst.remote().unwrap();
+
+        // WRITE from an unaligned slice of heap memory to an unaligned remote offset.
+        a.write_at(&src[off..], &remote, off as u64).unwrap();
+        assert_bytes_eq(&dst[off..off + n], &want, &format!("write {n}"));
+
+        // READ it back into another unaligned slice.
+        let mut back = heap.alloc(n + off).unwrap();
+        a.read_at(&mut back[off..], &remote, off as u64).unwrap();
+        assert_bytes_eq(&back[off..], &want, &format!("read {n}"));
+
+        // SEND/RECV: b receives into a posted (owned) buffer.
+        let inbox = heap.alloc(n).unwrap();
+        let pending = b.post_recv(inbox).unwrap();
+        a.send(&src[off..]).unwrap();
+        let (inbox, got) = pending.wait().unwrap();
+        assert_eq!(got.len, n);
+        assert_bytes_eq(&inbox, &want, &format!("send/recv {n}"));
+
+        // WRITE with immediate: data lands, the immediate arrives at b.
+        let dst2 = heap.alloc(n).unwrap();
+        let waiter = std::thread::scope(|s| {
+            let h = s.spawn(|| b.recv_imm());
+            a.write_with_imm(&src[off..], &dst2.remote().unwrap(), 0, 0xC0DE_0000 + i as u32).unwrap();
+            h.join().unwrap()
+        });
+        assert_eq!(waiter.unwrap(), 0xC0DE_0000 + i as u32);
+        assert_bytes_eq(&dst2, &want, &format!("write_with_imm {n}"));
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_sends_and_immediates_arrive_in_order() {
+    let (pd, heap) = setup();
+    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let pendings: Vec<_> = (0..16).map(|_| b.post_recv(heap.alloc(256).unwrap()).unwrap()).collect();
+    for i in 0..16u32 {
+        let mut m = heap.alloc(256).unwrap();
+        m.fill(i as u8);
+        a.send_with_imm(&m, 1000 + i).unwrap();
+    }
+    for (i, p) in pendings.into_iter().enumerate() {
+        let (buf, got) = p.wait().unwrap();
+        assert_eq!(got.imm, Some(1000 + i as u32), "immediates in order");
+        assert!(buf.iter().all(|&x| x == i as u8), "message {i} in order");
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_atomics_from_two_threads_sum_exactly() {
+    let (pd, heap) = setup();
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let mut word = heap.alloc_layout(std::alloc::Layout::from_size_align(8, 8).unwrap()).unwrap();
+    word.fill(0);
+    let remote = word.remote().unwrap();
+    const N: u64 = 200;
+    let olds: Vec<u64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| (0..N).map(|_| a.fetch_add(&remote, 0, 1).unwrap()).collect::<Vec<_>>()))
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(u64::from_ne_bytes(word[..8].try_into().unwrap()), 2 * N);
+    let mut sorted = olds.clone();
+    sorted.sort();
+    assert_eq!(sorted, (0..2 * N).collect::<Vec<_>>(), "every old value seen exactly once");
+    assert_eq!(a.compare_swap(&remote, 0, 2 * N, 7).unwrap(), 2 * N);
+    assert_eq!(a.compare_swap(&remote, 0, 2 * N, 9).unwrap(), 7, "no swap when the compare fails");
+    assert!(matches!(a.fetch_add(&remote, 1, 1), Err(Error::InvalidArgument(_)) | Err(Error::OutOfBounds { .. })));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_batch_of_1000_writes_with_selective_signaling() {
+    let (pd, heap) = setup();
+    let opts = Options { send_depth: 64, ..Options::default() };
+    let (a, _b) = Connection::pair(&pd, &opts).unwrap();
+    let srcs: Vec<_> = (0..10)
+        .map(|i| {
+            let mut s = heap.alloc(4096).unwrap();
+            s.copy_from_slice(&pattern(50 + i, 4096));
+            s
+        })
+        .collect();
+    let dst = heap.alloc(1000 * 4096).unwrap();
+    let remote = dst.remote().unwrap();
+    let t = Instant::now();
+    let mut batch = a.batch();
+    for i in 0..1000 {
+        batch.write(&srcs[i % 10], &remote, (i * 4096) as u64).unwrap();
+    }
+    assert_eq!(batch.len(), 1000);
+    batch.submit().unwrap();
+    println!("batch of 1000 x 4 KiB writes (send depth 64): {:?}", t.elapsed());
+    for i in 0..1000 {
+        assert_bytes_eq(&dst[i * 4096..(i + 1) * 4096], &srcs[i % 10], &format!("batch write {i}"));
+    }
+    assert!(a.error().is_none());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_mapped_file_64mib_zero_copy() {
+    let pd = Pd::new(&open()).unwrap();
+    // A local filesystem: in the VM /tmp is the host's over 9p (cache=none), whose pages cannot be
+    // pinned for registration; /dev/shm is the VM's own tmpfs.
+    let base = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
+    let dir = base.join(format!("mralloc-mapped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_path, dst_path) = (dir.join("src.bin"), dir.join("dst.bin"));
+    const N: usize = 64 << 20;
+    let data = pattern(77, N);
+    std::fs::write(&src_path, &data).unwrap();
+    let want = checksum(&data);
+    drop(data);
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let src = MappedFile::open(&src_path, Mode::ReadOnly, &pd).unwrap();
+    let dst = MappedFile::create(&dst_path, N as u64, &pd).unwrap();
+    let t = Instant::now();
+    // One WRITE per 4 MiB slice of the read-only mapping into the created file's mapping.
+    let remote = dst.remote().unwrap();
+    let slices: Vec<_> = (0..N).step_by(4 << 20).map(|o| src.slice(o..o + (4 << 20)).unwrap()).collect();
+    let mut batch = a.batch();
+    for (i, s) in slices.iter().enumerate() {
+        batch.write(s, &remote, (i * (4 << 20)) as u64).unwrap();
+    }
+    batch.submit().unwrap();
+    dst.flush().unwrap();
+    let took = t.elapsed();
+    drop(dst);
+    let got = checksum(&std::fs::read(&dst_path).unwrap());
+    println!("64 MiB mapped file -> mapped file by RDMA WRITE in {took:?}; checksum {want:#018x} / {got:#018x}");
+    assert_eq!(got, want);
+    // A read-only mapping cannot be the target of a READ: the NIC refuses, typed.
+    let mut ro = MappedFile::open(&src_path, Mode::ReadOnly, &pd).unwrap();
+    assert!(ro.as_mut_slice().is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    // FNV-1a over 8-byte words (fast enough under TCG).
+    b.chunks(8).fold(0xcbf2_9ce4_8422_2325u64, |h, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        (h ^ u64::from_le_bytes(w)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_errors_are_typed_and_the_connection_fails_fast() {
+    let (pd, heap) = setup();
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let src = heap.alloc(4096).unwrap();
+    let dst = heap.alloc(4096).unwrap();
+    let remote = dst.remote().unwrap();
+    // Out of range: refused locally, the connection stays usable.
+    assert!(matches!(a.write_at(&src, &remote, 1), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(a.write_at(&src, &remote, u64::MAX), Err(Error::OutOfBounds { .. })));
+    // Foreign (unregistered) memory: refused locally.
+    #[allow(clippy::useless_vec)] // deliberately process-heap (glibc) memory: never registered
+    let foreign = vec![0u8; 100];
+    assert!(matches!(a.write(&foreign[..], &remote), Err(Error::NotRegistered { .. })));
+    // Zero-length: refused.
+    assert!(matches!(a.write(&src[..0], &remote), Err(Error::InvalidArgument(_))));
+    a.write(&src, &remote).unwrap();
+    // Wrong rkey: the NIC says REM_ACCESS_ERR; the connection is failed.
+    let bad = RemoteBuf { rkey: remote.rkey ^ 0x77_0000, ..remote };
+    let err = a.write(&src, &bad).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+    let t = Instant::now();
+    let again = a.write(&src, &remote).unwrap_err();
+    assert!(t.elapsed() < Duration::from_millis(100), "later posts fail fast");
+    assert_eq!(again.wc_status(), Some(WcStatus::RemAccessErr), "later posts report the original error: {again}");
+    assert!(matches!(a.post_write(src, &remote, 0), Err(r) if r.buf.is_some()), "a refused post gives the buffer back");
+    // A heap without remote rights never hands out an rkey.
+    let local_only = Heap::builder().bind(&pd).build().unwrap();
+    assert!(matches!(local_only.alloc(64).unwrap().remote(), Err(Error::NoRemoteAccess)));
+}
+
+/// Two processes: a server (child) offering a buffer through the TCP blob, a client writing
+/// into it with an immediate; then the client is killed mid-stream by the server's view.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_two_processes_over_tcp_exchange() {
+    if let Ok(port) = std::env::var("MRALLOC_TCP_SERVER") {
+        return server(port.parse().unwrap());
+    }
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "device_two_processes_over_tcp_exchange", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("MRALLOC_TCP_SERVER", port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (pd, heap) = setup();
+    let addr = format!("127.0.0.1:{port}");
+    let start = Instant::now();
+    let conn = loop {
+        match Connection::connect(&addr, &pd, Options::default()) {
+            Ok(c) => break c,
+            Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => panic!("connecting to the server process: {e}"),
+        }
+    };
+    let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
+    let mut data = heap.alloc(1 << 20).unwrap();
+    data.copy_from_slice(&pattern(99, 1 << 20));
+    conn.write_with_imm(&data, &remote, 0, 42).unwrap();
+    let mut ack = heap.alloc(8).unwrap();
+    let got = conn.recv(&mut ack).unwrap();
+    assert_eq!((got.len, &ack[..]), (8, &b"verified"[..]));
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    for line in text.lines() {
+        println!("  server| {line}");
+    }
+    assert!(out.status.success(), "server process failed");
+    assert!(text.contains("server: verified 1048576 bytes, imm 42"));
+}
+
+fn server(port: u16) {
+    let (pd, heap) = setup();
+    let inbox = heap.alloc(1 << 20).unwrap();
+    let listener = Listener::bind(("127.0.0.1", port), &pd, Options::default()).unwrap();
+    let conn = listener.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+    let imm = conn.recv_imm().unwrap();
+    assert_bytes_eq(&inbox, &pattern(99, 1 << 20), "server inbox");
+    let mut ack = heap.alloc(8).unwrap();
+    ack.copy_from_slice(b"verified");
+    conn.send(&ack).unwrap();
+    println!("server: verified {} bytes, imm {imm}", inbox.len());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
+    if let Ok(port) = std::env::var("MRALLOC_VICTIM") {
+        // The victim: offer a buffer, then wait to be killed.
+        let (pd, heap) = setup();
+        let inbox = heap.alloc(1 << 20).unwrap();
+        let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, Options::default()).unwrap();
+        let _conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+        println!("victim: connected");
+        std::thread::sleep(Duration::from_secs(600));
+        return;
+    }
+    let port = 40000 + (std::process::id() % 20000) as u16;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "device_peer_killed_mid_stream_surfaces_as_a_typed_error", "--ignored", "--nocapture"])
+        .env("MRALLOC_VICTIM", port.to_string())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (pd, heap) = setup();
+    let opts = Options { op_timeout: Duration::from_secs(10), ..Options::default() };
+    let start = Instant::now();
+    let conn = loop {
+        match Connection::connect(("127.0.0.1", port), &pd, opts.clone()) {
+            Ok(c) => break c,
+            Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => panic!("connecting to the victim: {e}"),
+        }
+    };
+    let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
+    let data = heap.alloc(64 << 10).unwrap();
+    for _ in 0..10 {
+        conn.write(&data, &remote).unwrap();
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let t = Instant::now();
+    let mut err = None;
+    for _ in 0..1000 {
+        if let Err(e) = conn.write(&data, &remote) {
+            err = Some(e);
+            break;
+        }
+    }
+    let took = t.elapsed();
+    let err = err.expect("writes to a dead peer must fail");
+    println!("peer killed: next operation failed after {took:?} with: {err}");
+    assert!(took < Duration::from_secs(25), "surfaced within the configured timeout (loosely)");
+    // Either the NIC gives up (RETRY_EXC_ERR) or mralloc's operation timeout fails the connection;
+    // both are typed, and the connection then refuses further posts at once.
+    assert!(matches!(err, Error::Operation { .. } | Error::Timeout(..)), "{err:?}");
+    let t = Instant::now();
+    assert!(conn.write(&data, &remote).is_err());
+    assert!(t.elapsed() < Duration::from_millis(100), "a failed connection refuses posts at once");
+    // The survivor's other connections keep working.
+    let (x, _y) = Connection::pair(&pd, &Options::default()).unwrap();
+    let dst = heap.alloc(64 << 10).unwrap();
+    x.write(&data, &dst.remote().unwrap()).unwrap();
+}
