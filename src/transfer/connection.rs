@@ -1,6 +1,5 @@
 //! `Connection`: one RC queue pair with its CQs, completion routing and failure state.
 
-use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -45,20 +44,58 @@ pub(crate) const FLUSH_LOST: &str = "the flush of a failed connection";
 
 pub(crate) type Outcome = std::result::Result<Completed, Failure>;
 
-#[derive(Default)]
+/// A few (id, value) pairs: completions are claimed quickly, so these stay tiny and a linear
+/// scan beats hashing on the hot path.
+struct Small<T>(Vec<(u64, T)>);
+
+impl<T> Default for Small<T> {
+    fn default() -> Small<T> {
+        Small(Vec::with_capacity(8))
+    }
+}
+
+impl<T> Small<T> {
+    fn insert(&mut self, id: u64, v: T) {
+        self.0.push((id, v));
+    }
+    fn remove(&mut self, id: u64) -> Option<T> {
+        let i = self.0.iter().position(|(k, _)| *k == id)?;
+        Some(self.0.swap_remove(i).1)
+    }
+}
+
 struct SendState {
     /// Completions reaped but not yet claimed by their waiter.
-    done: HashMap<u64, Outcome>,
+    done: Small<Outcome>,
     /// Send-queue slots in use (posted, not yet retired by a completion).
     used: u32,
     /// For each signaled request: how many slots its completion retires, and its operation.
-    tails: HashMap<u64, (u32, &'static str)>,
+    tails: Small<(u32, &'static str)>,
+    /// Reused poll buffer.
+    wcs: [WorkCompletion; 8],
 }
 
-#[derive(Default)]
+impl Default for SendState {
+    fn default() -> SendState {
+        SendState {
+            done: Small::default(),
+            used: 0,
+            tails: Small::default(),
+            wcs: std::array::from_fn(|_| WorkCompletion::empty()),
+        }
+    }
+}
+
 struct RecvState {
-    done: HashMap<u64, Outcome>,
+    done: Small<Outcome>,
     posted: u32,
+    wcs: [WorkCompletion; 8],
+}
+
+impl Default for RecvState {
+    fn default() -> RecvState {
+        RecvState { done: Small::default(), posted: 0, wcs: std::array::from_fn(|_| WorkCompletion::empty()) }
+    }
 }
 
 /// A reliable connection to one peer. Operations are in [`crate::transfer`]'s `ops`, `pending`
@@ -226,19 +263,26 @@ impl Connection {
                 if st.used + k <= self.opts.send_depth {
                     let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
                     let tail = first + u64::from(k) - 1;
-                    let wrs: Vec<SendWr<'_>> = ops
-                        .iter()
-                        .zip(sges)
-                        .enumerate()
-                        .map(|(i, (&op, sge))| {
-                            let signaled = i as u32 == k - 1;
-                            let f = if signaled { flags | SendFlags::SIGNALED } else { flags };
-                            let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
-                            SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
-                        })
-                        .collect();
-                    // SAFETY: the caller keeps the memory valid until the tail completes.
-                    unsafe { self.qp.post_send(&wrs)? };
+                    fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
+                        let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
+                        let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
+                        SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
+                    }
+                    if k == 1 {
+                        // The common single request: no allocation.
+                        let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
+                        // SAFETY: the caller keeps the memory valid until the tail completes.
+                        unsafe { self.qp.post_send(&one)? };
+                    } else {
+                        let wrs: Vec<SendWr<'_>> = ops
+                            .iter()
+                            .zip(sges)
+                            .enumerate()
+                            .map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge))
+                            .collect();
+                        // SAFETY: as above.
+                        unsafe { self.qp.post_send(&wrs)? };
+                    }
                     st.used += k;
                     st.tails.insert(tail, (k, op));
                     return Ok(tail);
@@ -253,12 +297,13 @@ impl Connection {
     }
 
     fn reap_send(&self, st: &mut SendState) -> Result<()> {
-        let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::empty());
-        let n = self.send_cq.poll(&mut wcs)?;
-        for wc in &wcs[..n] {
-            let (retired, op) = st.tails.remove(&wc.wr_id()).unwrap_or((1, "send-queue request"));
+        let n = self.send_cq.poll(&mut st.wcs)?;
+        for i in 0..n {
+            let id = st.wcs[i].wr_id();
+            let (retired, op) = st.tails.remove(id).unwrap_or((1, "send-queue request"));
             st.used = st.used.saturating_sub(retired);
-            st.done.insert(wc.wr_id(), self.outcome(wc, op));
+            let o = self.outcome(&st.wcs[i], op);
+            st.done.insert(id, o);
         }
         Ok(())
     }
@@ -348,24 +393,24 @@ impl Connection {
     pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
         if send {
             let mut st = self.send.lock();
-            if let Some(o) = st.done.remove(&wr_id) {
+            if let Some(o) = st.done.remove(wr_id) {
                 return Ok(Some(o));
             }
             self.reap_send(&mut st)?;
-            Ok(st.done.remove(&wr_id))
+            Ok(st.done.remove(wr_id))
         } else {
-            let mut st = self.recv.lock();
-            if let Some(o) = st.done.remove(&wr_id) {
+            let mut guard = self.recv.lock();
+            let st = &mut *guard;
+            if let Some(o) = st.done.remove(wr_id) {
                 return Ok(Some(o));
             }
-            let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::empty());
-            let n = self.recv_cq.poll(&mut wcs)?;
-            for wc in &wcs[..n] {
+            let n = self.recv_cq.poll(&mut st.wcs)?;
+            for i in 0..n {
                 st.posted = st.posted.saturating_sub(1);
-                let o = self.outcome(wc, "recv");
-                st.done.insert(wc.wr_id(), o);
+                let o = self.outcome(&st.wcs[i], "recv");
+                st.done.insert(st.wcs[i].wr_id(), o);
             }
-            Ok(st.done.remove(&wr_id))
+            Ok(st.done.remove(wr_id))
         }
     }
 

@@ -40,7 +40,8 @@ pub struct ConnectOptions {
     pub rnr_retry: u8,
     /// RNR NAK delay code this side asks senders to wait (12 ≈ 0.64 ms).
     pub min_rnr_timer: u8,
-    /// Outstanding RDMA READ/atomic requests this side initiates (capped by the device).
+    /// Outstanding RDMA READ/atomic requests this side initiates (capped by the device; the
+    /// default asks for the device maximum, as perftest does).
     pub max_rd_atomic: u8,
     /// Outstanding RDMA READ/atomic requests this side serves (capped by the device).
     pub max_dest_rd_atomic: u8,
@@ -55,8 +56,8 @@ impl Default for ConnectOptions {
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,
-            max_rd_atomic: 16,
-            max_dest_rd_atomic: 16,
+            max_rd_atomic: u8::MAX,
+            max_dest_rd_atomic: u8::MAX,
             hop_limit: 64,
         }
     }

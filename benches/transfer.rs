@@ -1,0 +1,194 @@
+//! Transfer speed with mralloc's API, shaped like perftest so `scripts/bench-transfer` can run
+//! both in one VM boot and print ratios. Both sides run in this process (two connected QPs on
+//! one device, as perftest's client and server on one device).
+//!
+//! ```text
+//! transfer <write_bw|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N] [--depth N]
+//! ```
+//! Prints `MRALLOC <test> <value>` (bandwidth in MiB/s, latency in µs: typical = median, one
+//! way for the ping-pong tests as perftest reports them).
+
+use std::time::Instant;
+
+use mralloc::heap::Heap;
+use mralloc::transfer::{Connection, Options};
+use mralloc::verbs::{Access, Pd};
+
+struct Args {
+    test: String,
+    size: usize,
+    iters: usize,
+    depth: u32,
+}
+
+fn args() -> Args {
+    let mut a = Args { test: String::new(), size: 65536, iters: 1000, depth: 128 };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--size" => a.size = it.next().and_then(|v| v.parse().ok()).expect("--size BYTES"),
+            "--iters" => a.iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
+            "--depth" => a.depth = it.next().and_then(|v| v.parse().ok()).expect("--depth N"),
+            "--bench" => {}
+            t if !t.starts_with('-') && a.test.is_empty() => a.test = t.to_string(),
+            _ => {}
+        }
+    }
+    a
+}
+
+fn median_us(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() -> mralloc::Result<()> {
+    let a = args();
+    if a.test.is_empty() || std::env::var("MRALLOC_DEVICE").is_err() && std::env::args().any(|x| x == "--bench") {
+        println!("transfer: needs a test name and an RDMA device; run scripts/bench-transfer");
+        return Ok(());
+    }
+    let ctx = Options::default().open_device()?;
+    let pd = Pd::new(&ctx)?;
+    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build()?;
+    let opts = Options { send_depth: a.depth, recv_depth: a.depth.max(512), ..Options::default() };
+    let (x, y) = Connection::pair(&pd, &opts)?;
+    let n = a.size;
+    let mut src = heap.alloc(n)?;
+    src.fill(0x5a);
+    let dst = heap.alloc(n)?;
+    let remote = dst.remote()?;
+    let mib = |bytes: usize, secs: f64| bytes as f64 / secs / (1u64 << 20) as f64;
+    match a.test.as_str() {
+        "write_bw" | "read_bw" => {
+            // READ targets must not alias: one slice per iteration of one big buffer.
+            let mut back = heap.alloc(if a.test == "read_bw" { n * a.iters } else { 1 })?;
+            let t = Instant::now();
+            let mut b = x.batch();
+            if a.test == "write_bw" {
+                for _ in 0..a.iters {
+                    b.write(&src, &remote, 0)?;
+                }
+            } else {
+                for target in back.chunks_mut(n) {
+                    b.read(target, &remote, 0)?;
+                }
+            }
+            b.submit()?;
+            println!("MRALLOC {} {:.2}", a.test, mib(n * a.iters, t.elapsed().as_secs_f64()));
+        }
+        "send_bw" => {
+            let t = Instant::now();
+            std::thread::scope(|s| -> mralloc::Result<()> {
+                let recv = s.spawn(|| -> mralloc::Result<()> {
+                    let mut pend = std::collections::VecDeque::new();
+                    let window = (opts.recv_depth as usize).min(a.iters);
+                    let mut posted = 0;
+                    while posted < window {
+                        pend.push_back(y.post_recv(heap.alloc(n)?)?);
+                        posted += 1;
+                    }
+                    for _ in 0..a.iters {
+                        let p = pend.pop_front().expect("a posted receive");
+                        let (buf, _) = p.wait()?;
+                        if posted < a.iters {
+                            pend.push_back(y.post_recv(buf)?);
+                            posted += 1;
+                        }
+                    }
+                    Ok(())
+                });
+                let mut b = x.batch();
+                for _ in 0..a.iters {
+                    b.send(&src)?;
+                }
+                b.submit()?;
+                recv.join().expect("receiver thread")
+            })?;
+            println!("MRALLOC send_bw {:.2}", mib(n * a.iters, t.elapsed().as_secs_f64()));
+        }
+        "write_lat" => {
+            // Ping-pong through memory, as ib_write_lat: post the write, spin on the own inbox
+            // for the peer's, then reap the (long since arrived) send completion.
+            let inbox_x = heap.alloc(n)?;
+            let inbox_y = heap.alloc(n)?;
+            let (rx, ry) = (inbox_x.remote()?, inbox_y.remote()?);
+            let spin = |inbox: &mralloc::Buffer<'_>, tag: u8| {
+                // SAFETY: a volatile read of heap memory the peer writes by RDMA.
+                while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
+                    std::hint::spin_loop();
+                }
+            };
+            let mut samples = Vec::with_capacity(a.iters);
+            std::thread::scope(|s| -> mralloc::Result<()> {
+                let pong = s.spawn(|| -> mralloc::Result<()> {
+                    let mut out = heap.alloc(n)?;
+                    for i in 0..a.iters {
+                        let tag = (i % 251 + 1) as u8;
+                        spin(&inbox_y, tag);
+                        out[n - 1] = tag;
+                        let p = y.post_write(out, &rx, 0)?;
+                        out = p.wait()?.0;
+                    }
+                    Ok(())
+                });
+                let mut out = heap.alloc(n)?;
+                for i in 0..a.iters {
+                    let tag = (i % 251 + 1) as u8;
+                    out[n - 1] = tag;
+                    let t = Instant::now();
+                    let p = x.post_write(out, &ry, 0)?;
+                    spin(&inbox_x, tag);
+                    samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    out = p.wait()?.0;
+                }
+                pong.join().expect("pong thread")
+            })?;
+            println!("MRALLOC write_lat {:.2}", median_us(samples));
+        }
+        "read_lat" => {
+            let mut back = heap.alloc(n)?;
+            let mut samples = Vec::with_capacity(a.iters);
+            for _ in 0..a.iters {
+                let t = Instant::now();
+                x.read(&mut back, &remote)?;
+                samples.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            println!("MRALLOC read_lat {:.2}", median_us(samples));
+        }
+        "send_lat" => {
+            // Ping-pong with SENDs, as ib_send_lat: the next receive is always pre-posted.
+            let mut samples = Vec::with_capacity(a.iters);
+            std::thread::scope(|s| -> mralloc::Result<()> {
+                let pong = s.spawn(|| -> mralloc::Result<()> {
+                    let mut next = Some(y.post_recv(heap.alloc(n)?)?);
+                    let mut out = heap.alloc(n)?;
+                    for i in 0..a.iters {
+                        let (inbox, _) = next.take().expect("a posted receive").wait()?;
+                        if i + 1 < a.iters {
+                            next = Some(y.post_recv(inbox)?);
+                        }
+                        out = y.post_send(out)?.wait()?.0;
+                    }
+                    Ok(())
+                });
+                let mut next = Some(x.post_recv(heap.alloc(n)?)?);
+                let mut out = heap.alloc(n)?;
+                for i in 0..a.iters {
+                    let t = Instant::now();
+                    let sent = x.post_send(out)?;
+                    let (inbox, _) = next.take().expect("a posted receive").wait()?;
+                    samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    if i + 1 < a.iters {
+                        next = Some(x.post_recv(inbox)?);
+                    }
+                    out = sent.wait()?.0;
+                }
+                pong.join().expect("pong thread")
+            })?;
+            println!("MRALLOC send_lat {:.2}", median_us(samples));
+        }
+        other => println!("transfer: unknown test {other}"),
+    }
+    Ok(())
+}
