@@ -326,3 +326,65 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     let dst = heap.alloc(64 << 10).unwrap();
     x.write(&data, &dst.remote().unwrap()).unwrap();
 }
+
+/// Two processes connected through the RDMA connection manager (server = child process).
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_two_processes_over_rdma_cm() {
+    let ip = std::env::var("MRALLOC_CM_ADDR")
+        .expect("MRALLOC_CM_ADDR: an IP address of the RDMA device (scripts/softroce sets it)");
+    if let Ok(port) = std::env::var("MRALLOC_CM_SERVER") {
+        let (pd, heap) = setup();
+        let inbox = heap.alloc(256 << 10).unwrap();
+        let mut l =
+            mralloc::transfer::CmListener::bind((ip.as_str(), port.parse::<u16>().unwrap()), &pd, Options::default())
+                .unwrap();
+        println!("cm server: listening");
+        let conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+        assert_eq!(conn.peer_blob(), b"hello over cm");
+        let imm = conn.recv_imm().unwrap();
+        assert_bytes_eq(&inbox, &pattern(5, 256 << 10), "cm server inbox");
+        let mut ack = heap.alloc(2).unwrap();
+        ack.copy_from_slice(b"ok");
+        conn.send(&ack).unwrap();
+        println!("cm server: verified {} bytes, imm {imm}", inbox.len());
+        return;
+    }
+    let port = 30000 + (std::process::id() % 20000) as u16;
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "device_two_processes_over_rdma_cm", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("MRALLOC_CM_SERVER", port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (pd, heap) = setup();
+    let start = Instant::now();
+    let conn = loop {
+        match Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"hello over cm") {
+            Ok(c) => break c,
+            Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(200)),
+            Err(e) => panic!("connect_cm to the server process: {e}"),
+        }
+    };
+    let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
+    let mut data = heap.alloc(256 << 10).unwrap();
+    data.copy_from_slice(&pattern(5, 256 << 10));
+    conn.write_with_imm(&data, &remote, 0, 7).unwrap();
+    let mut ack = heap.alloc(2).unwrap();
+    assert_eq!(conn.recv(&mut ack).unwrap().len, 2);
+    assert_eq!(&ack[..], b"ok");
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    for line in text.lines() {
+        println!("  server| {line}");
+    }
+    assert!(out.status.success(), "CM server process failed");
+    assert!(text.contains("cm server: verified 262144 bytes, imm 7"));
+    // Blobs over the CM limit are refused before anything is sent.
+    let big = [0u8; mralloc::transfer::MAX_CM_BLOB + 1];
+    assert!(matches!(
+        Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), &big),
+        Err(Error::InvalidArgument(_))
+    ));
+}

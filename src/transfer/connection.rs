@@ -118,6 +118,8 @@ pub struct Connection {
     /// 8-byte landing zone for atomics' old values.
     pub(crate) scratch: Mutex<RegisteredBuf>,
     pub(crate) _tcp: Option<TcpStream>,
+    /// RDMA CM objects (connections made with `connect_cm` / `CmListener`).
+    pub(crate) _cm: Option<crate::transfer::cm::CmHold>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -156,6 +158,19 @@ impl Connection {
         tcp: Option<TcpStream>,
     ) -> Result<Connection> {
         qp.connect(&peer, &opts.connect_options())?;
+        let mut conn = Connection::wrap(pd, opts, (qp, send_cq, recv_cq), peer, peer_blob)?;
+        conn._tcp = tcp;
+        Ok(conn)
+    }
+
+    /// Wraps a QP that is already connected (RTS).
+    pub(crate) fn wrap(
+        pd: &Pd,
+        opts: &Options,
+        (qp, send_cq, recv_cq): (Qp, Cq, Cq),
+        peer: Endpoint,
+        peer_blob: Vec<u8>,
+    ) -> Result<Connection> {
         let scratch = RegisteredBuf::new(pd, 64, Access::LOCAL_WRITE)?;
         let mut opts = opts.clone();
         opts.send_depth = qp.caps().max_send_wr.min(opts.send_depth).max(1);
@@ -173,7 +188,8 @@ impl Connection {
             send: Mutex::new(SendState::default()),
             recv: Mutex::new(RecvState::default()),
             scratch: Mutex::new(scratch),
-            _tcp: tcp,
+            _tcp: None,
+            _cm: None,
         })
     }
 

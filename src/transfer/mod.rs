@@ -1,8 +1,9 @@
 //! Connections and zero-copy RDMA operations on heap memory and mapped files.
 //!
 //! - Setup: [`Listener`] / [`Connection::connect`] exchange endpoints (and an optional blob, e.g.
-//!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message; [`Connection::pair`]
-//!   connects two QPs of one process (loopback).
+//!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message;
+//!   [`CmListener`] / [`Connection::connect_cm`] do the same through the RDMA connection manager;
+//!   [`Connection::pair`] connects two QPs of one process (loopback).
 //! - Blocking operations borrow local memory for the call: [`Connection::write`], `read`, `send`,
 //!   `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`.
 //! - Non-blocking operations own it: [`Connection::post_write`] and friends return a [`Pending`]
@@ -17,6 +18,7 @@
 //! original error at once.
 
 mod batch;
+mod cm;
 mod connection;
 pub mod exchange;
 mod local;
@@ -27,6 +29,7 @@ mod pending;
 mod tcp;
 
 pub use batch::Batch;
+pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 pub use connection::{Completed, Connection};
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
