@@ -27,6 +27,7 @@ mod tcache;
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
 pub use global::Global;
+pub(crate) use keys::mr_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
 pub use scoped::{Heap, HeapBuilder, DEFAULT_MAX_CHUNK};

@@ -10,6 +10,7 @@
 //!   that keeps the buffer until its completion is reaped.
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
+//! - [`Connection::grant`]: a revocable rkey for exactly one buffer (a type 2 memory window).
 //!
 //! Local memory is anything [`Local`]: heap [`crate::Buffer`]s, slices of any heap memory (keys
 //! from [`crate::keys_of`]), [`crate::verbs::RegisteredBuf`]s and mapped files; foreign memory is
@@ -21,6 +22,7 @@ mod batch;
 mod cm;
 mod connection;
 pub mod exchange;
+mod grant;
 mod local;
 mod mapped;
 mod ops;
@@ -31,6 +33,7 @@ mod tcp;
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 pub use connection::{Completed, Connection};
+pub use grant::Grant;
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use ops::Received;

@@ -86,6 +86,24 @@ pub enum SendOp {
         /// Value to add.
         add: u64,
     },
+    /// Binds a type 2 memory window to `[addr, addr+len)` of region `mr` with `rkey`
+    /// (see [`crate::verbs::Mw`]); no scatter/gather entries.
+    BindMw {
+        /// The window.
+        mw: *mut ffi::ibv_mw,
+        /// The rkey it gets (its index with a new tag: [`crate::verbs::Mw::next_rkey`]).
+        rkey: u32,
+        /// The region it opens a range of (registered with `MW_BIND`).
+        mr: *mut ffi::ibv_mr,
+        /// Start of the range.
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+        /// What peers may do through it.
+        access: u32,
+    },
+    /// Invalidates the window (or region) with this rkey: later remote accesses fail.
+    LocalInvalidate(u32),
     /// 64-bit compare-and-swap on an 8-byte-aligned remote word; the old value lands locally.
     CompareSwap {
         /// The remote word.
@@ -197,6 +215,18 @@ impl<'a> SendWr<'a> {
             SendOp::CompareSwap { remote, compare, swap } => {
                 wr.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
                 wr.wr = atomic(remote, compare, swap);
+            }
+            SendOp::BindMw { mw, rkey, mr, addr, len, access } => {
+                wr.opcode = IBV_WR_BIND_MW;
+                wr.bind_mw_tso_union.bind_mw = ffi::bind_mw_t {
+                    mw,
+                    rkey,
+                    bind_info: ffi::ibv_mw_bind_info { mr, addr, length: len, mw_access_flags: access },
+                };
+            }
+            SendOp::LocalInvalidate(rkey) => {
+                wr.opcode = IBV_WR_LOCAL_INV;
+                wr.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
             }
         }
         wr

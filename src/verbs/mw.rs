@@ -1,0 +1,57 @@
+//! Memory windows: remote access to a sub-range of a region, bound and revoked by work requests.
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::verbs::Pd;
+
+/// A type 2 memory window (`ibv_alloc_mw`). Bound to a range with a `BIND_MW` work request, it
+/// gets an rkey of its own that grants access to just that range through one QP; a
+/// `LOCAL_INV` (or deallocation) revokes it. Keeps its PD alive.
+pub struct Mw {
+    mw: *mut ffi::ibv_mw,
+    _pd: Pd,
+}
+
+// SAFETY: an ibv_mw is used only through verbs calls, which are thread-safe; freed in Drop.
+unsafe impl Send for Mw {}
+// SAFETY: &Mw only reads the rkey.
+unsafe impl Sync for Mw {}
+
+impl Mw {
+    /// Allocates a type 2 window in `pd`.
+    pub fn new(pd: &Pd) -> Result<Mw> {
+        // SAFETY: pd is live; returns None (errno EOPNOTSUPP) when the provider lacks windows.
+        match unsafe { ffi::ibv_alloc_mw(pd.as_raw(), ffi::ibv_mw_type::IBV_MW_TYPE_2) } {
+            Some(mw) if !mw.is_null() => Ok(Mw { mw, _pd: pd.clone() }),
+            _ => Err(Error::verbs("ibv_alloc_mw", 0)),
+        }
+    }
+
+    /// The window's current rkey (before a bind: its initial key).
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: mw is live.
+        unsafe { (*self.mw).rkey }
+    }
+
+    /// The rkey to bind with next: same index, next 8-bit tag (as `ibv_inc_rkey`).
+    pub fn next_rkey(&self) -> u32 {
+        let r = self.rkey();
+        (r & !0xff) | (r.wrapping_add(1) & 0xff)
+    }
+
+    /// The raw `ibv_mw`, valid while this `Mw` lives.
+    pub fn as_raw(&self) -> *mut ffi::ibv_mw {
+        self.mw
+    }
+}
+
+impl Drop for Mw {
+    fn drop(&mut self) {
+        // SAFETY: allocated by ibv_alloc_mw, deallocated once.
+        let rc = unsafe { ffi::ibv_dealloc_mw(self.mw) };
+        if rc != 0 {
+            tracing::warn!(rc, "ibv_dealloc_mw failed");
+        }
+    }
+}
