@@ -425,3 +425,53 @@ fn device_grant_gives_scoped_revocable_access() {
     let (e, _f) = Connection::pair(&pd, &Options::default()).unwrap();
     assert!(e.grant(plain.alloc(64).unwrap(), Access::REMOTE_READ).is_err());
 }
+
+fn thread_cpu() -> Duration {
+    // SAFETY: getrusage writes into the struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_event_and_poller_modes_move_data_without_spinning() {
+    use mralloc::transfer::{Poller, WaitMode};
+    let (pd, heap) = setup();
+    let poller = Poller::spawn(None).unwrap();
+    for (name, wait) in [("event", WaitMode::Event), ("poller", WaitMode::Poller(poller.clone()))] {
+        let opts = Options { wait, ..Options::default() };
+        let (a, b) = Connection::pair(&pd, &opts).unwrap();
+        // Every kind of operation works in this mode.
+        let mut src = heap.alloc(100_000).unwrap();
+        src.copy_from_slice(&pattern(31, 100_000));
+        let dst = heap.alloc(100_000).unwrap();
+        a.write(&src, &dst.remote().unwrap()).unwrap();
+        assert_bytes_eq(&dst, &src, name);
+        let mut back = heap.alloc(100_000).unwrap();
+        a.read(&mut back, &dst.remote().unwrap()).unwrap();
+        assert_bytes_eq(&back, &src, name);
+        let mut batch = a.batch();
+        for i in 0..100 {
+            batch.write(&src[..1000], &dst.remote().unwrap(), i * 1000).unwrap();
+        }
+        batch.submit().unwrap();
+        // A receive that waits 600 ms for its SEND: the waiting thread sleeps.
+        let (cpu, got) = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                let mut inbox = heap.alloc(64).unwrap();
+                let before = thread_cpu();
+                let got = b.recv(&mut inbox).unwrap();
+                (thread_cpu() - before, got)
+            });
+            std::thread::sleep(Duration::from_millis(600));
+            a.send(&src[..64]).unwrap();
+            h.join().unwrap()
+        });
+        println!("{name} mode: a 600 ms receive wait used {cpu:?} of CPU");
+        assert_eq!(got.len, 64);
+        assert!(cpu < Duration::from_millis(300), "{name} mode spun: {cpu:?} of CPU in a 600 ms wait");
+    }
+}

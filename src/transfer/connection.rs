@@ -2,15 +2,16 @@
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::transfer::Options;
+use crate::transfer::{Options, WaitMode};
 use crate::verbs::{
-    Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    Access, CompChannel, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 
 /// What a successful completion reported.
@@ -98,6 +99,147 @@ impl Default for RecvState {
     }
 }
 
+/// How a waiting thread waits for its completion.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Mode {
+    BusyPoll,
+    Event,
+    Poller,
+}
+
+/// The part of a connection that completion processing needs: CQs, routing state, failure.
+/// Shared with a [`crate::transfer::Poller`] thread when one serves the connection.
+pub(crate) struct Core {
+    pub(crate) send_cq: Cq,
+    pub(crate) recv_cq: Cq,
+    pub(crate) failed: OnceLock<Failure>,
+    send: Mutex<SendState>,
+    recv: Mutex<RecvState>,
+    mode: Mode,
+    channel: Option<CompChannel>,
+    event_lock: Mutex<()>,
+    wake: Condvar,
+    wake_lock: Mutex<u64>,
+}
+
+impl Core {
+    /// Records the first failure; returns whether this one was it.
+    fn fail(&self, f: Failure) -> bool {
+        let first = self.failed.set(f).is_ok();
+        if first {
+            tracing::debug!("connection failed: {}", f.error());
+        }
+        first
+    }
+
+    fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
+        if wc.is_ok() {
+            Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
+        } else {
+            let f = Failure { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
+            self.fail(f);
+            // A flushed request reports the failure that caused the flush.
+            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
+        }
+    }
+
+    fn reap_send(&self, st: &mut SendState) -> Result<usize> {
+        let n = self.send_cq.poll(&mut st.wcs)?;
+        for i in 0..n {
+            let id = st.wcs[i].wr_id();
+            let (retired, op) = st.tails.remove(id).unwrap_or((1, "send-queue request"));
+            st.used = st.used.saturating_sub(retired);
+            let o = self.outcome(&st.wcs[i], op);
+            st.done.insert(id, o);
+        }
+        Ok(n)
+    }
+
+    fn reap_recv(&self, st: &mut RecvState) -> Result<usize> {
+        let n = self.recv_cq.poll(&mut st.wcs)?;
+        for i in 0..n {
+            st.posted = st.posted.saturating_sub(1);
+            let o = self.outcome(&st.wcs[i], "recv");
+            st.done.insert(st.wcs[i].wr_id(), o);
+        }
+        Ok(n)
+    }
+
+    /// Reaps both CQs into the routing maps and wakes waiters if anything arrived. This is what a
+    /// poller thread calls.
+    pub(crate) fn progress(&self) -> Result<usize> {
+        let n = self.reap_send(&mut self.send.lock())? + self.reap_recv(&mut self.recv.lock())?;
+        if n > 0 && self.mode == Mode::Poller {
+            *self.wake_lock.lock() += 1;
+            self.wake.notify_all();
+        }
+        Ok(n)
+    }
+
+    /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
+    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
+        if send {
+            let mut st = self.send.lock();
+            if let Some(o) = st.done.remove(wr_id) {
+                return Ok(Some(o));
+            }
+            self.reap_send(&mut st)?;
+            Ok(st.done.remove(wr_id))
+        } else {
+            let mut st = self.recv.lock();
+            if let Some(o) = st.done.remove(wr_id) {
+                return Ok(Some(o));
+            }
+            self.reap_recv(&mut st)?;
+            Ok(st.done.remove(wr_id))
+        }
+    }
+
+    /// Puts an outcome taken by [`Core::try_claim`] back for its waiter.
+    pub(crate) fn unclaim(&self, wr_id: u64, send: bool, o: Outcome) {
+        if send {
+            self.send.lock().done.insert(wr_id, o);
+        } else {
+            self.recv.lock().done.insert(wr_id, o);
+        }
+    }
+
+    /// Waits a little for progress, the way the connection's mode says: spin, sleep on the
+    /// completion channel, or sleep until the poller thread signals.
+    fn pause(&self, spins: &mut u32, max: Duration) -> Result<()> {
+        match self.mode {
+            Mode::BusyPoll => {
+                *spins = spins.wrapping_add(1);
+                if *spins % 256 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            Mode::Event => {
+                let Some(ch) = &self.channel else { return Ok(()) };
+                // One thread sleeps on the channel at a time; others nap briefly.
+                let Some(_g) = self.event_lock.try_lock() else {
+                    std::thread::sleep(Duration::from_micros(50));
+                    return Ok(());
+                };
+                self.send_cq.arm()?;
+                self.recv_cq.arm()?;
+                // Completions that arrived before arming raise no event: collect them now.
+                if self.progress()? == 0 {
+                    ch.wait(max.min(Duration::from_millis(100)))?;
+                }
+            }
+            Mode::Poller => {
+                let mut g = self.wake_lock.lock();
+                // Bounded: a wake-up that raced this wait costs at most a millisecond.
+                self.wake.wait_for(&mut g, max.min(Duration::from_millis(1)));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A reliable connection to one peer. Operations are in [`crate::transfer`]'s `ops`, `pending`
 /// and `batch` modules; this type owns the queue pair and routes completions to their waiters.
 ///
@@ -105,16 +247,12 @@ impl Default for RecvState {
 /// every later post fails fast with the original error.
 pub struct Connection {
     pub(crate) qp: Qp,
-    pub(crate) send_cq: Cq,
-    pub(crate) recv_cq: Cq,
     pub(crate) pd: Pd,
     pub(crate) peer: Endpoint,
     pub(crate) peer_blob: Vec<u8>,
     pub(crate) opts: Options,
-    failed: OnceLock<Failure>,
+    pub(crate) core: Arc<Core>,
     next_id: AtomicU64,
-    send: Mutex<SendState>,
-    recv: Mutex<RecvState>,
     /// 8-byte landing zone for atomics' old values.
     pub(crate) scratch: Mutex<RegisteredBuf>,
     pub(crate) _tcp: Option<TcpStream>,
@@ -127,7 +265,7 @@ impl std::fmt::Debug for Connection {
         f.debug_struct("Connection")
             .field("local", &self.qp.endpoint())
             .field("peer", &self.peer)
-            .field("failed", &self.failed.get())
+            .field("failed", &self.core.failed.get())
             .finish()
     }
 }
@@ -136,8 +274,12 @@ impl Connection {
     /// Creates the QP (INIT) and CQs for a connection in `pd`.
     pub(crate) fn prepare(pd: &Pd, opts: &Options) -> Result<(Qp, Cq, Cq)> {
         let ctx = pd.context();
-        let send_cq = Cq::new(ctx, opts.send_depth + 8)?;
-        let recv_cq = Cq::new(ctx, opts.recv_depth + 8)?;
+        let (send_cq, recv_cq) = if matches!(opts.wait, WaitMode::Event) {
+            let ch = CompChannel::new(ctx)?;
+            (Cq::with_channel(ctx, opts.send_depth + 8, &ch)?, Cq::with_channel(ctx, opts.recv_depth + 8, &ch)?)
+        } else {
+            (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, opts.recv_depth + 8)?)
+        };
         let mut b = Qp::builder(pd, &send_cq, &recv_cq).caps(opts.caps());
         if let Some(p) = opts.port {
             b = b.port(p);
@@ -175,18 +317,35 @@ impl Connection {
         let mut opts = opts.clone();
         opts.send_depth = qp.caps().max_send_wr.min(opts.send_depth).max(1);
         opts.recv_depth = qp.caps().max_recv_wr.min(opts.recv_depth).max(1);
-        Ok(Connection {
-            qp,
+        let mode = match opts.wait {
+            WaitMode::BusyPoll => Mode::BusyPoll,
+            WaitMode::Event => Mode::Event,
+            WaitMode::Poller(_) => Mode::Poller,
+        };
+        let channel = send_cq.channel().cloned();
+        let core = Arc::new(Core {
             send_cq,
             recv_cq,
+            failed: OnceLock::new(),
+            send: Mutex::new(SendState::default()),
+            recv: Mutex::new(RecvState::default()),
+            mode,
+            channel,
+            event_lock: Mutex::new(()),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(0),
+        });
+        if let WaitMode::Poller(p) = &opts.wait {
+            p.serve(&core);
+        }
+        Ok(Connection {
+            qp,
             pd: pd.clone(),
             peer,
             peer_blob,
             opts,
-            failed: OnceLock::new(),
+            core,
             next_id: AtomicU64::new(1),
-            send: Mutex::new(SendState::default()),
-            recv: Mutex::new(RecvState::default()),
             scratch: Mutex::new(scratch),
             _tcp: None,
             _cm: None,
@@ -232,11 +391,11 @@ impl Connection {
 
     /// The error that failed the connection, if any.
     pub fn error(&self) -> Option<Error> {
-        self.failed.get().map(Failure::error)
+        self.core.failed.get().map(Failure::error)
     }
 
     pub(crate) fn check(&self) -> Result<()> {
-        match self.failed.get() {
+        match self.core.failed.get() {
             Some(f) => Err(f.error()),
             None => Ok(()),
         }
@@ -246,9 +405,10 @@ impl Connection {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Fails the connection (first failure wins) and moves the QP to the error state, so the
+    /// NIC flushes everything outstanding.
     fn fail(&self, f: Failure) {
-        if self.failed.set(f).is_ok() {
-            tracing::debug!("connection failed: {}", f.error());
+        if self.core.fail(f) {
             let _ = self.qp.set_error();
         }
     }
@@ -275,7 +435,7 @@ impl Connection {
         loop {
             self.check()?;
             {
-                let mut st = self.send.lock();
+                let mut st = self.core.send.lock();
                 if st.used + k <= self.opts.send_depth {
                     let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
                     let tail = first + u64::from(k) - 1;
@@ -303,35 +463,12 @@ impl Connection {
                     st.tails.insert(tail, (k, op));
                     return Ok(tail);
                 }
-                self.reap_send(&mut st)?;
+                self.core.reap_send(&mut st)?;
             }
             if start.elapsed() > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
-            std::hint::spin_loop();
-        }
-    }
-
-    fn reap_send(&self, st: &mut SendState) -> Result<()> {
-        let n = self.send_cq.poll(&mut st.wcs)?;
-        for i in 0..n {
-            let id = st.wcs[i].wr_id();
-            let (retired, op) = st.tails.remove(id).unwrap_or((1, "send-queue request"));
-            st.used = st.used.saturating_sub(retired);
-            let o = self.outcome(&st.wcs[i], op);
-            st.done.insert(id, o);
-        }
-        Ok(())
-    }
-
-    fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
-        if wc.is_ok() {
-            Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
-        } else {
-            let f = Failure { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
-            self.fail(f);
-            // A flushed request reports the failure that caused the flush.
-            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
+            self.core.pause(&mut 0, Duration::from_millis(1))?;
         }
     }
 
@@ -396,47 +533,19 @@ impl Connection {
                 // memory leak it rather than free it.
                 return Err(Error::Timeout(self.opts.op_timeout, FLUSH_LOST));
             }
-            spins = spins.wrapping_add(1);
-            if spins % 256 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            let left = (self.opts.op_timeout + Duration::from_secs(5)).saturating_sub(waited);
+            self.core.pause(&mut spins, left)?;
         }
     }
 
-    /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
+    /// Takes the outcome of `wr_id` if it has completed.
     pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
-        if send {
-            let mut st = self.send.lock();
-            if let Some(o) = st.done.remove(wr_id) {
-                return Ok(Some(o));
-            }
-            self.reap_send(&mut st)?;
-            Ok(st.done.remove(wr_id))
-        } else {
-            let mut guard = self.recv.lock();
-            let st = &mut *guard;
-            if let Some(o) = st.done.remove(wr_id) {
-                return Ok(Some(o));
-            }
-            let n = self.recv_cq.poll(&mut st.wcs)?;
-            for i in 0..n {
-                st.posted = st.posted.saturating_sub(1);
-                let o = self.outcome(&st.wcs[i], "recv");
-                st.done.insert(st.wcs[i].wr_id(), o);
-            }
-            Ok(st.done.remove(wr_id))
-        }
+        self.core.try_claim(wr_id, send)
     }
 
-    /// Puts an outcome taken by [`Connection::try_claim`] back for its waiter.
+    /// Puts an outcome back for its waiter.
     pub(crate) fn unclaim(&self, wr_id: u64, send: bool, o: Outcome) {
-        if send {
-            self.send.lock().done.insert(wr_id, o);
-        } else {
-            self.recv.lock().done.insert(wr_id, o);
-        }
+        self.core.unclaim(wr_id, send, o)
     }
 
     /// Posts one receive. Returns its id.
@@ -446,7 +555,7 @@ impl Connection {
     /// [`Connection::wait_recv`].
     pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<u64> {
         self.check()?;
-        let mut st = self.recv.lock();
+        let mut st = self.core.recv.lock();
         if st.posted >= self.opts.recv_depth {
             return Err(Error::InvalidArgument(format!(
                 "{} receives are already posted (the receive queue depth)",

@@ -9,6 +9,8 @@
 //! - Non-blocking operations own it: [`Connection::post_write`] and friends return a [`Pending`]
 //!   that keeps the buffer until its completion is reaped.
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
+//! - Completions: busy polling (default), sleeping on the completion channel
+//!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
 //! - [`Connection::grant`]: a revocable rkey for exactly one buffer (a type 2 memory window).
 //!
@@ -28,6 +30,7 @@ mod mapped;
 mod ops;
 mod options;
 mod pending;
+mod poller;
 mod tcp;
 
 pub use batch::Batch;
@@ -37,6 +40,7 @@ pub use grant::Grant;
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use ops::Received;
-pub use options::Options;
+pub use options::{Options, WaitMode};
 pub use pending::{Pending, Rejected};
+pub use poller::Poller;
 pub use tcp::Listener;

@@ -3,7 +3,20 @@
 use std::time::Duration;
 
 use crate::error::Result;
+use crate::transfer::Poller;
 use crate::verbs::{ConnectOptions, Context, QpCaps};
+
+/// How a thread waiting for a completion waits.
+#[derive(Debug, Clone, Default)]
+pub enum WaitMode {
+    /// Spin on the CQ: lowest latency, one busy core per waiting thread.
+    #[default]
+    BusyPoll,
+    /// Sleep on the connection's completion channel (no spinning).
+    Event,
+    /// Sleep until a [`Poller`] thread, which serves many connections, reports progress.
+    Poller(Poller),
+}
 
 /// How a [`crate::transfer::Connection`] is set up. Defaults suit a data-center RC link; the
 /// device defaults come from `MRALLOC_DEVICE` / `MRALLOC_GID_INDEX` or the first active port.
@@ -29,6 +42,8 @@ pub struct Options {
     pub gid_index: Option<u32>,
     /// Limit on connection setup (TCP connect and the endpoint exchange).
     pub connect_timeout: Duration,
+    /// How threads wait for completions (default: busy polling, for the lowest latency).
+    pub wait: WaitMode,
     /// Limit on waiting for one operation's completion; past it the connection is failed (its
     /// QP moved to the error state) so that no memory stays in the NIC's hands.
     pub op_timeout: Duration,
@@ -46,6 +61,7 @@ impl Default for Options {
             device: None,
             port: None,
             gid_index: None,
+            wait: WaitMode::BusyPoll,
             connect_timeout: Duration::from_secs(10),
             op_timeout: Duration::from_secs(30),
         }

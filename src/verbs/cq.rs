@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
-use crate::verbs::Context;
+use crate::verbs::{CompChannel, Context};
 
 macro_rules! wc_statuses {
     ($($variant:ident = $raw:ident, $name:literal;)*) => {
@@ -234,6 +234,8 @@ pub(crate) struct CqInner {
     pub(crate) cq: *mut ffi::ibv_cq,
     pub(crate) ctx: Context,
     pub(crate) depth: u32,
+    /// Dropped after the CQ is destroyed (field order after Drop::drop).
+    pub(crate) _channel: Option<CompChannel>,
 }
 
 // SAFETY: ibv_poll_cq and ibv_destroy_cq may be called from any thread (providers lock the CQ);
@@ -267,18 +269,43 @@ impl std::fmt::Debug for Cq {
 impl Cq {
     /// Creates a CQ with room for at least `depth` completions.
     pub fn new(ctx: &Context, depth: u32) -> Result<Cq> {
+        Cq::create(ctx, depth, None)
+    }
+
+    /// Creates a CQ that raises events on `channel` when armed (see [`Cq::arm`]).
+    pub fn with_channel(ctx: &Context, depth: u32, channel: &CompChannel) -> Result<Cq> {
+        Cq::create(ctx, depth, Some(channel.clone()))
+    }
+
+    fn create(ctx: &Context, depth: u32, channel: Option<CompChannel>) -> Result<Cq> {
         if depth == 0 || depth > i32::MAX as u32 {
             return Err(Error::InvalidArgument(format!("CQ depth {depth} out of range")));
         }
-        // SAFETY: ctx is live; no completion channel, vector 0.
-        let cq =
-            unsafe { ffi::ibv_create_cq(ctx.as_raw(), depth as i32, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        let ch = channel.as_ref().map_or(std::ptr::null_mut(), CompChannel::as_raw);
+        // SAFETY: ctx is live; the channel (if any) is kept alive by the CQ.
+        let cq = unsafe { ffi::ibv_create_cq(ctx.as_raw(), depth as i32, std::ptr::null_mut(), ch, 0) };
         if cq.is_null() {
             return Err(Error::verbs("ibv_create_cq", 0));
         }
         // SAFETY: cq is live; cqe is the actual capacity the provider chose.
         let actual = unsafe { (*cq).cqe }.max(0) as u32;
-        Ok(Cq { inner: Arc::new(CqInner { cq, ctx: ctx.clone(), depth: actual }) })
+        Ok(Cq { inner: Arc::new(CqInner { cq, ctx: ctx.clone(), depth: actual, _channel: channel }) })
+    }
+
+    /// The completion channel the CQ raises events on, if any.
+    pub fn channel(&self) -> Option<&CompChannel> {
+        self.inner._channel.as_ref()
+    }
+
+    /// Requests an event on the CQ's channel for the next completion (`ibv_req_notify_cq`).
+    /// Poll once more after arming: completions that arrived before it raise no event.
+    pub fn arm(&self) -> Result<()> {
+        // SAFETY: the CQ is live.
+        let rc = unsafe { ffi::ibv_req_notify_cq(self.inner.cq, 0) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_req_notify_cq", rc));
+        }
+        Ok(())
     }
 
     /// Capacity actually allocated (≥ the requested depth).

@@ -8,6 +8,7 @@
 //! NIC touches the memory after the call returns. The transfer layer makes that safe by owning
 //! or borrowing the memory until the completion is reaped.
 
+mod channel;
 mod context;
 mod cq;
 mod device;
@@ -18,6 +19,7 @@ mod pd;
 mod qp;
 mod wr;
 
+pub use channel::CompChannel;
 pub use context::{Context, GidEntry, LinkLayer, PortInfo, PortState};
 pub use cq::{Cq, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{devices, numa_node_of, DeviceInfo};

@@ -1,0 +1,91 @@
+//! Completion channels: block on a file descriptor until a CQ has a completion.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::verbs::Context;
+
+struct ChanInner {
+    ch: *mut ffi::ibv_comp_channel,
+    _ctx: Context,
+}
+
+// SAFETY: a completion channel is a file descriptor plus kernel state; verbs on it are
+// thread-safe; destroyed only in Drop, after every CQ using it (they hold a clone).
+unsafe impl Send for ChanInner {}
+// SAFETY: as above.
+unsafe impl Sync for ChanInner {}
+
+impl Drop for ChanInner {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_comp_channel; no CQ uses it any more.
+        unsafe { ffi::ibv_destroy_comp_channel(self.ch) };
+    }
+}
+
+/// A completion channel (`ibv_comp_channel`). CQs created with it ([`crate::verbs::Cq::with_channel`])
+/// raise an event on it when armed ([`crate::verbs::Cq::arm`]) and a completion arrives.
+#[derive(Clone)]
+pub struct CompChannel {
+    inner: Arc<ChanInner>,
+}
+
+impl std::fmt::Debug for CompChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompChannel").field("fd", &self.fd()).finish()
+    }
+}
+
+impl CompChannel {
+    /// Creates a channel on `ctx`.
+    pub fn new(ctx: &Context) -> Result<CompChannel> {
+        // SAFETY: ctx is live.
+        let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
+        if ch.is_null() {
+            return Err(Error::verbs("ibv_create_comp_channel", 0));
+        }
+        Ok(CompChannel { inner: Arc::new(ChanInner { ch, _ctx: ctx.clone() }) })
+    }
+
+    /// The file descriptor (readable when an event is pending), e.g. for an event loop.
+    pub fn fd(&self) -> i32 {
+        // SAFETY: the channel is live.
+        unsafe { (*self.inner.ch).fd }
+    }
+
+    /// The raw channel, valid while this value lives.
+    pub fn as_raw(&self) -> *mut ffi::ibv_comp_channel {
+        self.inner.ch
+    }
+
+    /// Sleeps until an event arrives or `timeout` passes; consumes and acknowledges the event.
+    /// Returns whether one arrived. Re-arm the CQ before the next wait.
+    pub fn wait(&self, timeout: Duration) -> Result<bool> {
+        let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(Error::Io { what: "polling a completion channel".into(), source: e });
+        }
+        if rc == 0 {
+            return Ok(false);
+        }
+        let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: the fd is readable, so this does not block; out-pointers are valid.
+        if unsafe { ffi::ibv_get_cq_event(self.inner.ch, &mut cq, &mut ctx) } != 0 {
+            return Err(Error::verbs("ibv_get_cq_event", 0));
+        }
+        // SAFETY: cq is one of the live CQs on this channel (they outlive their events' handling).
+        unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
+    }
+}
