@@ -136,12 +136,12 @@ pub enum Error {
         size: u64,
     },
     /// A jemalloc control call failed.
-    #[error("jemalloc {what} failed (error {errno})")]
+    #[error("jemalloc {what} failed: {detail}")]
     Jemalloc {
         /// The mallctl name.
         what: String,
-        /// Its error code.
-        errno: i32,
+        /// jemalloc's explanation of the error code.
+        detail: String,
     },
     /// An I/O error outside the verbs (e.g. mmap, sysfs).
     #[error("{what}: {source}")]

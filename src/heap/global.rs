@@ -102,23 +102,23 @@ fn name(args: std::fmt::Arguments<'_>) -> Option<Name> {
     Some(n) // buf is zeroed, so it stays NUL-terminated
 }
 
-fn mallctl_write<T>(n: &Name, v: &T) -> i32 {
-    // SAFETY: n is NUL-terminated; newp points at a T of newlen bytes.
-    unsafe {
-        je::mallctl(
-            n.buf.as_ptr().cast(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            v as *const T as *mut libc::c_void,
-            std::mem::size_of::<T>(),
-        )
+impl Name {
+    /// The name with its NUL terminator (buf is zeroed past len).
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..=self.len]
     }
 }
 
-fn mallctl_read<T: Copy>(n: &Name, v: &mut T) -> i32 {
-    let mut len = std::mem::size_of::<T>();
-    // SAFETY: n is NUL-terminated; oldp points at a T of oldlen bytes.
-    unsafe { je::mallctl(n.buf.as_ptr().cast(), (v as *mut T).cast(), &mut len, std::ptr::null_mut(), 0) }
+/// Writes a mallctl value through tikv-jemalloc-ctl (no allocation). Returns whether it worked.
+fn mallctl_write<T>(n: &Name, v: T) -> bool {
+    // SAFETY: callers pass the type the named mallctl expects; the name is NUL-terminated.
+    unsafe { tikv_jemalloc_ctl::raw::write(n.bytes(), v) }.is_ok()
+}
+
+/// Reads a mallctl value through tikv-jemalloc-ctl (no allocation).
+fn mallctl_read<T: Copy>(n: &Name) -> Option<T> {
+    // SAFETY: as above.
+    unsafe { tikv_jemalloc_ctl::raw::read(n.bytes()) }.ok()
 }
 
 /// Writes one line to stderr without allocating.
@@ -213,22 +213,19 @@ impl Global {
         }
         // Keep our malloc_conf definition linked in (and visible in a debugger).
         let _ = std::hint::black_box(&_rjem_malloc_conf);
-        let mut narenas: libc::c_uint = 0;
-        let Some(n) = name(format_args!("opt.narenas")) else { return false };
-        if mallctl_read(&n, &mut narenas) != 0 {
+        let Some(narenas) = name(format_args!("opt.narenas")).and_then(|n| mallctl_read::<libc::c_uint>(&n)) else {
             return false;
-        }
+        };
         let hooks = self.owner.hooks_ptr();
         for i in 0..narenas {
             let Some(n) = name(format_args!("arena.{i}.extent_hooks")) else { return false };
-            let rc = mallctl_write(&n, &hooks);
-            if rc != 0 {
-                report(format_args!("mralloc::Global: installing hooks on arena {i} failed (error {rc})"));
+            if !mallctl_write(&n, hooks) {
+                report(format_args!("mralloc::Global: installing hooks on arena {i} failed"));
                 return false;
             }
             for what in ["dirty_decay_ms", "muzzy_decay_ms"] {
                 if let Some(n) = name(format_args!("arena.{i}.{what}")) {
-                    mallctl_write(&n, &(-1isize));
+                    mallctl_write(&n, -1isize);
                 }
             }
         }
@@ -244,7 +241,7 @@ impl Global {
         else {
             return;
         };
-        mallctl_write(&tc, &false);
+        mallctl_write(&tc, false);
         // SAFETY: a command mallctl with no values.
         unsafe {
             je::mallctl(purge.buf.as_ptr().cast(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), 0)
@@ -260,7 +257,7 @@ impl Global {
                 break;
             }
         }
-        mallctl_write(&tc, &true);
+        mallctl_write(&tc, true);
     }
 
     #[inline]

@@ -1,4 +1,6 @@
-//! Thin helpers over jemalloc's `mallctl` for arenas, thread caches and statistics.
+//! Helpers over jemalloc's `mallctl` for arenas, thread caches and statistics: values go
+//! through tikv-jemalloc-ctl; the two shapes it does not cover (a command with no value, and
+//! `arenas.create`, which reads an index and writes a hooks pointer) call mallctl directly.
 
 use std::ffi::CString;
 
@@ -7,48 +9,44 @@ use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
 
-fn name(n: &str) -> CString {
-    CString::new(n).expect("mallctl names contain no NUL")
+fn name(n: &str) -> Result<CString> {
+    CString::new(n).map_err(|_| Error::InvalidArgument(format!("mallctl name {n:?} contains NUL")))
 }
 
 fn check(what: &str, rc: i32) -> Result<()> {
     if rc == 0 {
         Ok(())
     } else {
-        Err(Error::Jemalloc { what: what.to_string(), errno: rc })
+        Err(Error::Jemalloc { what: what.to_string(), detail: std::io::Error::from_raw_os_error(rc).to_string() })
     }
 }
 
-/// Reads a value.
-pub(crate) fn read<T: Copy + Default>(n: &str) -> Result<T> {
-    let mut v = T::default();
-    let mut len = std::mem::size_of::<T>();
-    let c = name(n);
-    // SAFETY: oldp points at a T of oldlen bytes; jemalloc checks the length matches.
-    let rc = unsafe { je::mallctl(c.as_ptr(), (&mut v as *mut T).cast(), &mut len, std::ptr::null_mut(), 0) };
-    check(n, rc).map(|_| v)
+fn nul(n: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(n.len() + 1);
+    v.extend_from_slice(n.as_bytes());
+    v.push(0);
+    v
 }
 
-/// Writes a value.
+fn ctl_err(what: &str, e: tikv_jemalloc_ctl::Error) -> Error {
+    Error::Jemalloc { what: what.to_string(), detail: e.to_string() }
+}
+
+/// Reads a value (through tikv-jemalloc-ctl).
+pub(crate) fn read<T: Copy>(n: &str) -> Result<T> {
+    // SAFETY: every caller names a mallctl whose value has type T.
+    unsafe { tikv_jemalloc_ctl::raw::read::<T>(&nul(n)) }.map_err(|e| ctl_err(n, e))
+}
+
+/// Writes a value (through tikv-jemalloc-ctl).
 pub(crate) fn write<T: Copy>(n: &str, v: T) -> Result<()> {
-    let mut v = v;
-    let c = name(n);
-    // SAFETY: newp points at a T of newlen bytes; jemalloc checks the length matches.
-    let rc = unsafe {
-        je::mallctl(
-            c.as_ptr(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            (&mut v as *mut T).cast(),
-            std::mem::size_of::<T>(),
-        )
-    };
-    check(n, rc)
+    // SAFETY: every caller names a mallctl whose value has type T.
+    unsafe { tikv_jemalloc_ctl::raw::write::<T>(&nul(n), v) }.map_err(|e| ctl_err(n, e))
 }
 
 /// Runs a command mallctl (no input, no output), e.g. `arena.9.purge`.
 pub(crate) fn run(n: &str) -> Result<()> {
-    let c = name(n);
+    let c = name(n)?;
     // SAFETY: no old or new value.
     let rc = unsafe { je::mallctl(c.as_ptr(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), 0) };
     check(n, rc)
@@ -59,7 +57,7 @@ pub(crate) fn create_arena(hooks: *mut je::extent_hooks_t) -> Result<u32> {
     let mut ind: libc::c_uint = 0;
     let mut len = std::mem::size_of::<libc::c_uint>();
     let mut h = hooks;
-    let c = name("arenas.create");
+    let c = name("arenas.create")?;
     // SAFETY: oldp is a c_uint; newp is an `extent_hooks_t *` as arenas.create expects.
     let rc = unsafe {
         je::mallctl(
