@@ -13,15 +13,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
 
-const SIZES: [usize; 5] = [64, 512, 4096, 65536, 1 << 20];
+mod common;
 
-fn label(n: usize) -> String {
-    match n {
-        n if n >= 1 << 20 => format!("{}MiB", n >> 20),
-        n if n >= 1 << 10 => format!("{}KiB", n >> 10),
-        n => format!("{n}B"),
-    }
-}
+use common::{config, label, SIZES};
 
 /// One alloc+free pair through a GlobalAlloc-like pair of closures.
 fn pairs(c: &mut Criterion, heap: &Heap) {
@@ -144,13 +138,6 @@ fn all(c: &mut Criterion) {
     batches(c, &heap);
     threaded(c, &heap);
     lookups(c, &heap);
-}
-
-fn config() -> Criterion {
-    Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_millis(1200))
-        .sample_size(20)
 }
 
 criterion_group! { name = benches; config = config(); targets = all }

@@ -3,22 +3,15 @@
 
 use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
-use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
 #[global_allocator]
 static A: mralloc::heap::Global = mralloc::heap::Global::new();
 
-const SIZES: [usize; 5] = [64, 512, 4096, 65536, 1 << 20];
+mod common;
 
-fn label(n: usize) -> String {
-    match n {
-        n if n >= 1 << 20 => format!("{}MiB", n >> 20),
-        n if n >= 1 << 10 => format!("{}KiB", n >> 10),
-        n => format!("{n}B"),
-    }
-}
+use common::{config, label, SIZES};
 
 fn all(c: &mut Criterion) {
     assert!(A.is_ready());
@@ -61,13 +54,6 @@ fn all(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-fn config() -> Criterion {
-    Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_millis(1200))
-        .sample_size(20)
 }
 
 criterion_group! { name = benches; config = config(); targets = all }

@@ -244,12 +244,7 @@ fn device_two_processes_over_tcp_exchange() {
     let mut ack = heap.alloc(8).unwrap();
     let got = conn.recv(&mut ack).unwrap();
     assert_eq!((got.len, &ack[..]), (8, &b"verified"[..]));
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    for line in text.lines() {
-        println!("  server| {line}");
-    }
-    assert!(out.status.success(), "server process failed");
+    let text = finish_child(child, "server");
     assert!(text.contains("server: verified 1048576 bytes, imm 42"));
 }
 
@@ -288,14 +283,7 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
         .unwrap();
     let (pd, heap) = setup();
     let opts = Options { op_timeout: Duration::from_secs(10), ..Options::default() };
-    let start = Instant::now();
-    let conn = loop {
-        match Connection::connect(("127.0.0.1", port), &pd, opts.clone()) {
-            Ok(c) => break c,
-            Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(100)),
-            Err(e) => panic!("connecting to the victim: {e}"),
-        }
-    };
+    let conn = connect_retrying(|| Connection::connect(("127.0.0.1", port), &pd, opts.clone()));
     let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
     let data = heap.alloc(64 << 10).unwrap();
     for _ in 0..10 {
@@ -351,22 +339,11 @@ fn device_two_processes_over_rdma_cm() {
         return;
     }
     let port = 30000 + (std::process::id() % 20000) as u16;
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "device_two_processes_over_rdma_cm", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("MRALLOC_CM_SERVER", port.to_string())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_self("device_two_processes_over_rdma_cm", ("MRALLOC_CM_SERVER", port.to_string()));
     let (pd, heap) = setup();
-    let start = Instant::now();
-    let conn = loop {
-        match Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"hello over cm") {
-            Ok(c) => break c,
-            Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(200)),
-            Err(e) => panic!("connect_cm to the server process: {e}"),
-        }
-    };
+    let conn = connect_retrying(|| {
+        Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"hello over cm")
+    });
     let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
     let mut data = heap.alloc(256 << 10).unwrap();
     data.copy_from_slice(&pattern(5, 256 << 10));
@@ -374,12 +351,7 @@ fn device_two_processes_over_rdma_cm() {
     let mut ack = heap.alloc(2).unwrap();
     assert_eq!(conn.recv(&mut ack).unwrap().len, 2);
     assert_eq!(&ack[..], b"ok");
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    for line in text.lines() {
-        println!("  server| {line}");
-    }
-    assert!(out.status.success(), "CM server process failed");
+    let text = finish_child(child, "server");
     assert!(text.contains("cm server: verified 262144 bytes, imm 7"));
     // Blobs over the CM limit are refused before anything is sent.
     let big = [0u8; mralloc::transfer::MAX_CM_BLOB + 1];

@@ -34,7 +34,8 @@ unsafe impl Send for Buffer<'_> {}
 // SAFETY: &Buffer only gives shared access to the bytes.
 unsafe impl Sync for Buffer<'_> {}
 
-fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+/// Resolves `r` against a buffer of `len` bytes: `(start, end)`, or the typed out-of-bounds error.
+pub(crate) fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
     let start = match r.start_bound() {
         Bound::Included(&s) => s,
         Bound::Excluded(&s) => s.saturating_add(1),

@@ -24,6 +24,7 @@ mod scoped;
 mod stats;
 mod tcache;
 
+pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
 pub use global::Global;

@@ -62,6 +62,20 @@ impl Drop for Channel {
 
 struct Id(*mut ffi::rdma_cm_id);
 
+impl Id {
+    /// A TCP-port-space id whose events arrive on `channel`.
+    fn new(channel: &Channel) -> Result<Id> {
+        let mut raw: *mut ffi::rdma_cm_id = std::ptr::null_mut();
+        // SAFETY: live channel; out-pointer.
+        if unsafe { ffi::rdma_create_id(channel.0, &mut raw, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP) }
+            != 0
+        {
+            return Err(Error::verbs("rdma_create_id", 0));
+        }
+        Ok(Id(raw))
+    }
+}
+
 impl Drop for Id {
     fn drop(&mut self) {
         // SAFETY: a live id whose events have all been acknowledged.
@@ -280,14 +294,7 @@ impl Connection {
         let deadline = Instant::now() + opts.connect_timeout;
         let left = || Some(deadline.saturating_duration_since(Instant::now()));
         let channel = Channel::new()?;
-        let mut raw: *mut ffi::rdma_cm_id = std::ptr::null_mut();
-        // SAFETY: live channel; out-pointer.
-        if unsafe { ffi::rdma_create_id(channel.0, &mut raw, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP) }
-            != 0
-        {
-            return Err(Error::verbs("rdma_create_id", 0));
-        }
-        let id = Id(raw);
+        let id = Id::new(&channel)?;
         let mut dst = sockaddr(target);
         let ms = opts.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: live id; dst is a valid sockaddr.
@@ -331,9 +338,8 @@ pub struct CmListener {
     opts: Options,
 }
 
-// SAFETY: the listener's id and channel are only used through &mut-free calls that librdmacm
-// serialises; accept() takes &self but events are read from one channel at a time by design of
-// the caller (documented: accept from one thread).
+// SAFETY: the listener's id and channel move with it; accept takes &mut self, so one thread at a
+// time reads its event channel.
 unsafe impl Send for CmListener {}
 
 impl CmListener {
@@ -341,14 +347,7 @@ impl CmListener {
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<CmListener> {
         let at = resolve(addr)?;
         let channel = Channel::new()?;
-        let mut raw: *mut ffi::rdma_cm_id = std::ptr::null_mut();
-        // SAFETY: live channel; out-pointer.
-        if unsafe { ffi::rdma_create_id(channel.0, &mut raw, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP) }
-            != 0
-        {
-            return Err(Error::verbs("rdma_create_id", 0));
-        }
-        let id = Id(raw);
+        let id = Id::new(&channel)?;
         let mut sa = sockaddr(at);
         // SAFETY: live id; valid sockaddr.
         if unsafe { ffi::rdma_bind_addr(id.0, (&mut sa as *mut libc::sockaddr_storage).cast()) } != 0 {

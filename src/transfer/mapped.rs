@@ -1,7 +1,7 @@
 //! Memory-mapped files registered for zero-copy file transfer.
 
 use std::fs::{File, OpenOptions};
-use std::ops::{Bound, RangeBounds};
+use std::ops::RangeBounds;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
@@ -182,22 +182,9 @@ impl MappedFile {
 
     /// A range of the file, usable as the local side of any operation.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MappedSlice<'_>> {
-        let start = match range.start_bound() {
-            Bound::Included(&s) => s,
-            Bound::Excluded(&s) => s.saturating_add(1),
-            Bound::Unbounded => 0,
-        };
-        let end = match range.end_bound() {
-            Bound::Included(&e) => e.saturating_add(1),
-            Bound::Excluded(&e) => e,
-            Bound::Unbounded => self.len,
-        };
-        if start >= end || end > self.len {
-            return Err(Error::OutOfBounds {
-                offset: start as u64,
-                len: end.saturating_sub(start) as u64,
-                size: self.len as u64,
-            });
+        let (start, end) = crate::heap::range_of(range, self.len)?;
+        if start == end {
+            return Err(Error::OutOfBounds { offset: start as u64, len: 0, size: self.len as u64 });
         }
         Ok(MappedSlice { file: self, start, len: end - start })
     }

@@ -111,3 +111,41 @@ pub fn churn(heap: &mralloc::heap::Heap, ops: usize, max_live: usize, max_size: 
     drop(live);
     (peak, heap.stats().mapped_bytes)
 }
+
+/// Runs test `name` of this test binary again as a child process with `env` set (the child takes
+/// the other role of a two-process test), capturing its output.
+pub fn spawn_self(name: &str, env: (&str, String)) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().expect("test binary path"))
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(env.0, env.1)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning the peer process")
+}
+
+/// Waits for a child from [`spawn_self`], prints its output prefixed (so its libtest summary is
+/// not counted as ours), asserts success, and returns the output.
+pub fn finish_child(child: std::process::Child, who: &str) -> String {
+    let out = child.wait_with_output().expect("waiting for the peer process");
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    for line in text.lines() {
+        println!("  {who}| {line}");
+    }
+    assert!(out.status.success(), "{who} process failed");
+    text
+}
+
+/// Retries `connect` for up to a minute while the peer process starts listening.
+pub fn connect_retrying<T>(mut connect: impl FnMut() -> mralloc::Result<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        match connect() {
+            Ok(c) => return c,
+            Err(_) if start.elapsed() < std::time::Duration::from_secs(60) => {
+                std::thread::sleep(std::time::Duration::from_millis(200))
+            }
+            Err(e) => panic!("connecting to the peer process: {e}"),
+        }
+    }
+}
