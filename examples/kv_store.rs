@@ -182,7 +182,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
     }
     note[..4].copy_from_slice(&u32::MAX.to_be_bytes());
     conn.send(&note)?;
-    let (puts, gets) = ((ops + 1) / 2, ops / 2);
+    let (puts, gets) = (ops.div_ceil(2), ops / 2);
     println!(
         "client {id}: {puts} PUTs (write + notify, {:.1} µs each), {gets} GETs by one-sided READ ({:.1} µs each), read-your-writes verified",
         put_t * 1e6 / puts.max(1) as f64,
