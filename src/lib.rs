@@ -8,17 +8,17 @@
 //!
 //! ## The whole path
 //!
-//! Heap → buffer → connect → write → verify. (Both queue pairs are on one device here, a loopback
-//! connection; between hosts the endpoints travel over TCP or RDMA CM.)
+//! Heap → buffer → connect → write → verify. Here both ends are in one process (a loopback pair on
+//! one device); between hosts, [`transfer::Listener`] / [`transfer::Connection::connect`] (TCP) or
+//! [`transfer::CmListener`] / [`transfer::Connection::connect_cm`] (RDMA CM) set up the same thing.
 //!
 //! ```no_run
-//! use std::time::Duration;
 //! use mralloc::heap::Heap;
-//! use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, SendOp, SendWr};
+//! use mralloc::transfer::{Connection, Options};
+//! use mralloc::verbs::{Access, Context, Pd};
 //!
 //! // 1. A registered heap on the device (MRALLOC_DEVICE, or the first active one).
-//! let ctx = Context::open_default()?;
-//! let pd = Pd::new(&ctx)?;
+//! let pd = Pd::new(&Context::open_default()?)?;
 //! let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
 //!
 //! // 2. Buffers come out registered: no ibv_reg_mr per buffer, keys included.
@@ -26,21 +26,19 @@
 //! let dst = heap.alloc(4096)?;
 //! src[..11].copy_from_slice(b"hello, rdma");
 //!
-//! // 3. Connect two RC queue pairs.
-//! let cq = Cq::new(&ctx, 64)?;
-//! let (a, b) = (Qp::builder(&pd, &cq, &cq).build()?, Qp::builder(&pd, &cq, &cq).build()?);
-//! a.connect(&b.endpoint(), &ConnectOptions::default())?;
-//! b.connect(&a.endpoint(), &ConnectOptions::default())?;
+//! // 3. Connect (two RC queue pairs; `dst.remote()` is what a peer would be sent).
+//! let (a, _b) = Connection::pair(&pd, &Options::default())?;
 //!
-//! // 4. RDMA WRITE src into dst (dst.remote() is what a peer would be sent), and verify.
-//! let remote = dst.remote()?;
-//! let sge = [src.sge(..11)?];
-//! // SAFETY: src and dst stay alive and untouched until the completion is polled below.
-//! unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, 11)?))])? };
-//! cq.next(Duration::from_secs(5))?.ok()?;
+//! // 4. Zero-copy RDMA WRITE; returns when the NIC is done with `src`.
+//! a.write(&src[..11], &dst.remote()?)?;
 //! assert_eq!(&dst[..11], b"hello, rdma");
 //! # Ok::<(), mralloc::Error>(())
 //! ```
+//!
+//! Every step is safe code: buffers outlive their heap's registration, operations borrow (or, with
+//! `post_*`, own) their memory until the NIC has finished with it, remote ranges are bounds-checked
+//! before anything is posted, and a failed connection refuses further posts with the original
+//! error. The raw, `unsafe` verbs remain available in [`verbs`].
 //!
 //! ## Global or scoped
 //!
@@ -57,6 +55,14 @@
 //! before they are touched (registered pages cannot migrate later); `Node(n)` picks one; a device
 //! without a node (virtual ones such as rxe) means no binding, and a `tracing` event says so.
 //! [`heap::nodes_of_pages`] checks placement from outside.
+//!
+//! ## Remote grants and mapped files
+//!
+//! A heap's own rkey covers whole chunks and is only handed out when the heap was built with remote
+//! rights. To expose exactly one buffer, [`transfer::Connection::grant`] binds a type 2 memory
+//! window to it and returns a fresh rkey, revoked by [`transfer::Grant::revoke`].
+//! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
+//! one), so files move NIC to NIC without a copy.
 //!
 //! ## What is pinned, what is never purged
 //!
