@@ -59,7 +59,9 @@ impl RemoteBuf {
     /// The address of `offset` (bounds-checked against `len` bytes following it).
     pub fn at(&self, offset: u64, len: u64) -> Result<RemoteAddr> {
         let end = offset.checked_add(len);
-        if end.is_none_or(|e| e > self.len) {
+        // Also refuse a range that wraps the address space (the fields are public: a RemoteBuf
+        // need not come from from_bytes, which checks this too).
+        if end.is_none_or(|e| e > self.len || self.addr.checked_add(e).is_none()) {
             return Err(Error::OutOfBounds { offset, len, size: self.len });
         }
         Ok(RemoteAddr { addr: self.addr + offset, rkey: self.rkey })
@@ -82,5 +84,7 @@ mod tests {
         assert!(r.at(4095, 1).is_ok());
         assert!(r.at(4095, 2).is_err());
         assert!(r.at(u64::MAX, 2).is_err());
+        let wrapping = RemoteBuf { addr: u64::MAX - 10, len: 4096, rkey: 1 };
+        assert!(wrapping.at(0, 4096).is_err(), "a range that wraps the address space");
     }
 }
