@@ -129,3 +129,50 @@ fn device_global_bind_registers_values_created_before_bind() {
     let later = vec![9u8; 5 << 20];
     assert!(mralloc::keys_of(later.as_ptr()).is_some());
 }
+
+/// Plain Vecs from the global allocator, churned by two threads while each thread streams them
+/// through its own connection: every byte checked, nothing outside a registered chunk.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_global_multithreaded_workload_with_transfers() {
+    use mralloc::transfer::{Connection, Options};
+    let lb = loopback();
+    A.bind(&lb.pd).unwrap();
+    let moved: usize = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u64)
+            .map(|t| {
+                let pd = &lb.pd;
+                s.spawn(move || {
+                    let (a, b) = Connection::pair(pd, &Options::default()).unwrap();
+                    let mut rng = Rng(77 + t);
+                    let mut keep: Vec<Vec<u8>> = Vec::new();
+                    let mut moved = 0;
+                    for i in 0..200 {
+                        let n = 1 + rng.below(256 << 10) as usize;
+                        let v = pattern(t * 1000 + i, n); // an ordinary Vec
+                        let pending = b.post_recv(vec![0u8; n]).unwrap(); // another one receives
+                        a.send(&v[..]).unwrap();
+                        let (got, r) = pending.wait().unwrap();
+                        assert_eq!(r.len, n);
+                        assert_bytes_eq(&got, &v, &format!("thread {t} message {i}"));
+                        moved += n;
+                        keep.push(v);
+                        if keep.len() > 32 {
+                            keep.swap_remove(rng.below(32) as usize);
+                        }
+                        let churn: Vec<Box<[u8]>> = (0..8)
+                            .map(|k| vec![k as u8; 1 + (i as usize * 37 + k) % 5000].into_boxed_slice())
+                            .collect();
+                        assert!(
+                            churn.iter().all(|c| mralloc::keys_of(c.as_ptr()).is_some()),
+                            "churned allocation without keys"
+                        );
+                    }
+                    moved
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    println!("Global under 2 threads: {moved} bytes of plain Vecs sent and verified; {:?}", A.stats());
+}

@@ -125,3 +125,17 @@ unsafe impl<T: Local + ?Sized> Local for &mut T {
 }
 // SAFETY: as above.
 unsafe impl<T: LocalMut + ?Sized> LocalMut for &mut T {}
+
+// SAFETY: a Vec's buffer is valid for its length while the Vec is owned or borrowed; its key is
+// looked up in the page map (plain Vecs have keys when `heap::Global` is the process allocator
+// and bound), never assumed.
+unsafe impl Local for Vec<u8> {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+}
+// SAFETY: as above; operations take it by value or &mut.
+unsafe impl LocalMut for Vec<u8> {}
