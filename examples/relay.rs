@@ -6,6 +6,8 @@
 //! ```text
 //! scripts/softroce -- cargo run --release --example relay -- [--size BYTES]   # all three roles
 //! relay c --port 7482 --size N ; relay b --port 7481 --next C:7482 --size N ; relay a --addr B:7481 --size N
+//! # on three VMs linked in a line (scripts/softroce --hosts 3 --links line): roles from MRALLOC_HOST
+//! relay host --size N
 //! ```
 
 mod common;
@@ -31,6 +33,7 @@ fn main() {
         Some("a") => a(&args),
         Some("b") => b(&args),
         Some("c") => c(&args),
+        Some("host") => host(&args),
         None => all(&args),
         Some(other) => fail(&format!("unknown role {other} (a | b | c)")),
     };
@@ -53,20 +56,64 @@ fn all(args: &Args) -> mralloc::Result<()> {
     Ok(())
 }
 
-fn setup() -> mralloc::Result<(Pd, Heap)> {
-    let pd = Pd::new(&Options::default().open_device()?)?;
+/// Host 0, 1, 2 of a linked-VM line become A, B, C; addresses and devices come from the links.
+fn host(args: &Args) -> mralloc::Result<()> {
+    let me: usize = std::env::var("MRALLOC_HOST")
+        .ok()
+        .and_then(|h| h.parse().ok())
+        .unwrap_or_else(|| fail("MRALLOC_HOST is not set"));
+    let link = |peer| common::link_to(peer).unwrap_or_else(|| fail(&format!("host {me} has no link to host {peer}")));
+    let size = ("size", args.num("size", 16 << 20).to_string());
+    match me {
+        0 => {
+            let (dev, _, b_ip) = link(1);
+            a(&Args::with("a", &[("addr", format!("{b_ip}:7481")), ("device", dev), size]))
+        }
+        1 => {
+            let ((dev_in, ip_in, _), (dev_out, _, c_ip)) = (link(0), link(2));
+            b(&Args::with(
+                "b",
+                &[
+                    ("bind", ip_in),
+                    ("port", "7481".into()),
+                    ("device-in", dev_in),
+                    ("next", format!("{c_ip}:7482")),
+                    ("device-out", dev_out),
+                    size,
+                ],
+            ))
+        }
+        2 => {
+            let (dev, ip, _) = link(1);
+            c(&Args::with("c", &[("bind", ip), ("port", "7482".into()), ("device", dev), size]))
+        }
+        _ => fail("relay runs on 3 hosts"),
+    }
+}
+
+fn pd_on(device: Option<&str>) -> mralloc::Result<Pd> {
+    let opts = Options { device: device.map(str::to_owned), ..Options::default() };
+    Pd::new(&opts.open_device()?)
+}
+
+fn opts_on(device: Option<&str>) -> Options {
+    Options { device: device.map(str::to_owned), ..Options::default() }
+}
+
+fn setup_on(device: Option<&str>) -> mralloc::Result<(Pd, Heap)> {
+    let pd = pd_on(device)?;
     let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
     Ok((pd, heap))
 }
 
 fn a(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = setup_on(args.get("device"))?;
     let size = args.num("size", 16 << 20);
     let mut data = heap.alloc(size)?;
     data.copy_from_slice(&common::data(42, size));
     let crc = crc32(&data);
     let addr = args.str_or("addr", "127.0.0.1:7481");
-    let conn = common::retry(|| Connection::connect(addr.as_str(), &pd, Options::default()))?;
+    let conn = common::retry(|| Connection::connect(addr.as_str(), &pd, opts_on(args.get("device"))))?;
     let landing = RemoteBuf::from_bytes(conn.peer_blob())?;
     let t = Instant::now();
     conn.write_with_imm(&data, &landing, 0, crc)?;
@@ -80,13 +127,22 @@ fn a(args: &Args) -> mralloc::Result<()> {
 }
 
 fn b(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    // B may reach A and C through different devices: one PD each, one heap registered with both.
+    let (dev_in, dev_out) = (args.get("device-in"), args.get("device-out"));
+    let pd_in = pd_on(dev_in)?;
+    let pd_out = if dev_out.is_some() && dev_out != dev_in { pd_on(dev_out)? } else { pd_in.clone() };
+    let mut hb = Heap::builder().bind(&pd_in).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    if pd_out != pd_in {
+        hb = hb.bind(&pd_out);
+    }
+    let heap = hb.build()?;
     let size = args.num("size", 16 << 20);
     let next = args.str_or("next", "127.0.0.1:7482");
-    let to_c = common::retry(|| Connection::connect(next.as_str(), &pd, Options::default()))?;
+    let to_c = common::retry(|| Connection::connect(next.as_str(), &pd_out, opts_on(dev_out)))?;
     let mut landing = heap.alloc(size)?;
-    let listener = Listener::bind(("0.0.0.0", args.num("port", 7481) as u16), &pd, Options::default())?;
-    let from_a = listener.accept_with(&landing.remote()?.to_bytes())?;
+    let bind = args.str_or("bind", "0.0.0.0");
+    let listener = Listener::bind((bind.as_str(), args.num("port", 7481) as u16), &pd_in, opts_on(dev_in))?;
+    let from_a = listener.accept_with(&landing.remote_for(&pd_in)?.to_bytes())?;
     let t = Instant::now();
     let crc_a = from_a.recv_imm()?;
     let got = crc32(&landing);
@@ -108,9 +164,10 @@ fn b(args: &Args) -> mralloc::Result<()> {
 }
 
 fn c(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = setup_on(args.get("device"))?;
     let size = args.num("size", 16 << 20);
-    let listener = Listener::bind(("0.0.0.0", args.num("port", 7482) as u16), &pd, Options::default())?;
+    let bind = args.str_or("bind", "0.0.0.0");
+    let listener = Listener::bind((bind.as_str(), args.num("port", 7482) as u16), &pd, opts_on(args.get("device")))?;
     let from_b = listener.accept()?;
     let inbox = heap.alloc(size)?;
     let pending = from_b.post_recv(inbox)?;

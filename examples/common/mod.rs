@@ -31,6 +31,11 @@ impl Args {
         Args { role, kv }
     }
 
+    /// Arguments given directly (e.g. derived from the environment).
+    pub fn with(role: &str, pairs: &[(&str, String)]) -> Args {
+        Args { role: Some(role.into()), kv: pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() }
+    }
+
     pub fn get(&self, k: &str) -> Option<&str> {
         self.kv.get(k).map(String::as_str)
     }
@@ -159,4 +164,14 @@ pub fn data(seed: u64, len: usize) -> Vec<u8> {
 #[test]
 fn crc32_known_value() {
     assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+}
+
+/// On a host started by `scripts/softroce --hosts N`: (local device, local IP, peer IP) of the
+/// link to host `peer`, from MRALLOC_LINKS.
+pub fn link_to(peer: usize) -> Option<(String, String, String)> {
+    let spec = std::env::var("MRALLOC_LINKS").ok()?;
+    spec.split_whitespace().find_map(|e| {
+        let f: Vec<&str> = e.split(':').collect();
+        (f.len() == 4 && f[0].parse() == Ok(peer)).then(|| (f[1].to_string(), f[2].to_string(), f[3].to_string()))
+    })
 }

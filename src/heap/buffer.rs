@@ -108,6 +108,16 @@ impl<'h> Buffer<'h> {
         self.as_slice().remote()
     }
 
+    /// What a peer reaching this host through `pd`'s device needs (a heap bound to several PDs
+    /// has one rkey per PD).
+    pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
+        if !self.heap.access().is_remote() {
+            return Err(Error::NoRemoteAccess);
+        }
+        let keys = self.keys_for(pd).ok_or(Error::NotRegistered { addr: self.addr() })?;
+        Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey: keys.rkey })
+    }
+
     /// A borrowed view of `range` that keeps the keys.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<BufSlice<'_>> {
         let (s, e) = range_of(range, self.len())?;
