@@ -16,9 +16,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use common::{crc32, fail, Args, Progress};
-use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options};
-use mralloc::verbs::{Access, Pd};
+use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const CHUNK: usize = 4 << 20;
@@ -64,14 +63,8 @@ fn both(args: &Args) -> mralloc::Result<()> {
     Ok(())
 }
 
-fn setup() -> mralloc::Result<(Pd, Heap)> {
-    let pd = Pd::new(&Options::default().open_device()?)?;
-    let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE).build()?;
-    Ok((pd, heap))
-}
-
 fn server(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE)?;
     let port = args.num("port", 7472) as u16;
     let out = PathBuf::from(args.str_or("out", &scratch_dir().join("mralloc-received.bin").display().to_string()));
     let listener = Listener::bind(("0.0.0.0", port), &pd, Options::default())?;
@@ -105,7 +98,7 @@ fn server(args: &Args) -> mralloc::Result<()> {
 }
 
 fn client(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE)?;
     let path = match args.get("file") {
         Some(f) => PathBuf::from(f),
         None => {

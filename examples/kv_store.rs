@@ -14,9 +14,8 @@ mod common;
 use std::time::Instant;
 
 use common::{fail, Args};
-use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Listener, Options, WaitMode};
-use mralloc::verbs::{Access, Pd};
+use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const KEYS_PER_CLIENT: usize = 16;
@@ -66,15 +65,8 @@ fn all(args: &Args) -> mralloc::Result<()> {
     Ok(())
 }
 
-fn setup() -> mralloc::Result<(Pd, Heap)> {
-    let pd = Pd::new(&Options::default().open_device()?)?;
-    let heap =
-        Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ).build()?;
-    Ok((pd, heap))
-}
-
 fn server(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (clients, ops) = (args.num("clients", 3), args.num("ops", 200));
     let keys = clients * KEYS_PER_CLIENT;
     let mut table = heap.alloc_zeroed(keys * VALUE)?;
@@ -148,7 +140,7 @@ fn server(args: &Args) -> mralloc::Result<()> {
 }
 
 fn client(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (id, clients, ops) = (args.num("id", 0), args.num("clients", 3), args.num("ops", 200));
     let addr = args.str_or("addr", "127.0.0.1:7491");
     let conn = common::retry(|| Connection::connect(addr.as_str(), &pd, Options::default()))?;

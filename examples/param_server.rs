@@ -14,9 +14,8 @@ mod common;
 use std::time::Instant;
 
 use common::{fail, Args};
-use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Listener, Options, WaitMode};
-use mralloc::verbs::{Access, Pd};
+use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const LR: f32 = 0.05;
@@ -95,15 +94,8 @@ fn all(args: &Args) -> mralloc::Result<()> {
     Ok(())
 }
 
-fn setup() -> mralloc::Result<(Pd, Heap)> {
-    let pd = Pd::new(&Options::default().open_device()?)?;
-    let heap =
-        Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ).build()?;
-    Ok((pd, heap))
-}
-
 fn server(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (workers, steps, n) = shape(args);
     let bytes = n * 4;
     // Parameters (workers READ them) and one gradient slot per worker (workers WRITE them).
@@ -168,7 +160,7 @@ fn server(args: &Args) -> mralloc::Result<()> {
 }
 
 fn worker(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup()?;
+    let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (_, _, n) = shape(args);
     let id = args.num("id", 0);
     let bytes = n * 4;

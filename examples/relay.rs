@@ -100,14 +100,8 @@ fn opts_on(device: Option<&str>) -> Options {
     Options { device: device.map(str::to_owned), ..Options::default() }
 }
 
-fn setup_on(device: Option<&str>) -> mralloc::Result<(Pd, Heap)> {
-    let pd = pd_on(device)?;
-    let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
-    Ok((pd, heap))
-}
-
 fn a(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup_on(args.get("device"))?;
+    let (pd, heap) = common::setup_on(args.get("device"), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let size = args.num("size", 16 << 20);
     let mut data = heap.alloc(size)?;
     data.copy_from_slice(&common::data(42, size));
@@ -164,7 +158,7 @@ fn b(args: &Args) -> mralloc::Result<()> {
 }
 
 fn c(args: &Args) -> mralloc::Result<()> {
-    let (pd, heap) = setup_on(args.get("device"))?;
+    let (pd, heap) = common::setup_on(args.get("device"), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let size = args.num("size", 16 << 20);
     let bind = args.str_or("bind", "0.0.0.0");
     let listener = Listener::bind((bind.as_str(), args.num("port", 7482) as u16), &pd, opts_on(args.get("device")))?;

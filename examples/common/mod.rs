@@ -148,6 +148,18 @@ impl Progress {
     }
 }
 
+/// A PD on `device` (default: MRALLOC_DEVICE or the first active device) and a heap bound to it
+/// with `access`.
+pub fn setup_on(
+    device: Option<&str>,
+    access: mralloc::verbs::Access,
+) -> mralloc::Result<(mralloc::verbs::Pd, mralloc::heap::Heap)> {
+    let opts = mralloc::transfer::Options { device: device.map(str::to_owned), ..Default::default() };
+    let pd = mralloc::verbs::Pd::new(&opts.open_device()?)?;
+    let heap = mralloc::heap::Heap::builder().bind(&pd).access(access).build()?;
+    Ok((pd, heap))
+}
+
 /// Deterministic bytes for example data sets.
 pub fn data(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
