@@ -10,6 +10,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use allocator_api2::alloc::Allocator;
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
 
@@ -19,13 +20,17 @@ use common::{config, label, SIZES};
 
 /// One alloc+free pair through a GlobalAlloc-like pair of closures.
 fn pairs(c: &mut Criterion, heap: &Heap) {
+    let heap = &heap;
     let mut g = c.benchmark_group("pair");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
+        // Raw allocate/deallocate through the Allocator API, like the GlobalAlloc baselines
+        // (Heap::alloc also zero-fills its Buffer).
         g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
-            b.iter(|| {
-                let buf = heap.alloc(black_box(n)).unwrap();
-                black_box(buf.as_ptr());
+            b.iter(|| unsafe {
+                let p = heap.allocate(black_box(layout)).unwrap();
+                black_box(p);
+                heap.deallocate(p.cast(), layout);
             })
         });
         g.bench_function(BenchmarkId::new("jemalloc", label(n)), |b| {
@@ -48,16 +53,19 @@ fn pairs(c: &mut Criterion, heap: &Heap) {
 
 /// 1000 allocations, then 1000 frees.
 fn batches(c: &mut Criterion, heap: &Heap) {
+    let heap = &heap;
     let mut g = c.benchmark_group("batch1000");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
         g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
             let mut v = Vec::with_capacity(1000);
-            b.iter(|| {
+            b.iter(|| unsafe {
                 for _ in 0..1000 {
-                    v.push(heap.alloc(n).unwrap());
+                    v.push(heap.allocate(layout).unwrap());
                 }
-                v.clear();
+                for p in v.drain(..) {
+                    heap.deallocate(p.cast(), layout);
+                }
             })
         });
         for (name, a) in [("jemalloc", &Jemalloc as &dyn GlobalAlloc), ("glibc", &System)] {
@@ -80,10 +88,17 @@ fn batches(c: &mut Criterion, heap: &Heap) {
 /// Throughput of `threads` threads each doing `iters` 64-byte pairs; reports time per pair per
 /// thread (so perfect scaling keeps it constant).
 fn threaded(c: &mut Criterion, heap: &Heap) {
+    let heap = &heap;
     let mut g = c.benchmark_group("threads64B");
     for threads in [1usize, 2] {
         g.bench_function(BenchmarkId::new("heap", threads), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters, || drop(black_box(heap.alloc(64).unwrap()))))
+            let layout = Layout::from_size_align(64, 8).unwrap();
+            b.iter_custom(|iters| {
+                run_threads(threads, iters, || unsafe {
+                    let p = heap.allocate(layout).unwrap();
+                    heap.deallocate(black_box(p).cast(), layout);
+                })
+            })
         });
         g.bench_function(BenchmarkId::new("jemalloc", threads), |b| {
             let layout = Layout::from_size_align(64, 8).unwrap();
@@ -133,7 +148,8 @@ fn lookups(c: &mut Criterion, heap: &Heap) {
 }
 
 fn all(c: &mut Criterion) {
-    let heap = Heap::builder().build().unwrap();
+    let owned = Heap::builder().build().unwrap();
+    let heap = &owned;
     pairs(c, &heap);
     batches(c, &heap);
     threaded(c, &heap);

@@ -138,8 +138,9 @@ impl<'h> Buffer<'h> {
 impl Deref for Buffer<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr is a live allocation of layout.size() bytes; jemalloc memory is always
-        // initialised (fresh chunks are zero-filled by mmap, reused memory holds old bytes).
+        // SAFETY: ptr is a live allocation of layout.size() bytes, zero-filled when it was
+        // allocated (Heap::alloc* use MALLOCX_ZERO) and only written through this Buffer or by
+        // the NIC under an operation that borrows or owns it.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
     }
 }

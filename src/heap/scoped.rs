@@ -223,27 +223,25 @@ impl Heap {
         self.owner.numa_node()
     }
 
+    /// Allocates `len` bytes, zero-filled. A [`Buffer`] derefs to `&[u8]`, so its bytes must be
+    /// initialised; jemalloc zeroes cheaply (fresh chunk pages are zero already). For raw,
+    /// uninitialised memory use the `allocator_api2::alloc::Allocator` impl of `&Heap`.
     #[inline]
-    /// Allocates `len` bytes (uninitialised memory is never exposed: contents are unspecified
-    /// but initialised bytes — fresh chunks are zero, reused memory holds old data).
     pub fn alloc(&self, len: usize) -> Result<Buffer<'_>> {
         self.alloc_layout(Layout::from_size_align(len, 1).map_err(|e| Error::InvalidArgument(e.to_string()))?)
     }
 
-    /// Allocates `len` zeroed bytes.
+    /// Same as [`Heap::alloc`] (kept for symmetry with `std::alloc`): zero-filled bytes.
     pub fn alloc_zeroed(&self, len: usize) -> Result<Buffer<'_>> {
-        let layout = Layout::from_size_align(len, 1).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        self.check_len(layout.size())?;
-        let ptr = self.raw_alloc(layout, true)?;
-        // SAFETY: ptr is a fresh allocation of layout from this heap.
-        Ok(unsafe { Buffer::from_raw(ptr, layout, self) })
+        self.alloc(len)
     }
 
-    /// Allocates with an explicit size and alignment (alignment up to the page size and beyond).
+    /// Allocates with an explicit size and alignment (alignment up to the page size and beyond),
+    /// zero-filled.
     #[inline]
     pub fn alloc_layout(&self, layout: Layout) -> Result<Buffer<'_>> {
         self.check_len(layout.size())?;
-        let ptr = self.raw_alloc(layout, false)?;
+        let ptr = self.raw_alloc(layout, true)?;
         // SAFETY: ptr is a fresh allocation of layout from this heap.
         Ok(unsafe { Buffer::from_raw(ptr, layout, self) })
     }
