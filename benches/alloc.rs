@@ -148,8 +148,7 @@ fn lookups(c: &mut Criterion, heap: &Heap) {
 }
 
 fn all(c: &mut Criterion) {
-    let owned = Heap::builder().build().unwrap();
-    let heap = &owned;
+    let heap = Heap::builder().build().unwrap();
     pairs(c, &heap);
     batches(c, &heap);
     threaded(c, &heap);
