@@ -29,10 +29,18 @@ fn main() -> mralloc::Result<()> {
     let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
     println!("device {}", ctx.name());
     for (n, label) in [(4096usize, "4KiB"), (65536, "64KiB")] {
+        // Raw allocation through the Allocator API (like malloc below: no zero-fill), one byte
+        // written, keys looked up.
+        let layout = std::alloc::Layout::from_size_align(n, 8).unwrap();
         let heap_t = per_op(2000, || {
-            let mut b = heap.alloc(n).unwrap();
-            b[0] = 1;
-            black_box(b.lkey());
+            use allocator_api2::alloc::Allocator;
+            let p = (&heap).allocate(layout).unwrap().cast::<u8>();
+            // SAFETY: p is a live n-byte allocation; freed right after with the same layout.
+            unsafe {
+                *p.as_ptr() = 1;
+                black_box(mralloc::keys_of(p.as_ptr()).map(|k| k.lkey));
+                (&heap).deallocate(p, layout);
+            }
         });
         let naive_t = per_op(200, || {
             // SAFETY: malloc'd memory, registered, deregistered, then freed in that order.
