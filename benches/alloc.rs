@@ -9,8 +9,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use allocator_api2::alloc::Allocator;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
 
