@@ -42,13 +42,7 @@ pub fn keys_of<T>(ptr: *const T) -> Option<Keys> {
 
 /// Like [`keys_of`], for a specific PD the owning heap is bound to.
 pub fn keys_of_for<T>(ptr: *const T, pd: &Pd) -> Option<Keys> {
-    use std::sync::atomic::Ordering::Acquire;
-    let (_, rec) = chunk::find(ptr as usize)?;
-    (0..chunk::MAX_PDS).find_map(|slot| {
-        let mr = rec.mrs[slot].load(Acquire);
-        // SAFETY: a published MR stays registered while its chunk is live (we just found it).
-        (!mr.is_null() && unsafe { (*mr).pd } == pd.as_raw()).then(|| keys_in_slot(rec, slot)).flatten()
-    })
+    mr_of(ptr.cast(), pd).map(|(_, keys)| keys)
 }
 
 /// The registered chunk (`base`, `len`) holding `ptr`, from any heap; `None` for foreign memory.

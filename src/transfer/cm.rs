@@ -332,7 +332,8 @@ impl Connection {
 
 /// Accepts RDMA CM connections on an address of a local RDMA device.
 pub struct CmListener {
-    id: Id,
+    // Kept for its Drop (the listening id); events arrive on `channel`.
+    _id: Id,
     channel: Channel,
     pd: Pd,
     opts: Options,
@@ -357,7 +358,7 @@ impl CmListener {
         if unsafe { ffi::rdma_listen(id.0, 16) } != 0 {
             return Err(Error::verbs("rdma_listen", 0));
         }
-        Ok(CmListener { id, channel, pd: pd.clone(), opts })
+        Ok(CmListener { _id: id, channel, pd: pd.clone(), opts })
     }
 
     /// Accepts the next connection.
@@ -373,7 +374,6 @@ impl CmListener {
                 blob.len()
             )));
         }
-        let _ = &self.id;
         let req = expect_event(&self.channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST, None)?;
         let child = Id(req.id);
         let peer_blob = unframe(&req.private)?;
