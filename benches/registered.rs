@@ -34,12 +34,12 @@ fn main() -> mralloc::Result<()> {
         let layout = std::alloc::Layout::from_size_align(n, 8).unwrap();
         let heap_t = per_op(2000, || {
             use allocator_api2::alloc::Allocator;
-            let p = (&heap).allocate(layout).unwrap().cast::<u8>();
+            let p = heap.allocate(layout).unwrap().cast::<u8>();
             // SAFETY: p is a live n-byte allocation; freed right after with the same layout.
             unsafe {
                 *p.as_ptr() = 1;
                 black_box(mralloc::keys_of(p.as_ptr()).map(|k| k.lkey));
-                (&heap).deallocate(p, layout);
+                heap.deallocate(p, layout);
             }
         });
         let naive_t = per_op(200, || {

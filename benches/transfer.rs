@@ -113,7 +113,7 @@ fn main() -> mralloc::Result<()> {
             let inbox_x = heap.alloc(n)?;
             let inbox_y = heap.alloc(n)?;
             let (rx, ry) = (inbox_x.remote()?, inbox_y.remote()?);
-            let spin = |inbox: &mralloc::Buffer<'_>, tag: u8| {
+            let spin = |inbox: &mralloc::Buffer, tag: u8| {
                 // SAFETY: a volatile read of heap memory the peer writes by RDMA.
                 while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
                     std::hint::spin_loop();

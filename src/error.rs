@@ -76,6 +76,37 @@ pub enum Error {
         /// Provider-specific detail.
         vendor_err: u32,
     },
+    /// A connection's queue pair was moved to the error state, but the device never reported the
+    /// flush of a request that uses local memory. The memory may still be the NIC's: owned
+    /// buffers are leaked rather than freed or handed back (a device or driver fault).
+    #[error(
+        "the device did not flush work request {wr_id} within {waited:?} after its queue pair was moved to the \
+         error state; its memory was leaked, not released"
+    )]
+    FlushLost {
+        /// The request whose completion never came.
+        wr_id: u64,
+        /// How long mralloc waited for it after failing the queue pair.
+        waited: std::time::Duration,
+    },
+    /// The connection was closed ([`crate::transfer::Connection::close`]).
+    #[error("the connection was closed")]
+    Closed,
+    /// `ibv_post_send` accepted only the first `posted` requests of a chain (`bad_wr` pointed at
+    /// the next one). The accepted ones were flushed before this error was returned.
+    #[error("{verb} accepted {posted} of {total} requests, then failed: {text} (errno {errno})")]
+    PartialPost {
+        /// The verb, `ibv_post_send`.
+        verb: &'static str,
+        /// Requests the device accepted (those before `bad_wr`).
+        posted: usize,
+        /// Requests in the chain.
+        total: usize,
+        /// The `errno` it returned.
+        errno: i32,
+        /// `strerror(errno)`.
+        text: String,
+    },
     /// A peer sent something that is not a valid mralloc connection message.
     #[error("protocol error: {0}")]
     Protocol(String),

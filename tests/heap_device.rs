@@ -15,7 +15,7 @@ fn remote_heap(pd: &Pd) -> Heap {
 
 /// RDMA-WRITEs `src` into `dst` (with dst's own rkey) and RDMA-READs `dst` back into `back`
 /// (with their own lkeys), verifying both byte by byte.
-fn write_read(lb: &Loopback, src: &Buffer<'_>, dst: &Buffer<'_>, back: &Buffer<'_>, what: &str) {
+fn write_read(lb: &Loopback, src: &Buffer, dst: &Buffer, back: &Buffer, what: &str) {
     let n = src.len();
     assert!(dst.len() >= n && back.len() >= n);
     let remote = dst.remote().expect("dst remote");
@@ -32,7 +32,7 @@ fn write_read(lb: &Loopback, src: &Buffer<'_>, dst: &Buffer<'_>, back: &Buffer<'
     assert_bytes_eq(&back[..n], src, &format!("{what}: RDMA READ"));
 }
 
-fn filled<'h>(heap: &'h Heap, n: usize, seed: u64) -> Buffer<'h> {
+fn filled(heap: &Heap, n: usize, seed: u64) -> Buffer {
     let mut b = heap.alloc(n).unwrap();
     b.copy_from_slice(&pattern(seed, n));
     b

@@ -30,7 +30,7 @@ proptest! {
         }
         for l in la.into_iter().chain(lb) {
             // SAFETY: allocated from &heap with l.layout.
-            unsafe { (&heap).deallocate(l.ptr, l.layout) };
+            unsafe { heap.deallocate(l.ptr, l.layout) };
         }
         prop_assert_eq!(heap.stats().live_bytes, 0);
     }

@@ -7,32 +7,36 @@ use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
 use crate::heap::keys::Keys;
-use crate::heap::Heap;
+use crate::heap::scoped::{free_raw, keys_for_in, keys_in};
+use crate::heap::shared::Shared;
 use crate::remote::RemoteBuf;
 use crate::verbs::{Pd, Sge};
 
-/// Memory from a [`Heap`]: owns its bytes like a `Box<[u8]>`, and carries the keys of the
-/// registered chunk it lies in. It borrows the heap, so the heap outlives it:
+/// Memory from a [`crate::heap::Heap`]: owns its bytes like a `Box<[u8]>`, and carries the keys
+/// of the registered chunk it lies in. It has no lifetime: it keeps its heap's chunks
+/// registered and mapped while it lives, so it can outlive every `Heap` handle, move to another
+/// thread and be freed there.
 ///
-/// ```compile_fail,E0505
+/// ```no_run
 /// # fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
 /// let heap = mralloc::heap::Heap::new(pd)?;
-/// let buf = heap.alloc(64)?;
-/// drop(heap); // error: `heap` is still borrowed by `buf`
-/// buf.len();
+/// let mut buf = heap.alloc(64)?;
+/// drop(heap); // the buffer keeps the heap's chunks
+/// buf.fill(1);
+/// std::thread::spawn(move || drop(buf)).join().unwrap(); // freed on another thread
 /// # Ok(()) }
 /// ```
-pub struct Buffer<'h> {
+pub struct Buffer {
     ptr: NonNull<u8>,
     layout: Layout,
-    heap: &'h Heap,
+    shared: NonNull<Shared>,
 }
 
-// SAFETY: a Buffer owns its bytes exclusively (like Box<[u8]>); freeing from another thread is
-// supported by the heap (it uses that thread's cache).
-unsafe impl Send for Buffer<'_> {}
+// SAFETY: a Buffer owns its bytes exclusively (like Box<[u8]>); its heap record is thread-safe,
+// and freeing from another thread uses that thread's cache.
+unsafe impl Send for Buffer {}
 // SAFETY: &Buffer only gives shared access to the bytes.
-unsafe impl Sync for Buffer<'_> {}
+unsafe impl Sync for Buffer {}
 
 /// Resolves `r` against a buffer of `len` bytes: `(start, end)`, or the typed out-of-bounds error.
 pub(crate) fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
@@ -56,11 +60,18 @@ pub(crate) fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize,
     Ok((start, end))
 }
 
-impl<'h> Buffer<'h> {
+impl Buffer {
     /// # Safety
-    /// `ptr` is a live allocation of `layout` from `heap` that nothing else owns.
-    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, layout: Layout, heap: &'h Heap) -> Buffer<'h> {
-        Buffer { ptr, layout, heap }
+    /// `ptr` is a live allocation of `layout` from the heap behind `shared` that nothing else
+    /// owns (the allocation itself keeps that heap alive).
+    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, layout: Layout, shared: NonNull<Shared>) -> Buffer {
+        Buffer { ptr, layout, shared }
+    }
+
+    #[inline]
+    fn shared(&self) -> &Shared {
+        // SAFETY: a live allocation keeps its heap's record alive.
+        unsafe { self.shared.as_ref() }
     }
 
     /// Start address, as the NIC sees it.
@@ -68,19 +79,14 @@ impl<'h> Buffer<'h> {
         self.ptr.as_ptr() as u64
     }
 
-    /// The heap it came from.
-    pub fn heap(&self) -> &'h Heap {
-        self.heap
-    }
-
     /// Keys for the heap's primary PD; `None` while the heap is bound to no PD.
     pub fn keys(&self) -> Option<Keys> {
-        self.heap.keys(self.ptr.as_ptr())
+        keys_in(self.shared(), self.ptr.as_ptr())
     }
 
     /// Keys for a specific bound PD.
     pub fn keys_for(&self, pd: &Pd) -> Option<Keys> {
-        self.heap.keys_for(self.ptr.as_ptr(), pd)
+        keys_for_in(self.shared(), self.ptr.as_ptr(), pd)
     }
 
     /// Local key (primary PD).
@@ -90,7 +96,7 @@ impl<'h> Buffer<'h> {
 
     /// Remote key (primary PD) — only when the heap was built with a remote access right.
     pub fn rkey(&self) -> Option<u32> {
-        if self.heap.access().is_remote() {
+        if self.shared().owner.access.is_remote() {
             self.keys().map(|k| k.rkey)
         } else {
             None
@@ -111,7 +117,7 @@ impl<'h> Buffer<'h> {
     /// What a peer reaching this host through `pd`'s device needs (a heap bound to several PDs
     /// has one rkey per PD).
     pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
-        if !self.heap.access().is_remote() {
+        if !self.shared().owner.access.is_remote() {
             return Err(Error::NoRemoteAccess);
         }
         let keys = self.keys_for(pd).ok_or(Error::NotRegistered { addr: self.addr() })?;
@@ -125,17 +131,17 @@ impl<'h> Buffer<'h> {
             // SAFETY: s <= len, so the pointer stays inside (or one past) the allocation.
             ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(s)) },
             len: e - s,
-            heap: self.heap,
+            shared: self.shared,
             _borrow: PhantomData,
         })
     }
 
     fn as_slice(&self) -> BufSlice<'_> {
-        BufSlice { ptr: self.ptr, len: self.layout.size(), heap: self.heap, _borrow: PhantomData }
+        BufSlice { ptr: self.ptr, len: self.layout.size(), shared: self.shared, _borrow: PhantomData }
     }
 }
 
-impl Deref for Buffer<'_> {
+impl Deref for Buffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: ptr is a live allocation of layout.size() bytes, zero-filled when it was
@@ -145,21 +151,21 @@ impl Deref for Buffer<'_> {
     }
 }
 
-impl DerefMut for Buffer<'_> {
+impl DerefMut for Buffer {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in deref; &mut self gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
 
-impl Drop for Buffer<'_> {
+impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: ptr/layout come from this heap's raw_alloc and are freed exactly once.
-        unsafe { self.heap.raw_free(self.ptr, self.layout) };
+        unsafe { free_raw(self.shared, self.ptr, self.layout) };
     }
 }
 
-impl std::fmt::Debug for Buffer<'_> {
+impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")
             .field("addr", &format_args!("{:#x}", self.addr()))
@@ -174,7 +180,7 @@ impl std::fmt::Debug for Buffer<'_> {
 pub struct BufSlice<'a> {
     ptr: NonNull<u8>,
     len: usize,
-    heap: &'a Heap,
+    shared: NonNull<Shared>,
     _borrow: PhantomData<&'a [u8]>,
 }
 
@@ -191,7 +197,8 @@ impl BufSlice<'_> {
 
     /// Keys (primary PD).
     pub fn keys(&self) -> Option<Keys> {
-        self.heap.keys(self.ptr.as_ptr())
+        // SAFETY: the slice borrows a live Buffer, which keeps the record alive.
+        keys_in(unsafe { self.shared.as_ref() }, self.ptr.as_ptr())
     }
 
     /// Local key (primary PD).
@@ -209,7 +216,8 @@ impl BufSlice<'_> {
 
     /// What a peer needs to RDMA-access this range.
     pub fn remote(&self) -> Result<RemoteBuf> {
-        if !self.heap.access().is_remote() {
+        // SAFETY: as in keys.
+        if !unsafe { self.shared.as_ref() }.owner.access.is_remote() {
             return Err(Error::NoRemoteAccess);
         }
         let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;

@@ -8,8 +8,9 @@
 //!
 //! - [`Global`]: the process allocator (`#[global_allocator]`) over jemalloc's automatic arenas,
 //!   so every `Vec` is RDMA-ready after [`Global::bind`].
-//! - [`Heap`]: a scoped heap (one arena, explicit per-thread caches), usable as an
-//!   `allocator_api2` allocator (`Vec::new_in(&heap)`) and through [`Buffer`]s.
+//! - [`Heap`]: a scoped heap (one arena, explicit per-thread caches) behind a cheap, clonable
+//!   handle, usable as an `allocator_api2` allocator (`Vec::new_in(heap.clone())` or `&heap`)
+//!   and through [`Buffer`]s, which have no lifetime and keep the heap alive.
 
 mod buffer;
 mod chunk;
@@ -21,6 +22,7 @@ mod numa;
 mod owner;
 mod pagemap;
 mod scoped;
+mod shared;
 mod stats;
 mod tcache;
 
@@ -31,5 +33,5 @@ pub use global::Global;
 pub(crate) use keys::mr_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
-pub use scoped::{Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
+pub use scoped::{draining_heaps, Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
 pub use stats::HeapStats;

@@ -14,7 +14,8 @@ use crate::heap::numa::{self, NumaPolicy};
 use crate::heap::owner::{take_hook_error, Owner};
 use crate::heap::pagemap::SLOT;
 use crate::heap::stats::HeapStats;
-use crate::heap::tcache::{self, Registry};
+use crate::heap::shared::Shared;
+use crate::heap::tcache;
 use crate::heap::{chunk, jemalloc};
 use crate::verbs::{Access, Pd};
 
@@ -114,8 +115,8 @@ impl HeapBuilder {
                 return Err(e);
             }
         };
-        let heap =
-            Heap { id: owner.id, owner, tcaches: Arc::new(Registry::default()), arena, max_chunk: self.max_chunk };
+        let id = owner.id;
+        let heap = Heap { shared: Shared::create(owner, arena, self.max_chunk), id, arena };
         jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
         jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
@@ -126,9 +127,14 @@ impl HeapBuilder {
 /// A registered heap: one jemalloc arena whose chunks are registered with the bound PDs.
 ///
 /// Every byte it hands out lies in exactly one registered chunk, and its keys are found in O(1)
-/// without locks ([`Heap::keys`], [`crate::keys_of`]). Buffers and collections borrow the heap, so
-/// it cannot be dropped while any of them lives; dropping it flushes its thread caches, destroys
-/// the arena, deregisters and unmaps every chunk.
+/// without locks ([`Heap::keys`], [`crate::keys_of`]).
+///
+/// `Heap` is a cheap handle: clone it into every thread or task that allocates. [`Buffer`]s
+/// have no lifetime — they can move to other threads and be freed there — and keep the heap's
+/// chunks registered and mapped while they live. When the last handle and the last buffer (or
+/// collection) are gone, the thread caches are flushed, the arena is destroyed and every chunk
+/// is deregistered and unmapped: at once if the handle goes last, otherwise within a few
+/// milliseconds of the last buffer's drop (a small reaper thread exists only meanwhile).
 ///
 /// ```no_run
 /// use mralloc::heap::Heap;
@@ -140,14 +146,20 @@ impl HeapBuilder {
 /// buf.fill(7);
 /// println!("lkey {:?} rkey {:?} at {:#x}", buf.lkey(), buf.rkey(), buf.addr());
 ///
-/// // Any collection can live in the heap too:
+/// // Buffers move freely; the heap stays registered while they live.
+/// let worker = std::thread::spawn(move || buf.iter().map(|&b| b as u64).sum::<u64>());
+/// assert_eq!(worker.join().unwrap(), 7 * 65536);
+///
+/// // Any collection can live in the heap too, borrowing it or owning a handle:
 /// let mut v = allocator_api2::vec::Vec::new_in(&heap);
 /// v.extend_from_slice(b"registered");
 /// assert!(heap.keys(v.as_ptr()).is_some());
+/// let owned = allocator_api2::vec::Vec::<u8, Heap>::with_capacity_in(4096, heap.clone());
+/// # drop(owned);
 /// # Ok::<(), mralloc::Error>(())
 /// ```
 ///
-/// A collection in the heap cannot outlive it either:
+/// A collection that borrows the heap cannot outlive that borrow:
 ///
 /// ```compile_fail,E0597
 /// let v = {
@@ -157,30 +169,41 @@ impl HeapBuilder {
 ///     v // error: `heap` does not live long enough
 /// };
 /// ```
-///
-/// Nor can a buffer be sent out of the scope that owns the heap:
-///
-/// ```compile_fail,E0597
-/// let heap = mralloc::heap::Heap::builder().build().unwrap();
-/// let buf = heap.alloc(64).unwrap();
-/// std::thread::spawn(move || buf.len()); // error: `heap` does not live long enough ('static)
-/// ```
 pub struct Heap {
-    /// Copy of `owner.id`, read on every allocation without a pointer chase.
+    shared: NonNull<Shared>,
+    /// Copies of the record's id and arena, read on every allocation without a pointer chase.
     id: u64,
-    owner: Arc<Owner>,
-    tcaches: Arc<Registry>,
     arena: u32,
-    max_chunk: usize,
+}
+
+// SAFETY: the shared record is thread-safe (atomics, locks, jemalloc's own thread safety); a
+// handle only keeps it alive.
+unsafe impl Send for Heap {}
+// SAFETY: as above; every method takes &self and is safe to call concurrently.
+unsafe impl Sync for Heap {}
+
+impl Clone for Heap {
+    fn clone(&self) -> Heap {
+        self.shared().acquire();
+        Heap { shared: self.shared, id: self.id, arena: self.arena }
+    }
+}
+
+impl Drop for Heap {
+    fn drop(&mut self) {
+        // SAFETY: this handle is live and is given up here, once.
+        unsafe { Shared::release(self.shared) };
+    }
 }
 
 impl std::fmt::Debug for Heap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.shared();
         f.debug_struct("Heap")
             .field("arena", &self.arena)
-            .field("access", &self.owner.access)
-            .field("numa_node", &self.owner.numa_node())
-            .field("max_chunk", &self.max_chunk)
+            .field("access", &s.owner.access)
+            .field("numa_node", &s.owner.numa_node())
+            .field("max_chunk", &s.max_chunk)
             .finish()
     }
 }
@@ -199,13 +222,26 @@ impl Heap {
     }
 
     /// A heap bound to `pd` with default settings.
+    ///
+    /// # Errors
+    /// As [`HeapBuilder::build`].
     pub fn new(pd: &Pd) -> Result<Heap> {
         Heap::builder().bind(pd).build()
     }
 
+    #[inline]
+    fn shared(&self) -> &Shared {
+        // SAFETY: a handle keeps the record alive.
+        unsafe { self.shared.as_ref() }
+    }
+
     /// Registers every chunk the heap has, and every later one, with `pd` (late bind).
+    ///
+    /// # Errors
+    /// [`Error::Registration`] if registering an existing chunk fails (nothing is bound then),
+    /// [`Error::InvalidArgument`] if the heap is bound to [`crate::heap::MAX_PDS`] PDs already.
     pub fn bind(&self, pd: &Pd) -> Result<()> {
-        self.owner.bind(pd).map(|_| ())
+        self.shared().owner.bind(pd).map(|_| ())
     }
 
     /// The jemalloc arena index.
@@ -215,71 +251,58 @@ impl Heap {
 
     /// The registration access rights.
     pub fn access(&self) -> Access {
-        self.owner.access
+        self.shared().owner.access
     }
 
     /// The NUMA node chunks are bound to, if any.
     pub fn numa_node(&self) -> Option<u32> {
-        self.owner.numa_node()
+        self.shared().owner.numa_node()
+    }
+
+    /// Whether `other` is a handle to the same heap.
+    pub fn same_heap(&self, other: &Heap) -> bool {
+        self.shared == other.shared
     }
 
     /// Allocates `len` bytes, zero-filled. A [`Buffer`] derefs to `&[u8]`, so its bytes must be
     /// initialised; jemalloc zeroes cheaply (fresh chunk pages are zero already). For raw,
-    /// uninitialised memory use the `allocator_api2::alloc::Allocator` impl of `&Heap`.
+    /// uninitialised memory use the `allocator_api2::alloc::Allocator` impl of `Heap`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero or absurd lengths; [`Error::LimitExceeded`],
+    /// [`Error::Registration`], [`Error::Io`] or [`Error::OutOfMemory`] when a new chunk was
+    /// needed and could not be mapped, bound or registered.
     #[inline]
-    pub fn alloc(&self, len: usize) -> Result<Buffer<'_>> {
+    pub fn alloc(&self, len: usize) -> Result<Buffer> {
         self.alloc_layout(Layout::from_size_align(len, 1).map_err(|e| Error::InvalidArgument(e.to_string()))?)
     }
 
     /// Same as [`Heap::alloc`] (kept for symmetry with `std::alloc`): zero-filled bytes.
-    pub fn alloc_zeroed(&self, len: usize) -> Result<Buffer<'_>> {
+    ///
+    /// # Errors
+    /// As [`Heap::alloc`].
+    pub fn alloc_zeroed(&self, len: usize) -> Result<Buffer> {
         self.alloc(len)
     }
 
     /// Allocates with an explicit size and alignment (alignment up to the page size and beyond),
     /// zero-filled.
+    ///
+    /// # Errors
+    /// As [`Heap::alloc`].
     #[inline]
-    pub fn alloc_layout(&self, layout: Layout) -> Result<Buffer<'_>> {
-        self.check_len(layout.size())?;
+    pub fn alloc_layout(&self, layout: Layout) -> Result<Buffer> {
+        check_len(layout.size())?;
         let ptr = self.raw_alloc(layout, true)?;
         // SAFETY: ptr is a fresh allocation of layout from this heap.
-        Ok(unsafe { Buffer::from_raw(ptr, layout, self) })
-    }
-
-    fn check_len(&self, len: usize) -> Result<()> {
-        if len == 0 {
-            return Err(Error::InvalidArgument("a buffer needs at least one byte".into()));
-        }
-        if len > isize::MAX as usize / 2 {
-            return Err(Error::InvalidArgument(format!("{len} bytes is larger than any heap can hold")));
-        }
-        Ok(())
-    }
-
-    /// This thread's cache flag and live-byte counter; `true` when the counter is this thread's
-    /// own (single writer), `false` for the shared fallback used while a thread exits.
-    #[inline]
-    fn cache(&self) -> (libc::c_int, *const AtomicI64, bool) {
-        match tcache::get(self.id, &self.tcaches) {
-            Some(Ok((tc, live))) => (je::MALLOCX_TCACHE(tc as usize), live, true),
-            _ => (je::MALLOCX_TCACHE_NONE, &self.owner.counters.orphan_live as *const AtomicI64, false),
-        }
-    }
-
-    #[inline]
-    fn align_flag(layout: Layout) -> libc::c_int {
-        if layout.align() > MIN_ALIGN {
-            je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
-        } else {
-            0
-        }
+        Ok(unsafe { Buffer::from_raw(ptr, layout, self.shared) })
     }
 
     /// Allocates `layout` (size > 0) from the arena through this thread's cache.
     #[inline]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
-        let (tc, live, own) = self.cache();
-        let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | Self::align_flag(layout);
+        let (tc, live, own) = cache(self.id, self.shared);
+        let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | align_flag(layout);
         if zeroed {
             flags |= je::MALLOCX_ZERO;
         }
@@ -294,89 +317,136 @@ impl Heap {
         }
     }
 
-    /// Frees memory from [`Heap::raw_alloc`].
-    ///
-    /// # Safety
-    /// `ptr` must come from `raw_alloc(layout)` on this heap and not have been freed.
-    #[inline]
-    pub(crate) unsafe fn raw_free(&self, ptr: NonNull<u8>, layout: Layout) {
-        let (tc, live, own) = self.cache();
-        // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the size and
-        // alignment flags match the allocation.
-        unsafe { je::sdallocx(ptr.as_ptr().cast(), layout.size(), tc | Self::align_flag(layout)) };
-        add_live(live, own, -(layout.size() as i64));
-    }
-
     /// The keys of the chunk holding `ptr` for the primary PD, if this heap handed it out.
     #[inline]
     pub fn keys<T>(&self, ptr: *const T) -> Option<Keys> {
-        let (_, rec) = chunk::find(ptr as usize)?;
-        if rec.owner.load(Ordering::Relaxed) != self.owner.id {
-            return None;
-        }
-        keys_in_slot(rec, 0)
+        keys_in(self.shared(), ptr.cast())
     }
 
     /// The keys of the chunk holding `ptr` for `pd`, if this heap handed it out and is bound to
     /// `pd`.
     pub fn keys_for<T>(&self, ptr: *const T, pd: &Pd) -> Option<Keys> {
-        let (_, rec) = chunk::find(ptr as usize)?;
-        if rec.owner.load(Ordering::Relaxed) != self.owner.id {
-            return None;
-        }
-        keys_in_slot(rec, self.owner.slot_of(pd)?)
+        keys_for_in(self.shared(), ptr.cast(), pd)
     }
 
     /// What the heap holds and what registration cost so far.
     pub fn stats(&self) -> HeapStats {
-        let live = self.tcaches.live() + self.owner.counters.orphan_live.load(Ordering::Relaxed);
+        let s = self.shared();
+        let live = s.live();
         jemalloc::refresh_stats();
-        HeapStats::from_owner(&self.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena))
+        HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena))
     }
 
     /// Asks jemalloc to purge the arena's unused dirty pages (`arena.N.purge`). The hooks refuse:
     /// registered pages are never purged. Exposed so tests can prove it.
+    ///
+    /// # Errors
+    /// [`Error::Jemalloc`] if the mallctl fails.
     pub fn purge(&self) -> Result<()> {
         jemalloc::run(&format!("arena.{}.purge", self.arena))
     }
 
     /// Triggers decay-based purging (`arena.N.decay`); likewise refused by the hooks.
+    ///
+    /// # Errors
+    /// [`Error::Jemalloc`] if the mallctl fails.
     pub fn decay(&self) -> Result<()> {
         jemalloc::run(&format!("arena.{}.decay", self.arena))
     }
 }
 
+/// How many heaps were dropped while buffers of theirs still live (they are torn down when the
+/// last of those buffers is freed). For tests and diagnostics.
+pub fn draining_heaps() -> usize {
+    crate::heap::shared::draining()
+}
+
+fn check_len(len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("a buffer needs at least one byte".into()));
+    }
+    if len > isize::MAX as usize / 2 {
+        return Err(Error::InvalidArgument(format!("{len} bytes is larger than any heap can hold")));
+    }
+    Ok(())
+}
+
+/// Keys of `ptr` (primary PD) if the heap behind `s` handed it out.
+#[inline]
+pub(crate) fn keys_in(s: &Shared, ptr: *const u8) -> Option<Keys> {
+    let (_, rec) = chunk::find(ptr as usize)?;
+    if rec.owner.load(Ordering::Relaxed) != s.id {
+        return None;
+    }
+    keys_in_slot(rec, 0)
+}
+
+/// Keys of `ptr` for `pd` if the heap behind `s` handed it out and is bound to `pd`.
+pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
+    let (_, rec) = chunk::find(ptr as usize)?;
+    if rec.owner.load(Ordering::Relaxed) != s.id {
+        return None;
+    }
+    keys_in_slot(rec, s.owner.slot_of(pd)?)
+}
+
+/// This thread's cache flag and live-byte counter for the heap; `true` when the counter is this
+/// thread's own (single writer), `false` for the shared fallback used while a thread exits.
+#[inline]
+fn cache(id: u64, shared: NonNull<Shared>) -> (libc::c_int, *const AtomicI64, bool) {
+    // SAFETY: callers hold a handle or a live allocation, so the record lives; the reference
+    // ends before the allocation is freed (see free_raw).
+    let s = unsafe { shared.as_ref() };
+    match tcache::get(id, &s.tcaches) {
+        Some(Ok((tc, live))) => (je::MALLOCX_TCACHE(tc as usize), live, true),
+        _ => (je::MALLOCX_TCACHE_NONE, &s.owner.counters.orphan_live as *const AtomicI64, false),
+    }
+}
+
+#[inline]
+fn align_flag(layout: Layout) -> libc::c_int {
+    if layout.align() > MIN_ALIGN {
+        je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
+    } else {
+        0
+    }
+}
+
+/// Frees memory from [`Heap::raw_alloc`]. After the live counter's store (the last thing it
+/// does) the heap may be torn down by another thread: nothing of it is touched after that.
+///
+/// # Safety
+/// `ptr` must come from `raw_alloc(layout)` on the heap behind `shared` and not have been freed.
+#[inline]
+pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+    // SAFETY: the allocation being freed keeps the record alive up to the counter store.
+    let id = unsafe { shared.as_ref() }.id;
+    let (tc, live, own) = cache(id, shared);
+    // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the size and
+    // alignment flags match the allocation.
+    unsafe { je::sdallocx(ptr.as_ptr().cast(), layout.size(), tc | align_flag(layout)) };
+    add_live(live, own, -(layout.size() as i64));
+}
+
 #[inline]
 fn add_live(live: *const AtomicI64, own: bool, delta: i64) {
-    // SAFETY: `live` points at a counter owned by the heap's registry (or the owner), which
-    // outlives every call made through &Heap.
+    // SAFETY: `live` points at a counter owned by the heap's registry (or its owner), which
+    // lives at least until this store makes the heap's total reach zero.
     let live = unsafe { &*live };
     if own {
-        // This thread is the counter's only writer: a plain load + store (no locked RMW).
-        live.store(live.load(Ordering::Relaxed) + delta, Ordering::Relaxed);
+        // This thread is the counter's only writer: a plain load + store (no locked RMW). The
+        // release store publishes the free to the thread that sums the counters at teardown.
+        live.store(live.load(Ordering::Relaxed) + delta, Ordering::Release);
     } else {
-        live.fetch_add(delta, Ordering::Relaxed);
+        live.fetch_add(delta, Ordering::AcqRel);
     }
 }
 
-impl Drop for Heap {
-    fn drop(&mut self) {
-        self.tcaches.destroy_all();
-        match jemalloc::run(&format!("arena.{}.destroy", self.arena)) {
-            Ok(()) => self.owner.release_all(),
-            Err(e) => {
-                // jemalloc still references the arena's metadata inside our chunks: unmapping
-                // them now would leave it dangling. Leak them instead, loudly.
-                tracing::error!("arena.{}.destroy failed ({e}); leaking its registered chunks", self.arena);
-            }
-        }
-    }
-}
-
-// SAFETY: `&Heap` hands out memory from the heap's arena; allocate/deallocate pair through the
-// same arena and layout, and the memory stays valid until deallocated (the heap cannot be
-// dropped while the borrowing collection lives).
-unsafe impl allocator_api2::alloc::Allocator for &Heap {
+// SAFETY: allocate/deallocate pair through the same arena and layout, and the memory stays
+// valid until deallocated: every handle and every allocation keeps the heap alive. Clones of a
+// handle are the same heap, so memory from one can be freed through another. (`&Heap` is an
+// allocator through allocator-api2's blanket impl for references.)
+unsafe impl allocator_api2::alloc::Allocator for Heap {
     fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
         if layout.size() == 0 {
             // Zero-sized: a dangling, well-aligned pointer (never passed to jemalloc).
@@ -394,8 +464,8 @@ unsafe impl allocator_api2::alloc::Allocator for &Heap {
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
-            // SAFETY: the Allocator contract: ptr was allocated by this allocator with layout.
-            unsafe { self.raw_free(ptr, layout) };
+            // SAFETY: the Allocator contract: ptr was allocated by this heap with layout.
+            unsafe { free_raw(self.shared, ptr, layout) };
         }
     }
 }

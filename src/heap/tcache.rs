@@ -39,7 +39,7 @@ pub(crate) struct Registry {
 impl Registry {
     /// Sum of the live-byte counters of every slot.
     pub(crate) fn live(&self) -> i64 {
-        self.slots.lock().iter().map(|s| s.live.0.load(Ordering::Relaxed)).sum()
+        self.slots.lock().iter().map(|s| s.live.0.load(Ordering::Acquire)).sum()
     }
 
     /// Destroys every cache (flushing its objects back to the arena). Called by the heap

@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{Local, LocalMut};
+use crate::transfer::connection::{abort_borrowed, InFlight};
 use crate::transfer::Connection;
 use crate::verbs::{SendFlags, SendOp, Sge};
 
@@ -14,7 +15,7 @@ use crate::verbs::{SendFlags, SendOp, Sge};
 /// when all have completed. Dropping a batch without submitting posts nothing.
 ///
 /// ```no_run
-/// # fn f(conn: &mralloc::transfer::Connection, bufs: &[mralloc::Buffer<'_>], remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
+/// # fn f(conn: &mralloc::transfer::Connection, bufs: &[mralloc::Buffer], remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
 /// let mut batch = conn.batch();
 /// for (i, b) in bufs.iter().enumerate() {
 ///     batch.write(b, remote, (i * 4096) as u64)?;
@@ -93,19 +94,31 @@ impl<'b> Batch<'_, 'b> {
 
     /// Posts everything and waits for all of it. On failure, waits for whatever was posted, then
     /// returns the first error.
+    ///
+    /// # Errors
+    /// The first error: a refused post ([`Error::InvalidArgument`], [`Error::Verbs`],
+    /// [`Error::PartialPost`]), a failed completion ([`Error::Operation`]), the connection's
+    /// failure, or [`Error::Timeout`]. Every posted request has completed or been flushed when
+    /// this returns (the process aborts if the device never flushes borrowed memory).
     pub fn submit(self) -> Result<()> {
         let depth = self.conn.options().send_depth as usize;
         let chunk = (depth / 4).max(1);
+        let mut guard = InFlight::new(self.conn, true);
         let mut tails = Vec::new();
         let mut first_err: Option<Error> = None;
         for (sges, ops) in self.sges.chunks(chunk).zip(self.ops.chunks(chunk)) {
             let name = ops[0].1;
             let ops: Vec<SendOp> = ops.iter().map(|&(o, _)| o).collect();
             // SAFETY: every SGE's memory is borrowed for 'b, which outlives this call, and this
-            // call returns only after every posted chunk's tail completed (in-order RC
-            // completion retires the whole chunk).
+            // call returns only after every posted chunk's tail completed or was flushed
+            // (in-order RC completion retires the whole chunk); FlushLost aborts, and the guard
+            // makes unwinding wait too.
             match unsafe { self.conn.post_chain(name, sges, &ops, SendFlags::NONE) } {
-                Ok(t) => tails.push(t),
+                Ok(t) => {
+                    guard.push(t);
+                    tails.push(t);
+                }
+                Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
                 Err(e) => {
                     first_err = Some(e);
                     break;
@@ -113,10 +126,17 @@ impl<'b> Batch<'_, 'b> {
             }
         }
         for t in tails {
-            if let Err(e) = self.conn.wait_send_borrowed(t) {
-                first_err.get_or_insert(e);
+            let r = self.conn.wait_send(t);
+            guard.claimed(t);
+            match r {
+                Ok(_) => {}
+                Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
+        guard.disarm();
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),

@@ -1,252 +1,33 @@
 //! `Connection`: one RC queue pair with its CQs, completion routing and failure state.
 
+use std::mem::ManuallyDrop;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome};
 use crate::transfer::{Options, WaitMode};
-use crate::verbs::{
-    Access, CompChannel, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
-    WorkCompletion,
-};
+use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcStatus};
 
-/// What a successful completion reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completed {
-    /// Bytes received (receives) or transferred.
-    pub byte_len: u32,
-    /// Immediate data, if the peer attached some.
-    pub imm: Option<u32>,
-    /// The completion's opcode.
-    pub opcode: WcOpcode,
-}
-
-/// The first failure of a connection; every later post reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Failure {
-    pub(crate) op: &'static str,
-    pub(crate) wr_id: u64,
-    pub(crate) status: WcStatus,
-    pub(crate) vendor_err: u32,
-}
-
-impl Failure {
-    pub(crate) fn error(&self) -> Error {
-        Error::Operation { op: self.op, wr_id: self.wr_id, status: self.status, vendor_err: self.vendor_err }
-    }
-}
-
-/// What [`Error::Timeout`] names when a failed connection's flush never arrived.
-pub(crate) const FLUSH_LOST: &str = "the flush of a failed connection";
-
-pub(crate) type Outcome = std::result::Result<Completed, Failure>;
-
-/// A few (id, value) pairs: completions are claimed quickly, so these stay tiny and a linear
-/// scan beats hashing on the hot path.
-struct Small<T>(Vec<(u64, T)>);
-
-impl<T> Default for Small<T> {
-    fn default() -> Small<T> {
-        Small(Vec::with_capacity(8))
-    }
-}
-
-impl<T> Small<T> {
-    fn insert(&mut self, id: u64, v: T) {
-        self.0.push((id, v));
-    }
-    fn remove(&mut self, id: u64) -> Option<T> {
-        let i = self.0.iter().position(|(k, _)| *k == id)?;
-        Some(self.0.swap_remove(i).1)
-    }
-}
-
-struct SendState {
-    /// Completions reaped but not yet claimed by their waiter.
-    done: Small<Outcome>,
-    /// Send-queue slots in use (posted, not yet retired by a completion).
-    used: u32,
-    /// For each signaled request: how many slots its completion retires, and its operation.
-    tails: Small<(u32, &'static str)>,
-    /// Reused poll buffer.
-    wcs: [WorkCompletion; 8],
-}
-
-impl Default for SendState {
-    fn default() -> SendState {
-        SendState {
-            done: Small::default(),
-            used: 0,
-            tails: Small::default(),
-            wcs: std::array::from_fn(|_| WorkCompletion::empty()),
-        }
-    }
-}
-
-struct RecvState {
-    done: Small<Outcome>,
-    posted: u32,
-    wcs: [WorkCompletion; 8],
-}
-
-impl Default for RecvState {
-    fn default() -> RecvState {
-        RecvState { done: Small::default(), posted: 0, wcs: std::array::from_fn(|_| WorkCompletion::empty()) }
-    }
-}
-
-/// How a waiting thread waits for its completion.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Mode {
-    BusyPoll,
-    Event,
-    Poller,
-}
-
-/// The part of a connection that completion processing needs: CQs, routing state, failure.
-/// Shared with a [`crate::transfer::Poller`] thread when one serves the connection.
-pub(crate) struct Core {
-    pub(crate) send_cq: Cq,
-    pub(crate) recv_cq: Cq,
-    pub(crate) failed: OnceLock<Failure>,
-    send: Mutex<SendState>,
-    recv: Mutex<RecvState>,
-    mode: Mode,
-    channel: Option<CompChannel>,
-    event_lock: Mutex<()>,
-    wake: Condvar,
-    wake_lock: Mutex<u64>,
-}
-
-impl Core {
-    /// Records the first failure; returns whether this one was it.
-    fn fail(&self, f: Failure) -> bool {
-        let first = self.failed.set(f).is_ok();
-        if first {
-            tracing::debug!("connection failed: {}", f.error());
-        }
-        first
-    }
-
-    fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
-        if wc.is_ok() {
-            Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
-        } else {
-            let f = Failure { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
-            self.fail(f);
-            // A flushed request reports the failure that caused the flush.
-            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
-        }
-    }
-
-    fn reap_send(&self, st: &mut SendState) -> Result<usize> {
-        let n = self.send_cq.poll(&mut st.wcs)?;
-        for i in 0..n {
-            let id = st.wcs[i].wr_id();
-            let (retired, op) = st.tails.remove(id).unwrap_or((1, "send-queue request"));
-            st.used = st.used.saturating_sub(retired);
-            let o = self.outcome(&st.wcs[i], op);
-            st.done.insert(id, o);
-        }
-        Ok(n)
-    }
-
-    fn reap_recv(&self, st: &mut RecvState) -> Result<usize> {
-        let n = self.recv_cq.poll(&mut st.wcs)?;
-        for i in 0..n {
-            st.posted = st.posted.saturating_sub(1);
-            let o = self.outcome(&st.wcs[i], "recv");
-            st.done.insert(st.wcs[i].wr_id(), o);
-        }
-        Ok(n)
-    }
-
-    /// Reaps both CQs into the routing maps and wakes waiters if anything arrived. This is what a
-    /// poller thread calls.
-    pub(crate) fn progress(&self) -> Result<usize> {
-        let n = self.reap_send(&mut self.send.lock())? + self.reap_recv(&mut self.recv.lock())?;
-        if n > 0 && self.mode == Mode::Poller {
-            *self.wake_lock.lock() += 1;
-            self.wake.notify_all();
-        }
-        Ok(n)
-    }
-
-    /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
-    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
-        if send {
-            let mut st = self.send.lock();
-            if let Some(o) = st.done.remove(wr_id) {
-                return Ok(Some(o));
-            }
-            self.reap_send(&mut st)?;
-            Ok(st.done.remove(wr_id))
-        } else {
-            let mut st = self.recv.lock();
-            if let Some(o) = st.done.remove(wr_id) {
-                return Ok(Some(o));
-            }
-            self.reap_recv(&mut st)?;
-            Ok(st.done.remove(wr_id))
-        }
-    }
-
-    /// Puts an outcome taken by [`Core::try_claim`] back for its waiter.
-    pub(crate) fn unclaim(&self, wr_id: u64, send: bool, o: Outcome) {
-        if send {
-            self.send.lock().done.insert(wr_id, o);
-        } else {
-            self.recv.lock().done.insert(wr_id, o);
-        }
-    }
-
-    /// Waits a little for progress, the way the connection's mode says: spin, sleep on the
-    /// completion channel, or sleep until the poller thread signals.
-    fn pause(&self, spins: &mut u32, max: Duration) -> Result<()> {
-        match self.mode {
-            Mode::BusyPoll => {
-                *spins = spins.wrapping_add(1);
-                if *spins % 256 == 0 {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-            Mode::Event => {
-                let Some(ch) = &self.channel else { return Ok(()) };
-                // One thread sleeps on the channel at a time; others nap briefly.
-                let Some(_g) = self.event_lock.try_lock() else {
-                    std::thread::sleep(Duration::from_micros(50));
-                    return Ok(());
-                };
-                self.send_cq.arm()?;
-                self.recv_cq.arm()?;
-                // Completions that arrived before arming raise no event: collect them now.
-                if self.progress()? == 0 {
-                    ch.wait(max.min(Duration::from_millis(100)))?;
-                }
-            }
-            Mode::Poller => {
-                let mut g = self.wake_lock.lock();
-                // Bounded: a wake-up that raced this wait costs at most a millisecond.
-                self.wake.wait_for(&mut g, max.min(Duration::from_millis(1)));
-            }
-        }
-        Ok(())
-    }
-}
+/// How long a failed connection waits for the device to flush its outstanding requests before
+/// it declares their memory lost (leaked, never released).
+pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 /// A reliable connection to one peer. Operations are in [`crate::transfer`]'s `ops`, `pending`
 /// and `batch` modules; this type owns the queue pair and routes completions to their waiters.
 ///
-/// Once any operation fails (a failed completion, or a timeout), the QP is in the error state and
-/// every later post fails fast with the original error.
+/// Once any operation fails (a failed completion, a timeout, a failing verbs call on the
+/// completion path), the QP is in the error state and every later post fails fast with the
+/// original error. [`Connection::close`] (or dropping the connection) moves the QP to the error
+/// state, waits for the device to flush what is outstanding and releases the buffers of
+/// operations nobody waits for.
 pub struct Connection {
-    pub(crate) qp: Qp,
+    /// Destroyed in `Drop`, before the buffers still held are released.
+    pub(crate) qp: ManuallyDrop<Qp>,
     pub(crate) pd: Pd,
     pub(crate) peer: Endpoint,
     pub(crate) peer_blob: Vec<u8>,
@@ -270,12 +51,70 @@ impl std::fmt::Debug for Connection {
     }
 }
 
+/// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
+/// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
+pub(crate) struct InFlight<'c> {
+    conn: &'c Connection,
+    send: bool,
+    ids: Vec<u64>,
+}
+
+impl<'c> InFlight<'c> {
+    pub(crate) fn new(conn: &'c Connection, send: bool) -> InFlight<'c> {
+        InFlight { conn, send, ids: Vec::new() }
+    }
+
+    /// Covers one more posted request (its completion must be claimed before the borrow ends).
+    pub(crate) fn push(&mut self, id: u64) {
+        self.ids.push(id);
+    }
+
+    /// `id`'s completion was claimed: nothing to wait for on unwinding.
+    pub(crate) fn claimed(&mut self, id: u64) {
+        self.ids.retain(|&i| i != id);
+    }
+
+    /// The normal path: every request was claimed.
+    pub(crate) fn disarm(mut self) {
+        self.ids.clear();
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        self.conn.fail(Failure::Op {
+            op: "an operation abandoned by a panic",
+            wr_id: self.ids[0],
+            status: WcStatus::GeneralErr,
+            vendor_err: 0,
+        });
+        for &id in &self.ids {
+            if let Err(Error::FlushLost { .. }) = self.conn.wait(id, self.send) {
+                abort_borrowed(id);
+            }
+        }
+    }
+}
+
+/// The one way out when the NIC may still use *borrowed* memory: returning would hand that
+/// memory back to safe code.
+pub(crate) fn abort_borrowed(wr_id: u64) -> ! {
+    eprintln!(
+        "mralloc: the RDMA device did not flush work request {wr_id} after its queue pair was moved to the error \
+         state; its borrowed memory may still be written: aborting"
+    );
+    std::process::abort();
+}
+
 impl Connection {
     /// Creates the QP (INIT) and CQs for a connection in `pd`.
     pub(crate) fn prepare(pd: &Pd, opts: &Options) -> Result<(Qp, Cq, Cq)> {
         let ctx = pd.context();
         let (send_cq, recv_cq) = if matches!(opts.wait, WaitMode::Event) {
-            let ch = CompChannel::new(ctx)?;
+            let ch = crate::verbs::CompChannel::new(ctx)?;
             (Cq::with_channel(ctx, opts.send_depth + 8, &ch)?, Cq::with_channel(ctx, opts.recv_depth + 8, &ch)?)
         } else {
             (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, opts.recv_depth + 8)?)
@@ -322,24 +161,12 @@ impl Connection {
             WaitMode::Event => Mode::Event,
             WaitMode::Poller(_) => Mode::Poller,
         };
-        let channel = send_cq.channel().cloned();
-        let core = Arc::new(Core {
-            send_cq,
-            recv_cq,
-            failed: OnceLock::new(),
-            send: Mutex::new(SendState::default()),
-            recv: Mutex::new(RecvState::default()),
-            mode,
-            channel,
-            event_lock: Mutex::new(()),
-            wake: Condvar::new(),
-            wake_lock: Mutex::new(0),
-        });
+        let core = Arc::new(Core::new(send_cq, recv_cq, mode));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
         }
         Ok(Connection {
-            qp,
+            qp: ManuallyDrop::new(qp),
             pd: pd.clone(),
             peer,
             peer_blob,
@@ -354,6 +181,9 @@ impl Connection {
 
     /// Two connections in `pd` connected to each other on one device (loopback): what a single
     /// process needs to exercise both sides.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if creating or connecting a queue pair or CQ fails.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {
         let a = Connection::prepare(pd, opts)?;
         let b = Connection::prepare(pd, opts)?;
@@ -394,6 +224,48 @@ impl Connection {
         self.core.failed.get().map(Failure::error)
     }
 
+    /// Reaps whatever completions have arrived, without waiting: waiters find their outcomes,
+    /// and buffers of dropped operations ([`crate::transfer::Pending`]) whose completion arrived
+    /// are freed. Returns how many completions were reaped. (Every operation and wait does this
+    /// too; call it when a connection sits idle with parked buffers.)
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if polling a CQ fails; the connection is failed then.
+    pub fn progress(&self) -> Result<usize> {
+        self.core.progress().inspect_err(|e| self.fail(Failure::local(e)))
+    }
+
+    /// Closes the connection: moves the QP to the error state (later posts fail with
+    /// [`Error::Closed`], or with the failure that came first), waits for the device to flush
+    /// every outstanding request, and frees the buffers of operations nobody waits for.
+    /// Operations other threads still wait for complete with the flush error and give their
+    /// buffers back. Dropping a connection closes it.
+    ///
+    /// # Errors
+    /// [`Error::FlushLost`] if the device did not flush within a few seconds (a device fault):
+    /// the buffers still held are then leaked when the connection is dropped, never freed.
+    pub fn close(&self) -> Result<()> {
+        self.fail(Failure::Closed);
+        // Idempotent; the QP may already be in the error state (any failed completion puts it
+        // there), and a failure recorded first did this already.
+        let _ = self.qp.set_error();
+        let start = Instant::now();
+        let mut spins = 0;
+        loop {
+            // A failing poll leaves the flush unseen: keep trying until the deadline.
+            let _ = self.core.progress();
+            if self.core.quiet() {
+                return Ok(());
+            }
+            if start.elapsed() > FLUSH_WAIT {
+                return Err(Error::FlushLost { wr_id: 0, waited: start.elapsed() });
+            }
+            if self.core.pause(&mut spins, Duration::from_millis(1)).is_err() {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         match self.core.failed.get() {
             Some(f) => Err(f.error()),
@@ -407,7 +279,7 @@ impl Connection {
 
     /// Fails the connection (first failure wins) and moves the QP to the error state, so the
     /// NIC flushes everything outstanding.
-    fn fail(&self, f: Failure) {
+    pub(crate) fn fail(&self, f: Failure) {
         if self.core.fail(f) {
             let _ = self.qp.set_error();
         }
@@ -416,9 +288,13 @@ impl Connection {
     /// Posts `wrs` (the last one signaled) as one chain, waiting for send-queue room first.
     /// Returns the id of the signaled tail.
     ///
+    /// If the device accepts only part of the chain, the connection is failed and the accepted
+    /// part's flush is awaited before the error is returned.
+    ///
     /// # Safety
     /// As [`Qp::post_send`]: the memory behind every SGE must stay valid and untouched until the
-    /// tail's completion has been claimed with [`Connection::wait_send`].
+    /// tail's completion has been claimed with [`Connection::wait_send`] — and, if this returns
+    /// [`Error::FlushLost`], forever (leak or abort).
     pub(crate) unsafe fn post_chain(
         &self,
         op: &'static str,
@@ -434,36 +310,54 @@ impl Connection {
         let start = Instant::now();
         loop {
             self.check()?;
-            {
-                let mut st = self.core.send.lock();
-                if st.used + k <= self.opts.send_depth {
-                    let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
-                    let tail = first + u64::from(k) - 1;
-                    fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
-                        let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
-                        let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
-                        SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
-                    }
-                    if k == 1 {
-                        // The common single request: no allocation.
-                        let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
-                        // SAFETY: the caller keeps the memory valid until the tail completes.
-                        unsafe { self.qp.post_send(&one)? };
-                    } else {
-                        let wrs: Vec<SendWr<'_>> = ops
-                            .iter()
-                            .zip(sges)
-                            .enumerate()
-                            .map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge))
-                            .collect();
-                        // SAFETY: as above.
-                        unsafe { self.qp.post_send(&wrs)? };
-                    }
-                    st.used += k;
-                    st.tails.insert(tail, (k, op));
-                    return Ok(tail);
+            let posted = self.core.with_send(|core, slots| {
+                if slots.used() + k > self.opts.send_depth {
+                    slots.reap(core)?;
+                    return Ok(None);
                 }
-                self.core.reap_send(&mut st)?;
+                let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
+                let tail = first + u64::from(k) - 1;
+                fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
+                    let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
+                    let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
+                    SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
+                }
+                let r = if k == 1 {
+                    // The common single request: no allocation.
+                    let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
+                    // SAFETY: the caller keeps the memory valid until the tail completes.
+                    unsafe { self.qp.post_send(&one) }
+                } else {
+                    let wrs: Vec<SendWr<'_>> =
+                        ops.iter().zip(sges).enumerate().map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge)).collect();
+                    // SAFETY: as above.
+                    unsafe { self.qp.post_send(&wrs) }
+                };
+                match r {
+                    Ok(()) => {
+                        slots.posted(tail, k, op);
+                        Ok(Some(Ok(tail)))
+                    }
+                    Err(e @ Error::PartialPost { posted, .. }) => {
+                        // The accepted requests use their memory until they are flushed; the
+                        // last of them (unsignaled) completes when flushed and retires them all.
+                        let last = first + posted as u64 - 1;
+                        slots.posted(last, posted as u32, op);
+                        Ok(Some(Err((e, last))))
+                    }
+                    Err(e) => Err(e),
+                }
+            })?;
+            match posted {
+                Some(Ok(tail)) => return Ok(tail),
+                Some(Err((e, last))) => {
+                    self.fail(Failure::local(&e));
+                    return match self.wait(last, true) {
+                        Err(lost @ Error::FlushLost { .. }) => Err(lost),
+                        _ => Err(e),
+                    };
+                }
+                None => {}
             }
             if start.elapsed() > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
@@ -472,36 +366,35 @@ impl Connection {
         }
     }
 
-    /// Waits for the completion of the signaled send request `wr_id`.
-    ///
-    /// On timeout the connection is failed (QP → error) and the flush completion is awaited, so
-    /// that when this returns the NIC no longer uses the request's memory.
-    pub(crate) fn wait_send(&self, wr_id: u64) -> Result<Completed> {
-        self.wait(wr_id, true)
-    }
-
-    /// [`Connection::wait_send`] for requests on *borrowed* memory: if the NIC never releases
-    /// it (no flush after the QP was failed — a driver bug), returning would hand memory the NIC
-    /// may still write back to safe code. That is the one case where the process is aborted.
-    pub(crate) fn wait_send_borrowed(&self, wr_id: u64) -> Result<Completed> {
-        self.wait_borrowed(wr_id, true)
-    }
-
-    /// Receive counterpart of [`Connection::wait_send_borrowed`].
-    pub(crate) fn wait_recv_borrowed(&self, wr_id: u64) -> Result<Completed> {
-        self.wait_borrowed(wr_id, false)
-    }
-
-    fn wait_borrowed(&self, wr_id: u64, send: bool) -> Result<Completed> {
-        match self.wait(wr_id, send) {
-            Err(Error::Timeout(_, FLUSH_LOST)) => {
-                eprintln!(
-                    "mralloc: the RDMA device did not flush work request {wr_id} after its queue pair was                      moved to the error state; its borrowed memory may still be written: aborting"
-                );
-                std::process::abort();
-            }
+    /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
+    /// operations post. Returns only when the NIC is done with the memory; aborts the process
+    /// if the device never releases it.
+    pub(crate) fn post_and_wait_borrowed(
+        &self,
+        op: &'static str,
+        sges: &[Sge],
+        ops: &[SendOp],
+        flags: SendFlags,
+    ) -> Result<Completed> {
+        // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
+        // before the tail's completion (or its flush) is claimed; FlushLost aborts.
+        let id = match unsafe { self.post_chain(op, sges, ops, flags) } {
+            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+            r => r?,
+        };
+        let mut guard = InFlight::new(self, true);
+        guard.push(id);
+        let r = self.wait(id, true);
+        guard.disarm();
+        match r {
+            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
             r => r,
         }
+    }
+
+    /// Waits for the completion of the signaled send request `wr_id`.
+    pub(crate) fn wait_send(&self, wr_id: u64) -> Result<Completed> {
+        self.wait(wr_id, true)
     }
 
     /// Waits for the receive `wr_id`.
@@ -509,67 +402,96 @@ impl Connection {
         self.wait(wr_id, false)
     }
 
-    fn wait(&self, wr_id: u64, send: bool) -> Result<Completed> {
+    /// Waits for `wr_id`'s completion. Whatever goes wrong (the operation timeout, a failing
+    /// `ibv_poll_cq` or completion-channel call) fails the connection and *keeps waiting* for the
+    /// request's flush, so that when this returns the NIC no longer uses the request's memory —
+    /// except with [`Error::FlushLost`], when the flush never came: then the caller must leak
+    /// the memory (owned) or abort (borrowed).
+    pub(crate) fn wait(&self, wr_id: u64, send: bool) -> Result<Completed> {
         let start = Instant::now();
-        let mut timed_out = false;
+        // The local failure (timeout, verbs error) that made this wait fail the connection.
+        let mut local: Option<(Error, Instant)> = None;
         let mut spins = 0u32;
         loop {
-            if let Some(o) = self.try_claim(wr_id, send)? {
-                return match o {
-                    Ok(c) if !timed_out => Ok(c),
-                    Ok(_) => Err(Error::Timeout(self.opts.op_timeout, "a completion")),
-                    Err(_) if timed_out => Err(Error::Timeout(self.opts.op_timeout, "a completion")),
-                    Err(f) => Err(f.error()),
-                };
+            match self.core.try_claim(wr_id, send) {
+                Ok(Some(o)) => return self.settle(o, local.map(|(e, _)| e)),
+                Ok(None) => {}
+                Err(e) => self.fail_locally(&mut local, e),
             }
-            let waited = start.elapsed();
-            if !timed_out && waited > self.opts.op_timeout {
-                timed_out = true;
+            let now = Instant::now();
+            if local.is_none() && now.duration_since(start) > self.opts.op_timeout {
                 let what = if send { "waiting for a send completion" } else { "waiting for a receive" };
-                self.fail(Failure { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
+                self.fail(Failure::Op { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
+                local = Some((Error::Timeout(self.opts.op_timeout, "a completion"), now));
             }
-            if timed_out && waited > self.opts.op_timeout + Duration::from_secs(5) {
-                // The flush never came: the memory may still be the NIC's. Callers that own
-                // memory leak it rather than free it.
-                return Err(Error::Timeout(self.opts.op_timeout, FLUSH_LOST));
+            let left = match &local {
+                Some((_, since)) => {
+                    let waited = now.duration_since(*since);
+                    if waited > FLUSH_WAIT {
+                        return Err(Error::FlushLost { wr_id, waited });
+                    }
+                    FLUSH_WAIT - waited
+                }
+                None => self.opts.op_timeout.saturating_sub(now.duration_since(start)),
+            };
+            if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1))) {
+                self.fail_locally(&mut local, e);
+                std::thread::sleep(Duration::from_micros(50));
             }
-            let left = (self.opts.op_timeout + Duration::from_secs(5)).saturating_sub(waited);
-            self.core.pause(&mut spins, left)?;
         }
     }
 
-    /// Takes the outcome of `wr_id` if it has completed.
-    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
-        self.core.try_claim(wr_id, send)
+    /// Records a local error of the completion path: fails the connection, starts the flush wait.
+    fn fail_locally(&self, local: &mut Option<(Error, Instant)>, e: Error) {
+        if local.is_none() {
+            tracing::debug!("completion path failed ({e}); failing the connection and waiting for the flush");
+            self.fail(Failure::local(&e));
+            *local = Some((e, Instant::now()));
+        }
     }
 
-    /// Puts an outcome back for its waiter.
-    pub(crate) fn unclaim(&self, wr_id: u64, send: bool, o: Outcome) {
-        self.core.unclaim(wr_id, send, o)
+    fn settle(&self, o: Outcome, local: Option<Error>) -> Result<Completed> {
+        match (o, local) {
+            (_, Some(e)) => Err(e),
+            (Ok(c), None) => Ok(c),
+            (Err(f), None) => Err(f.error()),
+        }
     }
 
     /// Posts one receive. Returns its id.
     ///
     /// # Safety
     /// The SGE's memory must stay valid and untouched until the receive is claimed with
-    /// [`Connection::wait_recv`].
+    /// [`Connection::wait_recv`] (or its buffer is parked with the connection).
     pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<u64> {
         self.check()?;
-        let mut st = self.core.recv.lock();
-        if st.posted >= self.opts.recv_depth {
-            return Err(Error::InvalidArgument(format!(
-                "{} receives are already posted (the receive queue depth)",
-                st.posted
-            )));
-        }
         let id = self.next_wr_id();
         let list: &[Sge] = match &sge {
             Some(s) => std::slice::from_ref(s),
             None => &[],
         };
-        // SAFETY: the caller keeps the memory valid until the receive is claimed.
-        unsafe { self.qp.post_recv(id, list)? };
-        st.posted += 1;
+        self.core.with_recv_slot(self.opts.recv_depth, || {
+            // SAFETY: the caller keeps the memory valid until the receive is claimed.
+            unsafe { self.qp.post_recv(id, list) }
+        })?;
         Ok(id)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        let flushed = self.close();
+        // SAFETY: dropped once, here; nothing uses the QP afterwards. Once it is destroyed the
+        // device processes none of its requests any more.
+        unsafe { ManuallyDrop::drop(&mut self.qp) };
+        let held = self.core.take_held();
+        match flushed {
+            Ok(()) => drop(held),
+            Err(e) => {
+                // The device may still write them: never free them.
+                tracing::error!("closing a connection: {e}; leaking {} buffers it still held", held.len());
+                std::mem::forget(held);
+            }
+        }
     }
 }

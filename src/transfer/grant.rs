@@ -1,60 +1,94 @@
-//! Scoped remote grants: a type 2 memory window over exactly one buffer, revocable.
+//! Scoped remote grants: a type 2 memory window over exactly one owned buffer, revocable.
 
 use crate::error::{Error, Result};
 use crate::heap::mr_of;
 use crate::remote::RemoteBuf;
-use crate::transfer::local::LocalMut;
+use crate::transfer::iobuf::IoBufMut;
+use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
 use crate::verbs::{Access, Mw, SendFlags, SendOp, Sge};
 
 /// Remote access to one buffer through one connection, with an rkey of its own (a type 2
-/// memory window bound to just that buffer). The grant owns the buffer; [`Grant::revoke`]
-/// invalidates the rkey and gives the buffer back. Dropping a grant revokes it; forgetting it
-/// leaks the buffer (never exposes freed memory).
+/// memory window bound to just that buffer). The grant owns the buffer:
+/// - [`Grant::revoke`] invalidates the rkey, waits for that, and gives the buffer back;
+/// - dropping a grant posts the invalidation and returns at once: the connection keeps the
+///   buffer until the invalidation completes, then frees it (on a failed connection, until the
+///   queue pair is destroyed);
+/// - forgetting a grant leaks the buffer: the peer may keep access to it, never to memory that
+///   was freed or reused.
 ///
 /// The buffer must come from a heap built with [`Access::MW_BIND`] (and the rights to grant).
-pub struct Grant<'c, B: LocalMut> {
+pub struct Grant<'c, B: IoBufMut> {
     conn: &'c Connection,
     mw: Option<Mw>,
     remote: RemoteBuf,
     buf: Option<B>,
 }
 
-impl<B: LocalMut> Grant<'_, B> {
+/// What a dropped grant leaves with the connection: the window and the buffer it covers, only
+/// to be dropped — the window first (field order), then the buffer.
+struct Held<B> {
+    _mw: Mw,
+    _buf: B,
+}
+
+impl<B: IoBufMut> Grant<'_, B> {
     /// What the peer needs: address, length and the window's rkey.
     pub fn remote(&self) -> RemoteBuf {
         self.remote
     }
 
-    /// Invalidates the rkey (later remote accesses fail with a remote access error) and returns
-    /// the buffer.
-    pub fn revoke(mut self) -> Result<B> {
-        self.invalidate()?;
-        Ok(self.buf.take().expect("a grant holds its buffer until revoked"))
-    }
-
-    fn invalidate(&mut self) -> Result<()> {
-        let Some(mw) = self.mw.take() else { return Ok(()) };
+    fn post_invalidate(&self) -> Result<u64> {
         // SAFETY: LOCAL_INV touches no local memory.
-        let id = unsafe {
+        unsafe {
             self.conn.post_chain(
                 "memory window invalidate",
                 &[Sge::new(0, 0, 0)],
                 &[SendOp::LocalInvalidate(self.remote.rkey)],
                 SendFlags::NONE,
-            )?
-        };
-        let r = self.conn.wait_send(id).map(|_| ());
-        drop(mw); // deallocation invalidates it in any case
-        r
+            )
+        }
+    }
+
+    /// Invalidates the rkey (later remote accesses fail with a remote access error), waits for
+    /// the invalidation, and returns the buffer.
+    ///
+    /// # Errors
+    /// If the invalidation cannot be posted or fails (the connection failed), the peer can no
+    /// longer reach the buffer through this connection's queue pair, but the connection keeps
+    /// the buffer until the queue pair is destroyed: `buf` is `None` then. Likewise with
+    /// [`Error::FlushLost`] (then the buffer is leaked).
+    pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
+        let mw = self.mw.take().expect("a live grant holds its window");
+        let buf = self.buf.take().expect("a live grant holds its buffer");
+        let r = self.post_invalidate().and_then(|id| self.conn.wait_send(id).map(|_| ()));
+        match r {
+            Ok(()) => {
+                drop(mw);
+                Ok(buf)
+            }
+            Err(error @ Error::FlushLost { .. }) => {
+                std::mem::forget(Held { _mw: mw, _buf: buf });
+                Err(Rejected { error, buf: None })
+            }
+            Err(error) => {
+                self.conn.core.park_until_destroyed(Box::new(Held { _mw: mw, _buf: buf }));
+                Err(Rejected { error, buf: None })
+            }
+        }
     }
 }
 
-impl<B: LocalMut> Drop for Grant<'_, B> {
+impl<B: IoBufMut> Drop for Grant<'_, B> {
     fn drop(&mut self) {
-        if self.mw.is_some() {
-            if let Err(e) = self.invalidate() {
-                tracing::warn!("revoking a grant failed ({e}); its window was deallocated");
+        let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
+        let held = Box::new(Held { _mw: mw, _buf: buf });
+        match self.post_invalidate() {
+            Ok(id) => self.conn.core.park(id, true, held),
+            Err(Error::FlushLost { .. }) => std::mem::forget(held),
+            Err(e) => {
+                tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is destroyed");
+                self.conn.core.park_until_destroyed(held);
             }
         }
     }
@@ -64,26 +98,46 @@ impl Connection {
     /// Grants the peer `access` (remote read and/or write) to exactly `buf`, through this
     /// connection only, with a fresh rkey. The heap must have been built with
     /// [`Access::MW_BIND`] in its access rights.
-    pub fn grant<B: LocalMut>(&self, buf: B, access: Access) -> Result<Grant<'_, B>> {
-        self.check()?;
-        let (ptr, len) = (buf.local_ptr(), buf.local_len());
-        crate::transfer::ops::nonempty(len, "grant")?;
-        let (mr, _) = mr_of(ptr, &self.pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
-        if access.contains(Access::LOCAL_WRITE) || !access.is_remote() {
-            return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
-        }
-        let mw = Mw::new(&self.pd)?;
+    ///
+    /// # Errors
+    /// With the buffer back: [`Error::InvalidArgument`] (empty buffer, or rights other than
+    /// remote read/write), [`Error::NotRegistered`] (not heap memory bound to this
+    /// connection's PD), [`Error::Verbs`] (allocating the window), the connection's failure, or
+    /// the bind's failure. With [`Error::FlushLost`] the buffer is leaked.
+    pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
+        let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
+        let prepared = self.check().and_then(|()| {
+            crate::transfer::ops::nonempty(len, "grant")?;
+            let (mr, _) = mr_of(ptr, &self.pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
+            if access.contains(Access::LOCAL_WRITE) || !access.is_remote() {
+                return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
+            }
+            Ok((Mw::new(&self.pd)?, mr))
+        });
+        let (mw, mr) = match prepared {
+            Ok(x) => x,
+            Err(error) => return Err(Rejected { error, buf: Some(buf) }),
+        };
         let rkey = mw.next_rkey();
         let op = SendOp::BindMw { mw: mw.as_raw(), rkey, mr, addr: ptr as u64, len: len as u64, access: access.bits() };
-        // SAFETY: binding touches no local memory; the window covers `buf`, which the grant owns
-        // until the window is invalidated.
-        let id = unsafe { self.post_chain("memory window bind", &[Sge::new(0, 0, 0)], &[op], SendFlags::NONE)? };
-        self.wait_send(id)?;
-        Ok(Grant {
-            conn: self,
-            mw: Some(mw),
-            remote: RemoteBuf { addr: ptr as u64, len: len as u64, rkey },
-            buf: Some(buf),
-        })
+        // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
+        // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
+        let r = unsafe { self.post_chain("memory window bind", &[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }
+            .and_then(|id| self.wait_send(id));
+        match r {
+            Ok(_) => Ok(Grant {
+                conn: self,
+                mw: Some(mw),
+                remote: RemoteBuf { addr: ptr as u64, len: len as u64, rkey },
+                buf: Some(buf),
+            }),
+            Err(error @ Error::FlushLost { .. }) => {
+                std::mem::forget(Held { _mw: mw, _buf: buf });
+                Err(Rejected { error, buf: None })
+            }
+            // A failed bind leaves the window unbound (or the QP in the error state and
+            // flushed): nothing reaches the buffer through it.
+            Err(error) => Err(Rejected { error, buf: Some(buf) }),
+        }
     }
 }

@@ -1,17 +1,20 @@
-//! What can be the local side of an operation: heap buffers, slices of any heap memory,
-//! registered buffers and mapped files — anything whose bytes lie in one memory region of the
-//! connection's PD. Foreign memory is a typed error, found before anything is posted.
+//! What can be the local side of a *blocking* operation: heap buffers, slices of any heap
+//! memory, registered buffers and mapped files — anything whose bytes lie in one memory region
+//! of the connection's PD, borrowed for the call. Foreign memory is a typed error, found before
+//! anything is posted. (Non-blocking operations take owned memory: [`crate::transfer::IoBuf`].)
 
 use crate::error::{Error, Result};
 use crate::heap::{keys_of_for, BufSlice, Buffer};
+use crate::transfer::iobuf::{IoBuf, IoBufMut, Slice};
 use crate::verbs::{Pd, RegisteredBuf, Sge};
 
-/// Memory the NIC may read for an operation (the source of WRITE and SEND).
+/// Memory the NIC may read for a blocking operation (the source of WRITE and SEND), borrowed for
+/// the call.
 ///
 /// # Safety
 /// `local_ptr()..local_ptr()+local_len()` must be valid, initialised memory for as long as the
-/// implementing value is borrowed (or owned) by an operation, and `lkey_for` must only return a
-/// key of a memory region of `pd` that covers that whole range.
+/// implementing value is borrowed by an operation, and `lkey_for` must only return a key of a
+/// memory region of `pd` that covers that whole range.
 pub unsafe trait Local {
     /// Start of the bytes.
     fn local_ptr(&self) -> *const u8;
@@ -41,16 +44,20 @@ pub(crate) fn heap_lkey(ptr: *const u8, len: usize, pd: &Pd) -> Option<u32> {
 
 /// A bounds-checked SGE for `local` in `pd`, or the typed error saying why not.
 pub(crate) fn sge_of<L: Local + ?Sized>(local: &L, pd: &Pd) -> Result<Sge> {
-    let len = local.local_len();
+    sge_of_parts(local.local_ptr(), local.local_len(), local.lkey_for(pd))
+}
+
+/// An SGE for `len` bytes at `ptr` under `lkey`, or the typed error saying why not.
+pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>) -> Result<Sge> {
     let len32 = u32::try_from(len)
         .map_err(|_| Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {len} bytes")))?;
-    let addr = local.local_ptr() as u64;
-    let lkey = local.lkey_for(pd).ok_or(Error::NotRegistered { addr })?;
+    let addr = ptr as u64;
+    let lkey = lkey.ok_or(Error::NotRegistered { addr })?;
     Ok(Sge::new(addr, len32, lkey))
 }
 
 // SAFETY: a Buffer owns live heap memory of its length; keys come from its heap's chunk.
-unsafe impl Local for Buffer<'_> {
+unsafe impl Local for Buffer {
     fn local_ptr(&self) -> *const u8 {
         self.as_ptr()
     }
@@ -59,7 +66,7 @@ unsafe impl Local for Buffer<'_> {
     }
 }
 // SAFETY: as above; &mut access is exclusive.
-unsafe impl LocalMut for Buffer<'_> {}
+unsafe impl LocalMut for Buffer {}
 
 // SAFETY: a BufSlice borrows live heap memory of its length.
 unsafe impl Local for BufSlice<'_> {
@@ -98,33 +105,21 @@ unsafe impl Local for RegisteredBuf {
 // SAFETY: as above; registered with whatever access it was given (the NIC checks LOCAL_WRITE).
 unsafe impl LocalMut for RegisteredBuf {}
 
-// SAFETY: forwards to the referenced value, which outlives the borrow.
-unsafe impl<T: Local + ?Sized> Local for &T {
+// SAFETY: an owned slice of an IoBuf: valid for its range while borrowed; the key covers the
+// whole buffer.
+unsafe impl<B: IoBuf> Local for Slice<B> {
     fn local_ptr(&self) -> *const u8 {
-        (**self).local_ptr()
+        self.stable_ptr()
     }
     fn local_len(&self) -> usize {
-        (**self).local_len()
+        self.bytes_len()
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (**self).lkey_for(pd)
+        IoBuf::lkey_for(self, pd)
     }
 }
-
-// SAFETY: forwards to the referenced value, borrowed exclusively.
-unsafe impl<T: Local + ?Sized> Local for &mut T {
-    fn local_ptr(&self) -> *const u8 {
-        (**self).local_ptr()
-    }
-    fn local_len(&self) -> usize {
-        (**self).local_len()
-    }
-    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (**self).lkey_for(pd)
-    }
-}
-// SAFETY: as above.
-unsafe impl<T: LocalMut + ?Sized> LocalMut for &mut T {}
+// SAFETY: as above; the buffer is writable and exclusively ours.
+unsafe impl<B: IoBufMut> LocalMut for Slice<B> {}
 
 // SAFETY: a Vec's buffer is valid for its length while the Vec is owned or borrowed; its key is
 // looked up in the page map (plain Vecs have keys when `heap::Global` is the process allocator

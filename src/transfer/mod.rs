@@ -4,10 +4,13 @@
 //!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message;
 //!   [`CmListener`] / [`Connection::connect_cm`] do the same through the RDMA connection manager;
 //!   [`Connection::pair`] connects two QPs of one process (loopback).
-//! - Blocking operations borrow local memory for the call: [`Connection::write`], `read`, `send`,
-//!   `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`.
-//! - Non-blocking operations own it: [`Connection::post_write`] and friends return a [`Pending`]
-//!   that keeps the buffer until its completion is reaped.
+//! - Blocking operations borrow local memory for the call ([`Local`]): [`Connection::write`],
+//!   `read`, `send`, `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`. They do not
+//!   return while the NIC may touch the memory.
+//! - Non-blocking operations own it ([`IoBuf`], [`IoBufMut`]; sub-ranges as [`Slice`]):
+//!   [`Connection::post_write`] and friends return a [`Pending`] that keeps the buffer until its
+//!   completion is reaped. Dropping it parks the buffer with the connection; forgetting it leaks
+//!   the buffer. References are not accepted, so safe code cannot free memory the NIC may touch.
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
 //! - Completions: busy polling (default), sleeping on the completion channel
 //!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
@@ -22,9 +25,11 @@
 
 mod batch;
 mod cm;
+mod completion;
 mod connection;
 pub mod exchange;
 mod grant;
+mod iobuf;
 mod local;
 mod mapped;
 mod ops;
@@ -35,8 +40,10 @@ mod tcp;
 
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
-pub use connection::{Completed, Connection};
+pub use completion::Completed;
+pub use connection::Connection;
 pub use grant::Grant;
+pub use iobuf::{IoBuf, IoBufMut, Slice};
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use ops::Received;

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{sge_of, Local, LocalMut};
+use crate::transfer::connection::{abort_borrowed, InFlight};
 use crate::transfer::{Completed, Connection};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge};
 
@@ -31,11 +32,7 @@ pub(crate) fn nonempty(len: usize, op: &str) -> Result<()> {
 
 impl Connection {
     pub(crate) fn one(&self, op: &'static str, sge: Sge, what: SendOp, flags: SendFlags) -> Result<Completed> {
-        // SAFETY: the memory behind `sge` is borrowed by our caller for this whole call, and we
-        // do not return before its completion is claimed (wait_send fails the QP and waits for
-        // the flush on timeout).
-        let id = unsafe { self.post_chain(op, &[sge], &[what], flags)? };
-        self.wait_send_borrowed(id)
+        self.post_and_wait_borrowed(op, &[sge], &[what], flags)
     }
 
     fn inline_flag(&self, len: usize) -> SendFlags {
@@ -100,10 +97,17 @@ impl Connection {
     /// Posts a receive into `local` and waits for a SEND to fill it.
     pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
         let sge = self.checked(&*local, "receive")?;
-        // SAFETY: `local` is exclusively borrowed until the receive is claimed below (on timeout
-        // wait_recv fails the QP and waits for the flush).
+        // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
+        // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
         let id = unsafe { self.post_recv_raw(Some(sge))? };
-        self.wait_recv_borrowed(id).map(Received::from)
+        let mut guard = InFlight::new(self, false);
+        guard.push(id);
+        let r = self.wait_recv(id);
+        guard.disarm();
+        match r {
+            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+            r => r.map(Received::from),
+        }
     }
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty

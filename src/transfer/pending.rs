@@ -1,27 +1,30 @@
 //! Non-blocking operations on owned memory.
 //!
-//! `post_*` takes the local buffer **by value** and returns a [`Pending`] that owns it until the
-//! completion has been reaped; [`Pending::wait`] gives it back. Safe code therefore cannot free
-//! or reuse memory the NIC may still touch: dropping a `Pending` waits for its completion, and
-//! `mem::forget` on it only leaks the buffer. (Borrowed memory goes through the blocking calls or
-//! a [`crate::transfer::Batch`], which return only after their completions.)
+//! `post_*` takes the local buffer **by value** ([`IoBuf`] / [`IoBufMut`]) and returns a
+//! [`Pending`] that owns it until the completion has been reaped; [`Pending::wait`] gives it back.
+//! Safe code therefore cannot free or reuse memory the NIC may still touch: dropping a `Pending`
+//! parks its buffer with the connection (freed when the completion, or the flush after a failure,
+//! is reaped — never blocking), and `mem::forget` on it only leaks the buffer. (Borrowed memory
+//! goes through the blocking calls or a [`crate::transfer::Batch`], which return only after
+//! their completions.)
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::connection::FLUSH_LOST;
-use crate::transfer::local::{Local, LocalMut};
-use crate::transfer::ops::Received;
+use crate::transfer::iobuf::{IoBuf, IoBufMut};
+use crate::transfer::local::sge_of_parts;
+use crate::transfer::ops::{nonempty, Received};
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp};
+use crate::verbs::{SendFlags, SendOp, Sge};
 
-/// A post that was refused before reaching the NIC: the error, and the buffer back.
+/// A post that was refused before reaching the NIC, or an operation that failed: the error, and
+/// the buffer back.
 #[derive(Debug)]
 pub struct Rejected<B> {
     /// Why.
     pub error: Error,
     /// The buffer back: untouched by the NIC if the post was refused, or finished with if the
     /// operation failed. `None` only if the NIC may still own it (a failed connection whose flush
-    /// never arrived): then it is leaked rather than freed.
+    /// never arrived, [`Error::FlushLost`]): then it is leaked rather than freed.
     pub buf: Option<B>,
 }
 
@@ -40,81 +43,101 @@ impl<B> From<Rejected<B>> for Error {
 }
 
 /// An operation in flight that owns its local buffer.
-#[must_use = "dropping a Pending waits for its completion"]
-pub struct Pending<'c, B> {
+///
+/// [`Pending::wait`] returns the buffer once the NIC is done with it. Dropping a `Pending`
+/// returns at once: the buffer stays with the connection until the operation's completion (or
+/// its flush, if the connection fails or is closed) is reaped, then it is freed. Dropping a
+/// posted receive leaves it posted: the next SEND the peer makes lands in it and is discarded.
+/// Forgetting a `Pending` (`mem::forget`) leaks the buffer; the NIC never touches freed memory.
+#[must_use = "dropping a Pending leaves the operation running; its buffer is freed when it completes"]
+pub struct Pending<'c, B: IoBuf> {
     conn: &'c Connection,
     wr_id: u64,
     send: bool,
     buf: Option<B>,
 }
 
-impl<'c, B> Pending<'c, B> {
+impl<B: IoBuf> std::fmt::Debug for Pending<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("wr_id", &self.wr_id).field("send", &self.send).finish()
+    }
+}
+
+impl<'c, B: IoBuf> Pending<'c, B> {
     /// Whether the completion has arrived (polls the CQ once).
     pub fn is_done(&self) -> bool {
-        matches!(self.conn.try_claim_peek(self.wr_id, self.send), Ok(true))
+        matches!(self.conn.core.is_done(self.wr_id, self.send), Ok(true))
     }
 
     /// Waits for the completion and returns the buffer (also when the operation failed: the NIC
     /// is done with it either way).
+    ///
+    /// # Errors
+    /// The operation's error with the buffer back: [`Error::Operation`] (failed completion or a
+    /// failed connection), [`Error::Timeout`] (the connection's `op_timeout` expired; the
+    /// connection is failed and flushed first), [`Error::Verbs`] (the completion path failed);
+    /// or [`Error::FlushLost`] without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
-        let r = if self.send { self.conn.wait_send(self.wr_id) } else { self.conn.wait_recv(self.wr_id) };
+        let r = self.conn.wait(self.wr_id, self.send);
         let buf = self.buf.take().expect("a Pending holds its buffer until waited");
         match r {
             Ok(c) => Ok((buf, c.into())),
-            Err(e @ Error::Timeout(_, FLUSH_LOST)) => {
+            Err(error @ Error::FlushLost { .. }) => {
                 // The NIC may still own the memory: leak it rather than hand it back.
                 std::mem::forget(buf);
-                Err(Rejected { error: e, buf: None })
+                Err(Rejected { error, buf: None })
             }
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
     }
 }
 
-impl<B> Drop for Pending<'_, B> {
+impl<B: IoBuf> Drop for Pending<'_, B> {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
-            let r = if self.send { self.conn.wait_send(self.wr_id) } else { self.conn.wait_recv(self.wr_id) };
-            if let Err(Error::Timeout(_, FLUSH_LOST)) = r {
-                std::mem::forget(buf);
-            }
+            self.conn.core.park(self.wr_id, self.send, Box::new(buf));
         }
     }
 }
 
 impl Connection {
-    pub(crate) fn try_claim_peek(&self, wr_id: u64, send: bool) -> Result<bool> {
-        // Claim and put back: cheap, and keeps the map as the single source of truth.
-        match self.try_claim(wr_id, send)? {
-            Some(o) => {
-                self.unclaim(wr_id, send, o);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+    /// A bounds-checked SGE for an owned buffer, or the typed error saying why not.
+    fn checked_owned<B: IoBuf>(&self, buf: &B, op: &str) -> Result<Sge> {
+        self.check()?;
+        nonempty(buf.bytes_len(), op)?;
+        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(&self.pd))
     }
 
-    fn post_owned<B: Local>(
+    fn post_owned<B: IoBuf>(
         &self,
         buf: B,
         op: &'static str,
         what: impl FnOnce(u64) -> Result<SendOp>,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let prepared = self.checked(&buf, op).and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
+        let prepared = self.checked_owned(&buf, op).and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
         let (sge, w) = match prepared {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
-        // claimed (or leaks it if the NIC never lets go).
+        // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(op, &[sge], &[w], SendFlags::NONE) } {
             Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: true, buf: Some(buf) }),
+            Err(error @ Error::FlushLost { .. }) => {
+                std::mem::forget(buf);
+                Err(Rejected { error, buf: None })
+            }
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
     }
 
     /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`.
-    pub fn post_write<B: Local>(
+    ///
+    /// # Errors
+    /// The buffer comes back in [`Rejected`] with [`Error::NotRegistered`] (memory not
+    /// registered in this connection's PD), [`Error::OutOfBounds`] (the remote range),
+    /// [`Error::InvalidArgument`] (empty buffer), the connection's failure, or a failed post.
+    pub fn post_write<B: IoBuf>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -124,7 +147,10 @@ impl Connection {
     }
 
     /// Starts an RDMA WRITE with immediate.
-    pub fn post_write_with_imm<B: Local>(
+    ///
+    /// # Errors
+    /// As [`Connection::post_write`].
+    pub fn post_write_with_imm<B: IoBuf>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -135,7 +161,10 @@ impl Connection {
     }
 
     /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`.
-    pub fn post_read<B: LocalMut>(
+    ///
+    /// # Errors
+    /// As [`Connection::post_write`].
+    pub fn post_read<B: IoBufMut>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -145,18 +174,25 @@ impl Connection {
     }
 
     /// Starts a SEND of all of `buf`.
-    pub fn post_send<B: Local>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+    ///
+    /// # Errors
+    /// As [`Connection::post_write`] (no remote range).
+    pub fn post_send<B: IoBuf>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
         self.post_owned(buf, "SEND", |_| Ok(SendOp::Send))
     }
 
     /// Posts `buf` as a receive buffer; the returned `Pending` completes when a SEND fills it.
     /// Receives complete in the order they were posted.
-    pub fn post_recv<B: LocalMut>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = match self.checked(&buf, "receive") {
+    ///
+    /// # Errors
+    /// As [`Connection::post_write`], and [`Error::InvalidArgument`] when the receive queue is
+    /// full.
+    pub fn post_recv<B: IoBufMut>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+        let sge = match self.checked_owned(&buf, "receive") {
             Ok(s) => s,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        // SAFETY: as in post_owned.
+        // SAFETY: as in post_owned (a refused receive post touches nothing).
         match unsafe { self.post_recv_raw(Some(sge)) } {
             Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: false, buf: Some(buf) }),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),

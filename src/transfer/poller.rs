@@ -8,7 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transfer::connection::Core;
+use crate::transfer::completion::Core;
 
 struct Shared {
     cores: Mutex<Vec<Weak<Core>>>,

@@ -416,18 +416,25 @@ impl Qp {
     /// NIC reads it, or read or written while it writes it) — until the completion of the
     /// request (or of a later signaled request on this QP) has been polled. Remote addresses are
     /// checked by the peer's NIC, not here.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if a request is malformed (checked before anything is posted);
+    /// [`Error::Verbs`] if the device refused the first request (nothing was posted);
+    /// [`Error::PartialPost`] if it accepted some requests and refused the next (`bad_wr`): the
+    /// accepted ones are on the queue and use their memory until they complete — or, once the
+    /// QP is moved to the error state, until their flush completions have been polled.
     pub unsafe fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         for wr in wrs {
             self.validate(wr)?;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        let rc = match wrs {
+        let (rc, posted) = match wrs {
             [] => return Ok(()),
             [one] => {
                 let mut raw = one.raw();
                 // SAFETY: raw is a valid single request; its SGE list outlives the call; the
                 // memory contract is the caller's (function contract).
-                unsafe { ffi::ibv_post_send(self.qp, &mut raw, &mut bad) }
+                (unsafe { ffi::ibv_post_send(self.qp, &mut raw, &mut bad) }, 0)
             }
             many => {
                 let mut raws: Vec<ffi::ibv_send_wr> = many.iter().map(SendWr::raw).collect();
@@ -437,13 +444,35 @@ impl Qp {
                     raws[i].next = unsafe { base.add(i + 1) };
                 }
                 // SAFETY: the chain lives in `raws` for the whole call; see above.
-                unsafe { ffi::ibv_post_send(self.qp, base, &mut bad) }
+                let rc = unsafe { ffi::ibv_post_send(self.qp, base, &mut bad) };
+                // bad_wr points at the first request not posted (an element of `raws`). A
+                // provider that leaves it unset tells nothing: assume every request may be on the
+                // queue (the caller then waits for their flush, or leaks their memory).
+                let posted = if rc == 0 {
+                    0
+                } else if bad.is_null() {
+                    raws.len()
+                } else {
+                    // SAFETY: both pointers are into the same live Vec.
+                    usize::try_from(unsafe { bad.offset_from(base) }).unwrap_or(raws.len()).min(raws.len())
+                };
+                (rc, posted)
             }
         };
-        if rc != 0 {
-            return Err(Error::verbs("ibv_post_send", rc));
+        match (rc, posted) {
+            (0, _) => Ok(()),
+            (rc, 0) => Err(Error::verbs("ibv_post_send", rc)),
+            (rc, posted) => {
+                let errno = if rc > 0 { rc } else { std::io::Error::last_os_error().raw_os_error().unwrap_or(0) };
+                Err(Error::PartialPost {
+                    verb: "ibv_post_send",
+                    posted,
+                    total: wrs.len(),
+                    errno,
+                    text: std::io::Error::from_raw_os_error(errno).to_string(),
+                })
+            }
         }
-        Ok(())
     }
 
     /// Posts one receive request scattering into `sges`.

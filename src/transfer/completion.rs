@@ -1,0 +1,361 @@
+//! One connection's completion state: CQs, routing of completions to their waiters, the
+//! connection's failure, and the buffers of operations nobody waits for any more.
+//!
+//! A dropped [`crate::transfer::Pending`] *parks* its buffer here under its work-request id; the
+//! buffer is released when that request's completion (or its flush, after a failure) is reaped,
+//! by whichever thread reaps it. Released buffers are dropped after the state lock is let go, so
+//! a buffer's own `Drop` can never deadlock against the connection.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
+
+/// What a successful completion reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completed {
+    /// Bytes received (receives) or transferred.
+    pub byte_len: u32,
+    /// Immediate data, if the peer attached some.
+    pub imm: Option<u32>,
+    /// The completion's opcode.
+    pub opcode: WcOpcode,
+}
+
+/// The first failure of a connection; every later post reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// A work request failed (its completion status), or mralloc's operation timeout expired
+    /// (`RESP_TIMEOUT_ERR`).
+    Op { op: &'static str, wr_id: u64, status: WcStatus, vendor_err: u32 },
+    /// A verbs call of the completion path failed (`ibv_poll_cq`, `ibv_req_notify_cq`,
+    /// `ibv_get_cq_event`, or a partially refused `ibv_post_send`).
+    Verbs { verb: &'static str, errno: i32 },
+    /// [`crate::transfer::Connection::close`] was called.
+    Closed,
+}
+
+impl Failure {
+    pub(crate) fn error(&self) -> Error {
+        match *self {
+            Failure::Op { op, wr_id, status, vendor_err } => Error::Operation { op, wr_id, status, vendor_err },
+            Failure::Verbs { verb, errno } => Error::verbs_errno(verb, errno),
+            Failure::Closed => Error::Closed,
+        }
+    }
+
+    /// The failure recorded for a local error (a failing verbs call) of the completion path.
+    pub(crate) fn local(e: &Error) -> Failure {
+        match e {
+            Error::Verbs { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
+            Error::PartialPost { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
+            _ => Failure::Verbs { verb: "the completion path", errno: libc::EIO },
+        }
+    }
+}
+
+pub(crate) type Outcome = std::result::Result<Completed, Failure>;
+
+/// A buffer owned by an operation nobody waits for.
+pub(crate) type Parked = Box<dyn Send>;
+
+/// A few (id, value) pairs: completions are claimed quickly, so these stay tiny and a linear
+/// scan beats hashing on the hot path.
+struct Small<T>(Vec<(u64, T)>);
+
+impl<T> Default for Small<T> {
+    fn default() -> Small<T> {
+        Small(Vec::with_capacity(8))
+    }
+}
+
+impl<T> Small<T> {
+    fn insert(&mut self, id: u64, v: T) {
+        self.0.push((id, v));
+    }
+    fn remove(&mut self, id: u64) -> Option<T> {
+        let i = self.0.iter().position(|(k, _)| *k == id)?;
+        Some(self.0.swap_remove(i).1)
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    fn take_all(&mut self) -> Vec<T> {
+        self.0.drain(..).map(|(_, v)| v).collect()
+    }
+}
+
+/// What a queue (send or receive) keeps about its requests.
+struct Queue {
+    /// Completions reaped but not yet claimed by their waiter.
+    done: Small<Outcome>,
+    /// Buffers of requests nobody waits for, released when their completion is reaped.
+    parked: Small<Parked>,
+    /// Parked buffers whose completion was reaped: dropped once the lock is released.
+    released: Vec<Parked>,
+    /// Slots in use (posted, not yet retired by a completion).
+    used: u32,
+    /// Send queue: for each signaled request, how many slots its completion retires and its
+    /// operation. (Receives retire one slot each.)
+    tails: Small<(u32, &'static str)>,
+    /// Reused poll buffer.
+    wcs: [WorkCompletion; 8],
+}
+
+impl Default for Queue {
+    fn default() -> Queue {
+        Queue {
+            done: Small::default(),
+            parked: Small::default(),
+            released: Vec::new(),
+            used: 0,
+            tails: Small::default(),
+            wcs: std::array::from_fn(|_| WorkCompletion::empty()),
+        }
+    }
+}
+
+/// How a waiting thread waits for its completion.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Mode {
+    BusyPoll,
+    Event,
+    Poller,
+}
+
+/// The part of a connection that completion processing needs. Shared with a
+/// [`crate::transfer::Poller`] thread when one serves the connection.
+pub(crate) struct Core {
+    pub(crate) send_cq: Cq,
+    pub(crate) recv_cq: Cq,
+    pub(crate) failed: OnceLock<Failure>,
+    send: Mutex<Queue>,
+    recv: Mutex<Queue>,
+    /// Buffers that may be released only once the queue pair is destroyed (grants whose
+    /// invalidation could not be posted on a failed connection).
+    until_destroyed: Mutex<Vec<Parked>>,
+    mode: Mode,
+    channel: Option<CompChannel>,
+    event_lock: Mutex<()>,
+    wake: Condvar,
+    wake_lock: Mutex<u64>,
+}
+
+impl Core {
+    pub(crate) fn new(send_cq: Cq, recv_cq: Cq, mode: Mode) -> Core {
+        let channel = send_cq.channel().cloned();
+        Core {
+            send_cq,
+            recv_cq,
+            failed: OnceLock::new(),
+            send: Mutex::new(Queue::default()),
+            recv: Mutex::new(Queue::default()),
+            until_destroyed: Mutex::new(Vec::new()),
+            mode,
+            channel,
+            event_lock: Mutex::new(()),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(0),
+        }
+    }
+
+    /// Records the first failure; returns whether this one was it.
+    pub(crate) fn fail(&self, f: Failure) -> bool {
+        let first = self.failed.set(f).is_ok();
+        if first {
+            tracing::debug!("connection failed: {}", f.error());
+        }
+        first
+    }
+
+    /// Runs `f` on a queue's state, then drops the buffers it released, after the lock is gone.
+    fn with<R>(&self, send: bool, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
+        let mut q = if send { self.send.lock() } else { self.recv.lock() };
+        let r = f(self, &mut q);
+        let released = std::mem::take(&mut q.released);
+        drop(q);
+        drop(released);
+        r
+    }
+
+    fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
+        if wc.is_ok() {
+            Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
+        } else {
+            let f = Failure::Op { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
+            self.fail(f);
+            // A flushed request reports the failure that caused the flush.
+            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
+        }
+    }
+
+    fn reap(&self, send: bool, q: &mut Queue) -> Result<usize> {
+        let cq = if send { &self.send_cq } else { &self.recv_cq };
+        let n = cq.poll(&mut q.wcs)?;
+        for i in 0..n {
+            let id = q.wcs[i].wr_id();
+            let (retired, op, known) = if send {
+                // An id that is no tail is an unsignaled request, which completes only when
+                // flushed: its slot is retired by its chain's tail.
+                match q.tails.remove(id) {
+                    Some((k, op)) => (k, op, true),
+                    None => (0, "send-queue request", false),
+                }
+            } else {
+                (1, "recv", true)
+            };
+            q.used = q.used.saturating_sub(retired);
+            let o = self.outcome(&q.wcs[i], op);
+            if let Some(buf) = q.parked.remove(id) {
+                q.released.push(buf);
+            } else if known {
+                q.done.insert(id, o);
+            }
+        }
+        Ok(n)
+    }
+
+    /// Reaps both CQs into the routing maps and wakes waiters if anything arrived. This is what a
+    /// poller thread calls.
+    pub(crate) fn progress(&self) -> Result<usize> {
+        let n = self.with(true, |c, q| c.reap(true, q))? + self.with(false, |c, q| c.reap(false, q))?;
+        if n > 0 && self.mode == Mode::Poller {
+            *self.wake_lock.lock() += 1;
+            self.wake.notify_all();
+        }
+        Ok(n)
+    }
+
+    /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
+    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
+        self.with(send, |c, q| {
+            if let Some(o) = q.done.remove(wr_id) {
+                return Ok(Some(o));
+            }
+            c.reap(send, q)?;
+            Ok(q.done.remove(wr_id))
+        })
+    }
+
+    /// Whether `wr_id` has completed, leaving its outcome for its waiter.
+    pub(crate) fn is_done(&self, wr_id: u64, send: bool) -> Result<bool> {
+        self.with(send, |c, q| {
+            if q.done.0.iter().any(|(k, _)| *k == wr_id) {
+                return Ok(true);
+            }
+            c.reap(send, q)?;
+            Ok(q.done.0.iter().any(|(k, _)| *k == wr_id))
+        })
+    }
+
+    /// Hands `buf` to the connection until `wr_id` completes (at once if it already has).
+    /// Never blocks on the NIC.
+    pub(crate) fn park(&self, wr_id: u64, send: bool, buf: Parked) {
+        self.with(send, |_, q| {
+            if q.done.remove(wr_id).is_some() {
+                q.released.push(buf);
+            } else {
+                q.parked.insert(wr_id, buf);
+            }
+        })
+    }
+
+    /// Keeps `buf` until the queue pair is destroyed.
+    pub(crate) fn park_until_destroyed(&self, buf: Parked) {
+        self.until_destroyed.lock().push(buf);
+    }
+
+    /// Runs `f` with the send queue locked, so that posting and slot accounting are one step.
+    pub(crate) fn with_send<R>(&self, f: impl FnOnce(&Core, &mut SendSlots<'_>) -> R) -> R {
+        self.with(true, |c, q| f(c, &mut SendSlots(q)))
+    }
+
+    /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
+    pub(crate) fn with_recv_slot(&self, depth: u32, post: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.with(false, |_, q| {
+            if q.used >= depth {
+                return Err(Error::InvalidArgument(format!(
+                    "{} receives are already posted (the receive queue depth)",
+                    q.used
+                )));
+            }
+            post()?;
+            q.used += 1;
+            Ok(())
+        })
+    }
+
+    /// Whether no request is outstanding on either queue and nothing is parked.
+    pub(crate) fn quiet(&self) -> bool {
+        let s = self.send.lock();
+        let r = self.recv.lock();
+        s.used == 0 && r.used == 0 && s.parked.is_empty() && r.parked.is_empty()
+    }
+
+    /// Takes every buffer still held (parked or kept until the QP is destroyed).
+    pub(crate) fn take_held(&self) -> Vec<Parked> {
+        let mut all = self.send.lock().parked.take_all();
+        all.extend(self.recv.lock().parked.take_all());
+        all.append(&mut self.until_destroyed.lock());
+        all
+    }
+
+    /// Waits a little for progress, the way the connection's mode says: spin, sleep on the
+    /// completion channel, or sleep until the poller thread signals.
+    pub(crate) fn pause(&self, spins: &mut u32, max: Duration) -> Result<()> {
+        match self.mode {
+            Mode::BusyPoll => {
+                *spins = spins.wrapping_add(1);
+                if *spins % 256 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            Mode::Event => {
+                let Some(ch) = &self.channel else { return Ok(()) };
+                // One thread sleeps on the channel at a time; others nap briefly.
+                let Some(_g) = self.event_lock.try_lock() else {
+                    std::thread::sleep(Duration::from_micros(50));
+                    return Ok(());
+                };
+                self.send_cq.arm()?;
+                self.recv_cq.arm()?;
+                // Completions that arrived before arming raise no event: collect them now.
+                if self.progress()? == 0 {
+                    ch.wait(max.min(Duration::from_millis(100)))?;
+                }
+            }
+            Mode::Poller => {
+                let mut g = self.wake_lock.lock();
+                // Bounded: a wake-up that raced this wait costs at most a millisecond.
+                self.wake.wait_for(&mut g, max.min(Duration::from_millis(1)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The send queue's slot accounting, while its lock is held.
+pub(crate) struct SendSlots<'a>(&'a mut Queue);
+
+impl SendSlots<'_> {
+    /// Slots in use.
+    pub(crate) fn used(&self) -> u32 {
+        self.0.used
+    }
+
+    /// Records `k` requests posted as a chain ending in `tail` (whose completion retires them).
+    pub(crate) fn posted(&mut self, tail: u64, k: u32, op: &'static str) {
+        self.0.used += k;
+        self.0.tails.insert(tail, (k, op));
+    }
+
+    /// Reaps the send CQ once.
+    pub(crate) fn reap(&mut self, core: &Core) -> Result<usize> {
+        core.reap(true, self.0)
+    }
+}
