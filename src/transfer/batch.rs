@@ -5,8 +5,8 @@ use std::marker::PhantomData;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::local::{Local, LocalMut};
 use crate::transfer::connection::{abort_borrowed, InFlight};
+use crate::transfer::local::{Local, LocalMut};
 use crate::transfer::Connection;
 use crate::verbs::{SendFlags, SendOp, Sge};
 

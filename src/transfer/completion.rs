@@ -142,6 +142,12 @@ pub(crate) struct Core {
     event_lock: Mutex<()>,
     wake: Condvar,
     wake_lock: Mutex<u64>,
+    /// Test hook: this many coming CQ polls fail with EIO (no device fails them on demand).
+    #[cfg(test)]
+    pub(crate) fail_polls: std::sync::atomic::AtomicU32,
+    /// Test hook: the next wait panics (after its request was posted).
+    #[cfg(test)]
+    pub(crate) panic_in_wait: std::sync::atomic::AtomicBool,
 }
 
 impl Core {
@@ -159,6 +165,10 @@ impl Core {
             event_lock: Mutex::new(()),
             wake: Condvar::new(),
             wake_lock: Mutex::new(0),
+            #[cfg(test)]
+            fail_polls: Default::default(),
+            #[cfg(test)]
+            panic_in_wait: Default::default(),
         }
     }
 
@@ -193,6 +203,13 @@ impl Core {
     }
 
     fn reap(&self, send: bool, q: &mut Queue) -> Result<usize> {
+        #[cfg(test)]
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            if self.fail_polls.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)).is_ok() {
+                return Err(Error::verbs_errno("ibv_poll_cq", libc::EIO));
+            }
+        }
         let cq = if send { &self.send_cq } else { &self.recv_cq };
         let n = cq.poll(&mut q.wcs)?;
         for i in 0..n {
@@ -348,10 +365,17 @@ impl SendSlots<'_> {
         self.0.used
     }
 
-    /// Records `k` requests posted as a chain ending in `tail` (whose completion retires them).
-    pub(crate) fn posted(&mut self, tail: u64, k: u32, op: &'static str) {
+    /// Records `k` requests posted as a chain ending in the signaled `tail`, whose completion
+    /// retires `retires` slots (`k`, plus any accepted requests of a partial post before it).
+    pub(crate) fn posted(&mut self, tail: u64, k: u32, retires: u32, op: &'static str) {
         self.0.used += k;
-        self.0.tails.insert(tail, (k, op));
+        self.0.tails.insert(tail, (retires, op));
+    }
+
+    /// Records `k` requests posted without a signaled tail (a partially accepted chain): their
+    /// slots are retired by a later tail.
+    pub(crate) fn posted_untracked(&mut self, k: u32) {
+        self.0.used += k;
     }
 
     /// Reaps the send CQ once.

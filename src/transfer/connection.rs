@@ -328,31 +328,34 @@ impl Connection {
                     // SAFETY: the caller keeps the memory valid until the tail completes.
                     unsafe { self.qp.post_send(&one) }
                 } else {
-                    let wrs: Vec<SendWr<'_>> =
-                        ops.iter().zip(sges).enumerate().map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge)).collect();
+                    let wrs: Vec<SendWr<'_>> = ops
+                        .iter()
+                        .zip(sges)
+                        .enumerate()
+                        .map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge))
+                        .collect();
                     // SAFETY: as above.
                     unsafe { self.qp.post_send(&wrs) }
                 };
                 match r {
                     Ok(()) => {
-                        slots.posted(tail, k, op);
+                        slots.posted(tail, k, k, op);
                         Ok(Some(Ok(tail)))
                     }
                     Err(e @ Error::PartialPost { posted, .. }) => {
-                        // The accepted requests use their memory until they are flushed; the
-                        // last of them (unsignaled) completes when flushed and retires them all.
-                        let last = first + posted as u64 - 1;
-                        slots.posted(last, posted as u32, op);
-                        Ok(Some(Err((e, last))))
+                        // The accepted requests use their memory until they complete or are
+                        // flushed; none of them is signaled, so a marker will cover them.
+                        slots.posted_untracked(posted as u32);
+                        Ok(Some(Err((e, posted as u32))))
                     }
                     Err(e) => Err(e),
                 }
             })?;
             match posted {
                 Some(Ok(tail)) => return Ok(tail),
-                Some(Err((e, last))) => {
+                Some(Err((e, accepted))) => {
                     self.fail(Failure::local(&e));
-                    return match self.wait(last, true) {
+                    return match self.flush_marker(op, accepted) {
                         Err(lost @ Error::FlushLost { .. }) => Err(lost),
                         _ => Err(e),
                     };
@@ -363,6 +366,44 @@ impl Connection {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
             self.core.pause(&mut 0, Duration::from_millis(1))?;
+        }
+    }
+
+    /// After a partially accepted chain (the QP already moved to the error state): posts a
+    /// signaled, memory-less marker behind the `accepted` requests and waits for its flush.
+    /// Send-queue completions come in order, so the marker's proves that every accepted request
+    /// has completed or been flushed — unsignaled requests that completed successfully before
+    /// the QP failed report nothing of their own. Returns [`Error::FlushLost`] if the marker
+    /// could not be posted or flushed within [`FLUSH_WAIT`].
+    fn flush_marker(&self, op: &'static str, accepted: u32) -> Result<Completed> {
+        let start = Instant::now();
+        let mut spins = 0;
+        loop {
+            let id = self.next_wr_id();
+            let marker = [SendWr { wr_id: id, sges: &[], op: SendOp::Send, flags: SendFlags::SIGNALED }];
+            let posted = self.core.with_send(|core, slots| {
+                // SAFETY: the marker has no memory; a QP in the error state flushes it.
+                match unsafe { self.qp.post_send(&marker) } {
+                    Ok(()) => {
+                        slots.posted(id, 1, accepted + 1, op);
+                        true
+                    }
+                    Err(_) => {
+                        // Most likely the queue is still full: let the flush make room.
+                        let _ = slots.reap(core);
+                        false
+                    }
+                }
+            });
+            if posted {
+                return self.wait(id, true);
+            }
+            if start.elapsed() > FLUSH_WAIT {
+                return Err(Error::FlushLost { wr_id: id, waited: start.elapsed() });
+            }
+            if self.core.pause(&mut spins, Duration::from_millis(1)).is_err() {
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
     }
 
@@ -412,6 +453,10 @@ impl Connection {
         // The local failure (timeout, verbs error) that made this wait fail the connection.
         let mut local: Option<(Error, Instant)> = None;
         let mut spins = 0u32;
+        #[cfg(test)]
+        if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
+            panic!("injected panic while work request {wr_id} is in flight");
+        }
         loop {
             match self.core.try_claim(wr_id, send) {
                 Ok(Some(o)) => return self.settle(o, local.map(|(e, _)| e)),

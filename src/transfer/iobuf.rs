@@ -48,8 +48,8 @@ pub unsafe trait IoBuf: Send + 'static {
     /// The owned sub-range `range` of this buffer.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] (with the buffer back) if the range does not lie inside it.
-    fn slice(self, range: impl RangeBounds<usize>) -> Result<Slice<Self>, Rejected<Self>>
+    /// [`crate::Error::OutOfBounds`] (with the buffer back) if the range does not lie inside it.
+    fn into_slice(self, range: impl RangeBounds<usize>) -> Result<Slice<Self>, Rejected<Self>>
     where
         Self: Sized,
     {
@@ -77,7 +77,7 @@ pub unsafe trait IoBufMut: IoBuf {
 /// # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap, remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
 /// use mralloc::transfer::IoBuf;
 /// let buf = heap.alloc(1 << 20)?;
-/// let pending = conn.post_write(buf.slice(4096..8192)?, remote, 0)?;
+/// let pending = conn.post_write(buf.into_slice(4096..8192)?, remote, 0)?;
 /// let (slice, _) = pending.wait()?;
 /// let buf = slice.into_inner(); // the whole buffer back
 /// # Ok(()) }

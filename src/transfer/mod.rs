@@ -28,6 +28,8 @@ mod cm;
 mod completion;
 mod connection;
 pub mod exchange;
+#[cfg(test)]
+mod fault_tests;
 mod grant;
 mod iobuf;
 mod local;

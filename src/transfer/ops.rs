@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::local::{sge_of, Local, LocalMut};
 use crate::transfer::connection::{abort_borrowed, InFlight};
+use crate::transfer::local::{sge_of, Local, LocalMut};
 use crate::transfer::{Completed, Connection};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge};
 
