@@ -35,10 +35,39 @@
 //! # Ok::<(), mralloc::Error>(())
 //! ```
 //!
-//! Every step is safe code: buffers outlive their heap's registration, operations borrow (or, with
-//! `post_*`, own) their memory until the NIC has finished with it, remote ranges are bounds-checked
-//! before anything is posted, and a failed connection refuses further posts with the original
-//! error. The raw, `unsafe` verbs remain available in [`verbs`].
+//! Every step is safe code: buffers keep their heap's registration alive, remote ranges are
+//! bounds-checked before anything is posted, and a failed connection refuses further posts with
+//! the original error. The raw, `unsafe` verbs remain available in [`verbs`].
+//!
+//! ## Who owns memory the NIC uses
+//!
+//! Safe code cannot make the NIC touch memory that was freed or handed to a new owner:
+//!
+//! - Blocking operations ([`transfer::Connection::write`], `read`, `send`, `recv`, atomics,
+//!   [`transfer::Batch::submit`]) borrow their memory and return only when the NIC is done with
+//!   it — also when they fail (the connection is failed and its flush awaited first) or unwind.
+//! - Non-blocking operations ([`transfer::Connection::post_write`] and friends) and remote grants
+//!   ([`transfer::Connection::grant`]) *own* their buffer ([`transfer::IoBuf`],
+//!   [`transfer::IoBufMut`]; a sub-range is an owned [`transfer::Slice`]). A borrow would not be
+//!   enough: `mem::forget` ends a borrow without running any destructor. Dropping the handle
+//!   parks the buffer with the connection until the completion arrives; forgetting it leaks the
+//!   buffer; [`transfer::Pending::wait`] gives it back.
+//!
+//! ```compile_fail,E0277
+//! # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap) -> mralloc::Result<()> {
+//! let mut buf = heap.alloc(4096)?;
+//! let pending = conn.post_recv(&mut buf)?; // error: `&mut Buffer` is not an owned IoBufMut
+//! std::mem::forget(pending);               // (this used to end the borrow early)
+//! # Ok(()) }
+//! ```
+//!
+//! ```no_run
+//! # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap) -> mralloc::Result<()> {
+//! let pending = conn.post_recv(heap.alloc(4096)?)?; // the operation owns the buffer
+//! let (buf, got) = pending.wait()?;                 // and gives it back when the NIC is done
+//! println!("received {} bytes: {:?}", got.len, &buf[..got.len]);
+//! # Ok(()) }
+//! ```
 //!
 //! ## Global or scoped
 //!
@@ -46,8 +75,9 @@
 //!   lives in hooked chunks, and [`heap::Global::bind`] registers all of them — including memory
 //!   allocated before `main` — so plain collections can be sent zero-copy ([`keys_of`]).
 //! - [`heap::Heap`] is a scoped allocator: one arena, its own access rights, NUMA node, chunk cap
-//!   and memory limit; [`heap::Buffer`]s and `allocator_api2` collections (`Vec::new_in(&heap)`)
-//!   borrow it, so it cannot be dropped while any of them lives.
+//!   and memory limit, behind a cheap clonable handle. [`heap::Buffer`]s have no lifetime: they
+//!   move between threads and keep the heap's chunks registered while they live;
+//!   `allocator_api2` collections take a handle (`Vec::new_in(heap.clone())`) or borrow one.
 //!
 //! ## NUMA
 //!

@@ -421,6 +421,16 @@ fn align_flag(layout: Layout) -> libc::c_int {
 pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     // SAFETY: the allocation being freed keeps the record alive up to the counter store.
     let id = unsafe { shared.as_ref() }.id;
+    // SAFETY: forwarded contract; `id` is the record's.
+    unsafe { free_in(id, shared, ptr, layout) }
+}
+
+/// [`free_raw`] with the heap's id already at hand (a handle carries a copy).
+///
+/// # Safety
+/// As [`free_raw`], and `id` is the id of the record behind `shared`.
+#[inline]
+unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let (tc, live, own) = cache(id, shared);
     // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the size and
     // alignment flags match the allocation.
@@ -464,8 +474,9 @@ unsafe impl allocator_api2::alloc::Allocator for Heap {
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
-            // SAFETY: the Allocator contract: ptr was allocated by this heap with layout.
-            unsafe { free_raw(self.shared, ptr, layout) };
+            // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
+            // is this handle's copy of the record's.
+            unsafe { free_in(self.id, self.shared, ptr, layout) };
         }
     }
 }
