@@ -74,7 +74,8 @@ fn server(args: &Args) -> mralloc::Result<()> {
     conn.recv(&mut header)?;
     let size = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
     let crc_sent = u32::from_be_bytes(header[8..12].try_into().expect("4 bytes"));
-    let dst = MappedFile::create(&out, size, &pd)?;
+    // SAFETY: the server's own output file; nothing else opens it while it is mapped.
+    let dst = unsafe { MappedFile::create(&out, size, &pd)? };
     let mut offer = heap.alloc(RemoteBuf::ENCODED_LEN)?;
     offer.copy_from_slice(&dst.remote()?.to_bytes());
     conn.send(&offer)?;
@@ -114,7 +115,8 @@ fn client(args: &Args) -> mralloc::Result<()> {
             p
         }
     };
-    let src = MappedFile::open(&path, Mode::ReadOnly, &pd)?;
+    // SAFETY: the file to send must not change while it is mapped (the example's own input).
+    let src = unsafe { MappedFile::open(&path, Mode::ReadOnly, &pd)? };
     let crc = crc32(src.as_slice());
     let addr = args.str_or("addr", "127.0.0.1:7472");
     let conn = common::retry(|| Connection::connect(addr.as_str(), &pd, Options::default()))?;

@@ -147,8 +147,10 @@ fn device_mapped_file_64mib_zero_copy() {
     let want = checksum(&data);
     drop(data);
     let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
-    let src = MappedFile::open(&src_path, Mode::ReadOnly, &pd).unwrap();
-    let dst = MappedFile::create(&dst_path, N as u64, &pd).unwrap();
+    // SAFETY: the test's own files; nothing else touches them while they are mapped.
+    let src = unsafe { MappedFile::open(&src_path, Mode::ReadOnly, &pd) }.unwrap();
+    // SAFETY: as above.
+    let dst = unsafe { MappedFile::create(&dst_path, N as u64, &pd) }.unwrap();
     let t = Instant::now();
     // One WRITE per 4 MiB slice of the read-only mapping into the created file's mapping.
     let remote = dst.remote().unwrap();
@@ -165,7 +167,8 @@ fn device_mapped_file_64mib_zero_copy() {
     println!("64 MiB mapped file -> mapped file by RDMA WRITE in {took:?}; checksum {want:#018x} / {got:#018x}");
     assert_eq!(got, want);
     // A read-only mapping cannot be the target of a READ: the NIC refuses, typed.
-    let mut ro = MappedFile::open(&src_path, Mode::ReadOnly, &pd).unwrap();
+    // SAFETY: as above (`src` is only ever read).
+    let mut ro = unsafe { MappedFile::open(&src_path, Mode::ReadOnly, &pd) }.unwrap();
     assert!(ro.as_mut_slice().is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -52,6 +52,9 @@ impl Failure {
         match e {
             Error::Verbs { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
             Error::PartialPost { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
+            Error::Timeout(_, what) => {
+                Failure::Op { op: what, wr_id: 0, status: WcStatus::RespTimeoutErr, vendor_err: 0 }
+            }
             _ => Failure::Verbs { verb: "the completion path", errno: libc::EIO },
         }
     }
@@ -187,7 +190,13 @@ impl Core {
         let r = f(self, &mut q);
         let released = std::mem::take(&mut q.released);
         drop(q);
-        drop(released);
+        for buf in released {
+            // A buffer's own Drop must not unwind through completion processing: that would skip
+            // the bookkeeping that keeps the other buffers from being freed too early.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(buf))).is_err() {
+                tracing::error!("dropping a buffer released by its completion panicked; the panic was contained");
+            }
+        }
         r
     }
 
@@ -353,6 +362,18 @@ impl Core {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // The connection takes every held buffer after destroying its QP. Anything still here
+        // means that did not happen (a panic on the way): the NIC may still use it, so leak it.
+        let held = self.take_held();
+        if !held.is_empty() {
+            tracing::error!("a connection's completion state went away holding {} buffers; leaking them", held.len());
+            std::mem::forget(held);
+        }
     }
 }
 

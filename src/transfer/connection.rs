@@ -281,7 +281,11 @@ impl Connection {
     /// NIC flushes everything outstanding.
     pub(crate) fn fail(&self, f: Failure) {
         if self.core.fail(f) {
-            let _ = self.qp.set_error();
+            if let Err(e) = self.qp.set_error() {
+                // Without the error state nothing is flushed: waiters give up after FLUSH_WAIT
+                // and leak (owned) or abort (borrowed) rather than release memory.
+                tracing::error!("moving a failed connection's QP to the error state failed: {e}");
+            }
         }
     }
 

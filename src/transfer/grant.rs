@@ -3,6 +3,7 @@
 use crate::error::{Error, Result};
 use crate::heap::mr_of;
 use crate::remote::RemoteBuf;
+use crate::transfer::completion::Failure;
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
@@ -38,26 +39,32 @@ impl<B: IoBufMut> Grant<'_, B> {
         self.remote
     }
 
+    /// Posts the invalidation. If it cannot be posted (a failed connection, no send-queue room
+    /// within the operation timeout), the connection is failed: a QP in the error state serves
+    /// no remote access through its windows, so the buffer is unreachable either way.
     fn post_invalidate(&self) -> Result<u64> {
         // SAFETY: LOCAL_INV touches no local memory.
-        unsafe {
+        let r = unsafe {
             self.conn.post_chain(
                 "memory window invalidate",
                 &[Sge::new(0, 0, 0)],
                 &[SendOp::LocalInvalidate(self.remote.rkey)],
                 SendFlags::NONE,
             )
+        };
+        if let Err(e) = &r {
+            self.conn.fail(Failure::local(e));
         }
+        r
     }
 
     /// Invalidates the rkey (later remote accesses fail with a remote access error), waits for
     /// the invalidation, and returns the buffer.
     ///
     /// # Errors
-    /// If the invalidation cannot be posted or fails (the connection failed), the peer can no
-    /// longer reach the buffer through this connection's queue pair, but the connection keeps
-    /// the buffer until the queue pair is destroyed: `buf` is `None` then. Likewise with
-    /// [`Error::FlushLost`] (then the buffer is leaked).
+    /// If the invalidation cannot be posted or fails, the connection is failed (its queue pair
+    /// serves no remote access any more) and keeps the buffer until the queue pair is destroyed:
+    /// `buf` is `None` then. Likewise with [`Error::FlushLost`] (then the buffer is leaked).
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let mw = self.mw.take().expect("a live grant holds its window");
         let buf = self.buf.take().expect("a live grant holds its buffer");

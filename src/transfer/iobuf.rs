@@ -72,6 +72,8 @@ pub unsafe trait IoBufMut: IoBuf {
 }
 
 /// An owned range of an [`IoBuf`]: what a non-blocking operation takes to use part of a buffer.
+/// The range is checked once, when the slice is made; the buffer cannot be replaced or resized
+/// through the slice (there is no `get_mut`), so it stays valid.
 ///
 /// ```no_run
 /// # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap, remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
@@ -103,11 +105,6 @@ impl<B: IoBuf> Slice<B> {
     /// The whole buffer.
     pub fn get_ref(&self) -> &B {
         &self.buf
-    }
-
-    /// The whole buffer, mutably.
-    pub fn get_mut(&mut self) -> &mut B {
-        &mut self.buf
     }
 
     /// Gives the buffer back.
@@ -236,7 +233,7 @@ unsafe impl IoBufMut for RegisteredBuf {
 }
 
 // SAFETY: a MappedFile owns its mapping and registration (unmapped only by its Drop); the region
-// covers the whole file.
+// covers the whole file; nothing else writes the bytes (the unsafe contract of its constructors).
 unsafe impl IoBuf for MappedFile {
     fn stable_ptr(&self) -> *const u8 {
         self.as_slice().as_ptr()
@@ -248,8 +245,9 @@ unsafe impl IoBuf for MappedFile {
         (self.mr().pd() == pd).then(|| self.mr().lkey())
     }
 }
-// SAFETY: as above; a read-only file's region lacks LOCAL_WRITE, so the NIC refuses to write it
-// (a completion error), and the CPU cannot reach it mutably while an operation owns it.
+// SAFETY: as above, and nothing else reads the bytes while the NIC writes them (the constructors'
+// contract); a read-only file's region lacks LOCAL_WRITE, so the NIC refuses to write it (a
+// completion error), and the CPU cannot reach it mutably while an operation owns it.
 unsafe impl IoBufMut for MappedFile {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
         self.as_slice().as_ptr().cast_mut()

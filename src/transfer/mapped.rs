@@ -25,8 +25,9 @@ pub enum Mode {
 /// ```no_run
 /// use mralloc::transfer::{MappedFile, Mode};
 /// # let pd = mralloc::verbs::Pd::new(&mralloc::verbs::Context::open_default()?)?;
-/// let src = MappedFile::open("data.bin", Mode::ReadOnly, &pd)?;
-/// let dst = MappedFile::create("copy.bin", src.len() as u64, &pd)?;
+/// // SAFETY: nothing else modifies data.bin or copy.bin while they are mapped.
+/// let src = unsafe { MappedFile::open("data.bin", Mode::ReadOnly, &pd)? };
+/// let dst = unsafe { MappedFile::create("copy.bin", src.len() as u64, &pd)? };
 /// println!("send {} bytes; the receiver offers {:?}", src.len(), dst.remote()?);
 /// # Ok::<(), mralloc::Error>(())
 /// ```
@@ -61,7 +62,19 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
 
 impl MappedFile {
     /// Maps and registers an existing file.
-    pub fn open(path: impl AsRef<Path>, mode: Mode, pd: &Pd) -> Result<MappedFile> {
+    ///
+    /// # Safety
+    /// The file's bytes are shared memory: while the `MappedFile` lives, nothing else — another
+    /// mapping of the same file in this process (a second `MappedFile` included), another
+    /// process, a `write(2)`, a truncation — may modify the mapped range (or, for
+    /// [`Mode::ReadWrite`], read it while the NIC or this value writes it). Rust gives out
+    /// `&[u8]` views of the bytes and the NIC reads and writes them; a change behind their back
+    /// is a data race (the same rule as `memmap2::Mmap::map`).
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the file cannot be opened, sized or mapped; [`Error::InvalidArgument`]
+    /// for an empty file; [`Error::Verbs`] if registration fails.
+    pub unsafe fn open(path: impl AsRef<Path>, mode: Mode, pd: &Pd) -> Result<MappedFile> {
         let path = path.as_ref();
         let file = OpenOptions::new()
             .read(true)
@@ -74,7 +87,13 @@ impl MappedFile {
 
     /// Creates (or truncates) `path` with `len` bytes, maps it read-write and registers it, ready
     /// to receive RDMA WRITEs.
-    pub fn create(path: impl AsRef<Path>, len: u64, pd: &Pd) -> Result<MappedFile> {
+    ///
+    /// # Safety
+    /// As [`MappedFile::open`]: nothing else may access the file's bytes while the value lives.
+    ///
+    /// # Errors
+    /// As [`MappedFile::open`].
+    pub unsafe fn create(path: impl AsRef<Path>, len: u64, pd: &Pd) -> Result<MappedFile> {
         let path = path.as_ref();
         let file = OpenOptions::new()
             .read(true)
