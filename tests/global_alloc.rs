@@ -72,6 +72,28 @@ fn every_allocation_lies_in_a_hooked_chunk() {
 }
 
 #[test]
+fn every_layout_comes_back_aligned() {
+    // Sizes below, at and above each alignment from 1 B to 2 MiB (size < align included).
+    for lg in 0..=21u32 {
+        let align = 1usize << lg;
+        for size in [1, align / 2, align, align + 1, 3 * align + 5, 100_000] {
+            let layout = std::alloc::Layout::from_size_align(size.max(1), align).unwrap();
+            // SAFETY: non-zero size; freed below with the same layout.
+            let ps: Vec<*mut u8> = (0..8).map(|_| unsafe { std::alloc::alloc(layout) }).collect();
+            for &p in &ps {
+                assert!(!p.is_null());
+                assert_eq!(p as usize % align, 0, "{layout:?}");
+                assert!(in_chunk(p, layout.size()), "{layout:?} outside a hooked chunk");
+            }
+            for p in ps {
+                // SAFETY: allocated above with `layout`.
+                unsafe { std::alloc::dealloc(p, layout) };
+            }
+        }
+    }
+}
+
+#[test]
 fn malloc_conf_override_is_in_effect() {
     // SAFETY: reads a size_t option by its NUL-terminated name.
     let t: usize = unsafe { tikv_jemalloc_ctl::raw::read(b"opt.oversize_threshold\0") }.unwrap();

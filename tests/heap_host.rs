@@ -36,6 +36,45 @@ proptest! {
     }
 }
 
+/// (size, align) pairs with alignments from 1 to 2 MiB, sizes below, at and above them.
+fn size_align() -> impl Strategy<Value = (usize, usize)> {
+    (0u32..=21, 1usize..=4, prop_oneof![Just(0usize), 1usize..64, 1usize..100_000]).prop_map(|(lg, mul, extra)| {
+        let align = 1usize << lg;
+        // Size below the alignment about a third of the time (8 bytes aligned to 16, ...).
+        let size = if extra == 0 { (align / 2).max(1) } else { align * mul / 4 + extra };
+        (size.max(1), align)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The Allocator contract: every block is aligned as asked, whatever the size (size below
+    /// alignment included: `Layout { size: 8, align: 16 }` used to get jemalloc's 8-byte class).
+    #[test]
+    fn every_layout_comes_back_aligned((size, align) in size_align()) {
+        let heap = shared_heap();
+        let layout = std::alloc::Layout::from_size_align(size, align).unwrap();
+        let blocks: Vec<_> = (0..16).map(|_| heap.allocate(layout).unwrap()).collect();
+        for b in &blocks {
+            prop_assert_eq!(b.cast::<u8>().as_ptr() as usize % align, 0, "{:?}", layout);
+            prop_assert!(b.len() >= size);
+        }
+        for b in blocks {
+            // SAFETY: allocated above with `layout`.
+            unsafe { heap.deallocate(b.cast(), layout) };
+        }
+        let buf = heap.alloc_layout(layout).unwrap();
+        prop_assert_eq!(buf.addr() as usize % align, 0, "Heap::alloc_layout {:?}", layout);
+    }
+}
+
+/// One heap for the alignment proptest's many cases.
+fn shared_heap() -> &'static Heap {
+    static HEAP: std::sync::OnceLock<Heap> = std::sync::OnceLock::new();
+    HEAP.get_or_init(|| Heap::builder().build().unwrap())
+}
+
 #[test]
 fn unbound_heap_has_chunks_but_no_keys() {
     let heap = Heap::builder().build().unwrap();

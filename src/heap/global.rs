@@ -260,15 +260,6 @@ impl Global {
         mallctl_write(&tc, true);
     }
 
-    #[inline]
-    fn flags(layout: Layout) -> libc::c_int {
-        if layout.align() <= 16 && layout.align() <= layout.size() {
-            0
-        } else {
-            je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
-        }
-    }
-
     #[cold]
     fn failed(&self, size: usize) {
         match take_hook_error() {
@@ -305,7 +296,7 @@ unsafe impl GlobalAlloc for Global {
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
-        let flags = Self::flags(layout);
+        let flags = jemalloc::align_flags(layout);
         // SAFETY: layout.size() > 0 by the GlobalAlloc contract. Without flags, jemalloc's
         // malloc fast path is the cheapest entry.
         let p = unsafe {
@@ -327,7 +318,7 @@ unsafe impl GlobalAlloc for Global {
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
-        let flags = Self::flags(layout);
+        let flags = jemalloc::align_flags(layout);
         // SAFETY: as in alloc.
         let p = unsafe {
             if flags == 0 {
@@ -346,13 +337,13 @@ unsafe impl GlobalAlloc for Global {
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: ptr came from this allocator with layout (GlobalAlloc contract).
-        unsafe { je::sdallocx(ptr.cast(), layout.size(), Self::flags(layout)) }
+        unsafe { je::sdallocx(ptr.cast(), layout.size(), jemalloc::align_flags(layout)) }
     }
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let new = Layout::from_size_align(new_size, layout.align()).unwrap_or(layout);
-        let flags = Self::flags(new);
+        let flags = jemalloc::align_flags(new);
         // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).
         let p = unsafe {
             if flags == 0 {

@@ -92,3 +92,38 @@ pub(crate) fn arena_allocated(arena: u32) -> Option<u64> {
     let large = read::<usize>(&format!("stats.arenas.{arena}.large.allocated")).ok()?;
     Some((small + large) as u64)
 }
+
+/// jemalloc's minimum alignment on x86_64 / aarch64: every size class of at least this size is
+/// aligned to it.
+const MIN_ALIGN: usize = 16;
+
+/// The `mallocx`/`sdallocx` alignment flag for `layout` (tikv-jemallocator's
+/// `layout_to_flags`): none when jemalloc's size class already guarantees the alignment, which
+/// needs both `align <= 16` *and* `align <= size` — a size below its alignment (8 bytes aligned
+/// to 16) falls in a smaller class whose objects are only aligned to that class.
+#[inline]
+pub(crate) fn align_flags(layout: std::alloc::Layout) -> libc::c_int {
+    if layout.align() <= MIN_ALIGN && layout.align() <= layout.size() {
+        0
+    } else {
+        je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::alloc::Layout;
+
+    use super::*;
+
+    #[test]
+    fn alignment_flag_whenever_the_size_class_cannot_guarantee_it() {
+        let flag = |size, align| align_flags(Layout::from_size_align(size, align).unwrap());
+        assert_eq!(flag(64, 8), 0);
+        assert_eq!(flag(16, 16), 0);
+        assert_eq!(flag(8, 16), je::MALLOCX_LG_ALIGN(4), "size below alignment");
+        assert_eq!(flag(1, 2), je::MALLOCX_LG_ALIGN(1), "size below alignment");
+        assert_eq!(flag(4096, 4096), je::MALLOCX_LG_ALIGN(12));
+        assert_eq!(flag(100, 1 << 21), je::MALLOCX_LG_ALIGN(21));
+    }
+}

@@ -21,8 +21,6 @@ use crate::verbs::{Access, Pd};
 
 /// Default cap on chunk size (`arena.N.retain_grow_limit`).
 pub const DEFAULT_MAX_CHUNK: usize = 64 << 20;
-/// jemalloc's minimum alignment on x86_64 / aarch64.
-const MIN_ALIGN: usize = 16;
 
 /// Configures a [`Heap`].
 #[derive(Debug, Clone)]
@@ -302,7 +300,7 @@ impl Heap {
     #[inline]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         let (tc, live, own) = cache(self.id, self.shared);
-        let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | align_flag(layout);
+        let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | jemalloc::align_flags(layout);
         if zeroed {
             flags |= je::MALLOCX_ZERO;
         }
@@ -403,15 +401,6 @@ fn cache(id: u64, shared: NonNull<Shared>) -> (libc::c_int, *const AtomicI64, bo
     }
 }
 
-#[inline]
-fn align_flag(layout: Layout) -> libc::c_int {
-    if layout.align() > MIN_ALIGN {
-        je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
-    } else {
-        0
-    }
-}
-
 /// Frees memory from [`Heap::raw_alloc`]. After the live counter's store (the last thing it
 /// does) the heap may be torn down by another thread: nothing of it is touched after that.
 ///
@@ -434,7 +423,7 @@ unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: La
     let (tc, live, own) = cache(id, shared);
     // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the size and
     // alignment flags match the allocation.
-    unsafe { je::sdallocx(ptr.as_ptr().cast(), layout.size(), tc | align_flag(layout)) };
+    unsafe { je::sdallocx(ptr.as_ptr().cast(), layout.size(), tc | jemalloc::align_flags(layout)) };
     add_live(live, own, -(layout.size() as i64));
 }
 
