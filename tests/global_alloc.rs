@@ -198,3 +198,70 @@ fn device_global_multithreaded_workload_with_transfers() {
     });
     println!("Global under 2 threads: {moved} bytes of plain Vecs sent and verified; {:?}", A.stats());
 }
+
+/// Binding while two threads grow the heap: bind must not allocate under the lock the alloc
+/// hook takes (a `Vec` push there deadlocked when it needed a new chunk). Each bind is a new PD
+/// (up to the PD limit); a watchdog fails the test instead of hanging the run.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_global_bind_while_two_threads_grow_the_heap() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while !done.load(Ordering::Relaxed) {
+                if start.elapsed() > Duration::from_secs(120) {
+                    eprintln!("Global::bind deadlocked with threads growing the heap");
+                    std::process::abort();
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let growers: Vec<_> = (0..2u64)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(t + 7);
+                let mut keep: Vec<Vec<u8>> = Vec::new();
+                let mut grown = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    // Blocks of 1-12 MiB, a few kept: the arenas keep asking for new chunks.
+                    let n = (1 + rng.next() as usize % 12) << 20;
+                    let mut v = vec![0u8; n];
+                    v[n - 1] = 1;
+                    grown += n;
+                    keep.push(v);
+                    if keep.len() > 3 {
+                        keep.remove(0);
+                    }
+                }
+                grown
+            })
+        })
+        .collect();
+    let ctx = open();
+    let pds: Vec<_> = (0..2).map(|_| mralloc::verbs::Pd::new(&ctx).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    for pd in &pds {
+        match A.bind(pd) {
+            Ok(()) => {
+                let v = vec![5u8; 3 << 20];
+                assert!(mralloc::keys_of_for(v.as_ptr(), pd).is_some(), "a chunk made after bind is registered");
+            }
+            // The PD limit, when other tests of this binary bound PDs first.
+            Err(mralloc::Error::InvalidArgument(m)) if m.contains("at most") => {}
+            Err(e) => panic!("bind: {e}"),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let grown: usize = growers.into_iter().map(|g| g.join().unwrap()).sum();
+    done.store(true, Ordering::Relaxed);
+    watchdog.join().unwrap();
+    println!("bound {} PDs while 2 threads allocated {} MiB", pds.len(), grown >> 20);
+}

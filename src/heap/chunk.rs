@@ -30,6 +30,11 @@ pub(crate) struct ChunkRec {
     pub(crate) mrs: [AtomicPtr<ffi::ibv_mr>; MAX_PDS],
     /// `(lkey << 32) | rkey`, written before the matching `mrs` entry is published.
     pub(crate) keys: [AtomicU64; MAX_PDS],
+    /// Set when a registration of this chunk could not be removed: never unmap it.
+    pub(crate) leaked: AtomicBool,
+    /// The PD of each registration, copied out of the `ibv_mr` when it is published, so that
+    /// lookups never dereference an `ibv_mr` (another thread may be deregistering it).
+    pub(crate) pds: [AtomicPtr<ffi::ibv_pd>; MAX_PDS],
     next_free: AtomicU32,
 }
 
@@ -43,6 +48,8 @@ impl ChunkRec {
         meta: AtomicBool::new(false),
         mrs: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
         keys: [const { AtomicU64::new(0) }; MAX_PDS],
+        pds: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
+        leaked: AtomicBool::new(false),
         next_free: AtomicU32::new(u32::MAX),
     };
 
@@ -56,11 +63,19 @@ impl ChunkRec {
         Some(((k >> 32) as u32, k as u32))
     }
 
+    /// The registration of `slot` if it belongs to `pd` (no dereference of the `ibv_mr`).
+    #[inline]
+    pub(crate) fn mr_in(&self, slot: usize, pd: *mut ffi::ibv_pd) -> Option<*mut ffi::ibv_mr> {
+        let mr = self.mrs[slot].load(Ordering::Acquire);
+        (!mr.is_null() && self.pds[slot].load(Ordering::Relaxed) == pd).then_some(mr)
+    }
+
     /// Publishes a registration for `slot`.
     pub(crate) fn set_mr(&self, slot: usize, mr: *mut ffi::ibv_mr) {
         // SAFETY: mr is a live registration made by the caller.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        let (lkey, rkey, pd) = unsafe { ((*mr).lkey, (*mr).rkey, (*mr).pd) };
         self.keys[slot].store((u64::from(lkey) << 32) | u64::from(rkey), Ordering::Relaxed);
+        self.pds[slot].store(pd, Ordering::Relaxed);
         self.mrs[slot].store(mr, Ordering::Release);
     }
 }
@@ -213,13 +228,30 @@ pub(crate) fn register(pd: *mut ffi::ibv_pd, base: usize, len: usize, access: u3
     }
 }
 
-/// Deregisters an MR made by [`register`].
-pub(crate) fn deregister(mr: *mut ffi::ibv_mr) {
+/// Deregisters an MR made by [`register`]. `false` if the device refused: the range is still
+/// registered and must stay mapped (leaked).
+#[must_use = "a chunk whose deregistration failed must not be unmapped"]
+pub(crate) fn deregister(mr: *mut ffi::ibv_mr) -> bool {
     // SAFETY: mr came from register() and is deregistered once, by the chunk's owner.
     let rc = unsafe { ffi::ibv_dereg_mr(mr) };
     if rc != 0 {
-        tracing::warn!(rc, "ibv_dereg_mr of a heap chunk failed");
+        tracing::error!(rc, "ibv_dereg_mr of a heap chunk failed: the chunk stays mapped (leaked)");
     }
+    rc == 0
+}
+
+/// Deregisters every MR in `mrs` (nulls skipped); unmaps the range only if all let go,
+/// otherwise leaks it. Returns whether it was unmapped.
+pub(crate) fn deregister_and_unmap(mrs: &[*mut ffi::ibv_mr], base: usize, len: usize) -> bool {
+    // Every registration is tried, whatever the others do.
+    let refused = mrs.iter().filter(|m| !m.is_null()).filter(|&&m| !deregister(m)).count();
+    let all = refused == 0;
+    if all {
+        unmap(base, len);
+    } else {
+        crate::verbs::LEAKED_MAPPINGS.fetch_add(1, Ordering::Relaxed);
+    }
+    all
 }
 
 pub(crate) fn errno() -> i32 {

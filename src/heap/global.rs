@@ -158,7 +158,22 @@ impl Global {
 
     /// Registers every chunk allocated so far (memory from before `main` included) and every
     /// later one with `pd`.
-    pub fn bind(&self, pd: &Pd) -> Result<()> {
+    ///
+    /// Takes `&'static self`: binding installs extent hooks that point into this value for the
+    /// rest of the process, so a `Global` on the stack must not reach it.
+    ///
+    /// ```compile_fail,E0597
+    /// # fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
+    /// let local = mralloc::heap::Global::new();
+    /// local.bind(pd)?; // error: `local` does not live long enough (bind needs 'static)
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] if this `Global` is not the process allocator (or
+    /// another one owns jemalloc's arenas); [`crate::Error::Registration`] if registering an
+    /// existing chunk fails.
+    pub fn bind(&'static self, pd: &Pd) -> Result<()> {
         if !self.ensure_init() {
             return Err(crate::Error::InvalidArgument(
                 "mralloc::heap::Global is not the process allocator (or another Global is)".into(),

@@ -54,13 +54,6 @@ pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
 
 /// The chunk's memory region in `pd` holding `ptr` (for binding memory windows), with its keys.
 pub(crate) fn mr_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Keys)> {
-    use std::sync::atomic::Ordering::Acquire;
     let (_, rec) = chunk::find(ptr as usize)?;
-    (0..chunk::MAX_PDS).find_map(|slot| {
-        let mr = rec.mrs[slot].load(Acquire);
-        // SAFETY: a published MR stays registered while its chunk is live.
-        (!mr.is_null() && unsafe { (*mr).pd } == pd.as_raw())
-            .then(|| keys_in_slot(rec, slot).map(|k| (mr, k)))
-            .flatten()
-    })
+    (0..chunk::MAX_PDS).find_map(|slot| Some((rec.mr_in(slot, pd.as_raw())?, keys_in_slot(rec, slot)?)))
 }

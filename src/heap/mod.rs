@@ -14,6 +14,8 @@
 
 mod buffer;
 mod chunk;
+#[cfg(test)]
+mod device_tests;
 mod global;
 mod hooks;
 mod jemalloc;

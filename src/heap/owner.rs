@@ -194,15 +194,13 @@ impl Owner {
                 }
                 Err(e) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
-                    mrs.iter().filter(|m| !m.is_null()).for_each(|&m| chunk::deregister(m));
-                    chunk::unmap(base, size);
+                    chunk::deregister_and_unmap(&mrs, base, size);
                     return Err(HookError::Register(e));
                 }
             }
         }
         let Some(index) = chunk::publish(self.id, base, size, meta) else {
-            mrs.iter().filter(|m| !m.is_null()).for_each(|&m| chunk::deregister(m));
-            chunk::unmap(base, size);
+            chunk::deregister_and_unmap(&mrs, base, size);
             return Err(HookError::TableFull);
         };
         let rec = chunk::rec(index);
@@ -221,16 +219,22 @@ impl Owner {
     }
 
     /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
+    ///
+    /// Nothing here allocates while `bound` is held: the alloc hook takes the same lock, and
+    /// for the global allocator every allocation may need a new chunk (a `Vec` push under the
+    /// lock deadlocked, alone or with a thread holding jemalloc's grow mutex). Registrations are
+    /// published into the chunk records as they are made and rolled back from there.
     pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
         let mut bound = self.bound.lock();
         if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
             return Ok(slot);
         }
         let Some(slot) = bound.pds.iter().position(Option::is_none) else {
+            drop(bound);
             return Err(Error::InvalidArgument(format!("a heap can be bound to at most {MAX_PDS} PDs")));
         };
-        let mut done: Vec<(u32, *mut rdma_sys::ibv_mr)> = Vec::new();
-        for (index, rec) in chunk::owned_by(self.id).filter(|(_, r)| !r.meta.load(Ordering::Relaxed)) {
+        let mut failed: Option<(i32, usize)> = None;
+        for (_, rec) in chunk::owned_by(self.id).filter(|(_, r)| !r.meta.load(Ordering::Relaxed)) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
             let t = Instant::now();
@@ -238,19 +242,29 @@ impl Owner {
                 Ok(mr) => {
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
                     self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    done.push((index, mr));
+                    rec.set_mr(slot, mr);
+                    self.counters.registered[slot].fetch_add(len as u64, Ordering::Relaxed);
                 }
                 Err(errno) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
-                    done.iter().for_each(|&(_, mr)| chunk::deregister(mr));
-                    return Err(HookError::Register(errno).into_error(len));
+                    failed = Some((errno, len));
+                    break;
                 }
             }
         }
-        for (index, mr) in done {
-            let rec = chunk::rec(index);
-            rec.set_mr(slot, mr);
-            self.counters.registered[slot].fetch_add(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+        if let Some((errno, len)) = failed {
+            for (_, rec) in chunk::owned_by(self.id) {
+                let mr = rec.mrs[slot].swap(std::ptr::null_mut(), Ordering::AcqRel);
+                if !mr.is_null() {
+                    self.counters.registered[slot].fetch_sub(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+                    if !chunk::deregister(mr) {
+                        // Still registered with `pd`: the chunk must never be unmapped.
+                        rec.leaked.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            drop(bound);
+            return Err(HookError::Register(errno).into_error(len));
         }
         bound.pds[slot] = Some(pd.clone());
         Ok(slot)
@@ -269,18 +283,27 @@ impl Owner {
             .collect();
         for (index, base, len) in chunks {
             let rec = chunk::rec(index);
+            let mut mrs = [std::ptr::null_mut(); MAX_PDS];
             for (slot, m) in rec.mrs.iter().enumerate() {
-                let mr = m.swap(std::ptr::null_mut(), Ordering::AcqRel);
-                if !mr.is_null() {
-                    chunk::deregister(mr);
+                mrs[slot] = m.swap(std::ptr::null_mut(), Ordering::AcqRel);
+                if !mrs[slot].is_null() {
                     self.counters.registered[slot].fetch_sub(len as u64, Ordering::Relaxed);
                 }
             }
             if rec.meta.load(Ordering::Relaxed) {
                 self.counters.meta.fetch_sub(len as u64, Ordering::Relaxed);
             }
+            let leaked = rec.leaked.swap(false, Ordering::Relaxed);
             chunk::release(index);
-            chunk::unmap(base, len);
+            if leaked {
+                // A registration outside the record could not be removed: deregister the rest,
+                // never unmap.
+                mrs.iter().filter(|m| !m.is_null()).for_each(|&m| _ = chunk::deregister(m));
+                crate::verbs::LEAKED_MAPPINGS.fetch_add(1, Ordering::Relaxed);
+            } else {
+                // Unmapped only if every registration let go; otherwise leaked, still pinned.
+                chunk::deregister_and_unmap(&mrs, base, len);
+            }
             self.counters.chunks.fetch_sub(1, Ordering::Relaxed);
             self.counters.mapped.fetch_sub(len as u64, Ordering::Relaxed);
         }

@@ -1,6 +1,7 @@
 //! Memory-mapped files registered for zero-copy file transfer.
 
 use std::fs::{File, OpenOptions};
+use std::mem::ManuallyDrop;
 use std::ops::RangeBounds;
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -32,22 +33,30 @@ pub enum Mode {
 /// # Ok::<(), mralloc::Error>(())
 /// ```
 pub struct MappedFile {
-    // Field order: the region is deregistered before the mapping is unmapped.
-    mr: Mr,
-    _map: FileMap,
+    /// Both taken in Drop: deregistered first, unmapped only if that succeeded.
+    mr: ManuallyDrop<Mr>,
+    map: ManuallyDrop<FileMap>,
     ptr: *mut u8,
     len: usize,
     mode: Mode,
     _file: File,
 }
 
-/// Unmaps on drop (after the `Mr` declared before it is deregistered).
+/// Unmaps on drop (only once its registration is gone, see `MappedFile`'s Drop).
 struct FileMap(*mut libc::c_void, usize);
 
 impl Drop for FileMap {
     fn drop(&mut self) {
-        // SAFETY: our own mapping; its registration is already gone (field order).
+        // SAFETY: our own mapping; its registration is already gone (or it never had one).
         unsafe { libc::munmap(self.0, self.1) };
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        // SAFETY: both fields are taken exactly once, here, and never used again.
+        let (mr, map) = unsafe { (ManuallyDrop::take(&mut self.mr), ManuallyDrop::take(&mut self.map)) };
+        crate::verbs::release_registered(mr, map);
     }
 }
 
@@ -121,17 +130,21 @@ impl MappedFile {
             Mode::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
         };
         match MappedFile::map_register(&file, len, prot, libc::MAP_SHARED, access, pd, path) {
-            Ok((mr, map)) => Ok(MappedFile { ptr: map.0.cast(), mr, _map: map, len, mode, _file: file }),
+            Ok((mr, map)) => Ok(MappedFile::wrap(mr, map, len, mode, file)),
             // Kernels before 6.2 pin even read-only regions with FOLL_WRITE|FOLL_FORCE, which a
             // read-only shared file mapping refuses (EFAULT). A private read-only mapping can be
             // pinned there: the kernel copies the file's pages once, at registration.
             Err(e) if mode == Mode::ReadOnly && e.errno() == Some(libc::EFAULT) => {
                 tracing::debug!("read-only MAP_SHARED registration refused (EFAULT); using MAP_PRIVATE");
                 let (mr, map) = MappedFile::map_register(&file, len, prot, libc::MAP_PRIVATE, access, pd, path)?;
-                Ok(MappedFile { ptr: map.0.cast(), mr, _map: map, len, mode, _file: file })
+                Ok(MappedFile::wrap(mr, map, len, mode, file))
             }
             Err(e) => Err(e),
         }
+    }
+
+    fn wrap(mr: Mr, map: FileMap, len: usize, mode: Mode, file: File) -> MappedFile {
+        MappedFile { ptr: map.0.cast(), mr: ManuallyDrop::new(mr), map: ManuallyDrop::new(map), len, mode, _file: file }
     }
 
     fn map_register(
@@ -152,8 +165,8 @@ impl MappedFile {
             });
         }
         let map = FileMap(p, len);
-        // SAFETY: the mapping outlives the Mr (MappedFile's field order; on error `map` unmaps
-        // after the failed registration); the NIC may write it only with write access, which
+        // SAFETY: the mapping outlives the Mr (MappedFile's Drop unmaps only after a successful
+        // deregistration; on error `map` unmaps after the failed registration); the NIC may write it only with write access, which
         // only read-write (writable) mappings get.
         let mr = unsafe { Mr::register(pd, p.cast(), len, access)? };
         Ok((mr, map))

@@ -24,7 +24,15 @@ pub use context::{Context, GidEntry, LinkLayer, PortInfo, PortState};
 pub use cq::{Cq, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{devices, numa_node_of, DeviceInfo};
 pub use endpoint::{Endpoint, Gid, Mtu};
+pub(crate) use mr::{release as release_registered, LEAKED_MAPPINGS};
 pub use mr::{Access, Mr, RegisteredBuf};
+
+/// How many registered mappings (heap chunks, registered buffers, mapped files) this process
+/// leaked because the device refused to deregister them (`ibv_dereg_mr` failed, e.g. while a
+/// memory window was bound): they stay mapped and pinned rather than be reused under the NIC.
+pub fn leaked_mappings() -> u64 {
+    LEAKED_MAPPINGS.load(std::sync::atomic::Ordering::Relaxed)
+}
 pub use mw::Mw;
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Qp, QpBuilder, QpCaps, QpState};

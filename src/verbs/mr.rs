@@ -188,16 +188,54 @@ impl Mr {
     }
 }
 
+impl Mr {
+    /// Deregisters the region now and says whether the device let go of it.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_dereg_mr` fails (rxe refuses while a memory window is bound to
+    /// the region): the region stays registered — and may still be accessed through its keys
+    /// or windows — so its memory must stay mapped and must not be reused (leak it).
+    pub fn deregister(self) -> Result<()> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: mr came from ibv_reg_mr and is deregistered once: `this` is never dropped.
+        let rc = unsafe { ffi::ibv_dereg_mr(this.mr) };
+        // SAFETY: the Pd clone is dropped exactly once, here (`this` is ManuallyDrop).
+        drop(unsafe { std::ptr::read(&this.pd) });
+        if rc != 0 {
+            return Err(Error::verbs("ibv_dereg_mr", rc));
+        }
+        Ok(())
+    }
+}
+
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: mr came from ibv_reg_mr and is deregistered exactly once; the PD is still
         // alive because we hold a clone.
         let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
         if rc != 0 {
-            tracing::warn!(rc, "ibv_dereg_mr failed");
+            // The memory must now stay mapped; owners that can leak it use `Mr::deregister`.
+            tracing::error!(rc, "ibv_dereg_mr failed: the region stays registered");
         }
     }
 }
+
+/// Deregisters `mr`, then unmaps `map` — or, if the device refused to let go of the region,
+/// leaks the mapping (unmapping pinned, still-registered memory would let the NIC reach pages
+/// the kernel reuses).
+pub(crate) fn release<M>(mr: Mr, map: M) {
+    match mr.deregister() {
+        Ok(()) => drop(map),
+        Err(e) => {
+            tracing::error!("{e}: leaking the registered mapping");
+            LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::mem::forget(map);
+        }
+    }
+}
+
+/// Mappings kept because their registration could not be removed (process-wide).
+pub(crate) static LEAKED_MAPPINGS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Zeroed, page-aligned memory of its own, registered with a PD: the simplest safe way to get
 /// bytes the NIC can use. (The registered heap, [`crate::heap`], is the scalable way.)
@@ -212,10 +250,19 @@ impl Drop for Mr {
 /// # Ok::<(), mralloc::Error>(())
 /// ```
 pub struct RegisteredBuf {
-    // Field order matters: the region is deregistered before the memory is unmapped.
-    mr: Mr,
-    map: Mapping,
+    /// Both taken in Drop: deregistered first, the mapping unmapped only if that succeeded.
+    mr: std::mem::ManuallyDrop<Mr>,
+    map: std::mem::ManuallyDrop<Mapping>,
     len: usize,
+}
+
+impl Drop for RegisteredBuf {
+    fn drop(&mut self) {
+        // SAFETY: both fields are taken exactly once, here, and never used again.
+        let (mr, map) =
+            unsafe { (std::mem::ManuallyDrop::take(&mut self.mr), std::mem::ManuallyDrop::take(&mut self.map)) };
+        release(mr, map);
+    }
 }
 
 impl RegisteredBuf {
@@ -225,10 +272,10 @@ impl RegisteredBuf {
             return Err(Error::InvalidArgument("a registered buffer needs at least one byte".into()));
         }
         let map = Mapping::anonymous(len)?;
-        // SAFETY: the mapping is ours, stays mapped until after the Mr is dropped (field order),
-        // and is never handed to anyone else.
+        // SAFETY: the mapping is ours, stays mapped until the Mr is deregistered (Drop: and
+        // forever if that fails), and is never handed to anyone else.
         let mr = unsafe { Mr::register(pd, map.as_ptr(), map.len(), access)? };
-        Ok(RegisteredBuf { mr, map, len })
+        Ok(RegisteredBuf { mr: std::mem::ManuallyDrop::new(mr), map: std::mem::ManuallyDrop::new(map), len })
     }
 
     /// The memory region covering the buffer.

@@ -1,0 +1,58 @@
+//! Heap paths that need a real device and crate internals (run in the Soft-RoCE VM): a chunk or
+//! registered buffer whose deregistration the device refuses must stay mapped (leaked), never be
+//! unmapped while still registered. rxe refuses `ibv_dereg_mr` while a memory window is bound.
+
+use crate::heap::{chunk_of, mr_of, Heap};
+use crate::transfer::{Connection, Options};
+use crate::verbs::{leaked_mappings, Access, Context, Mw, Pd, RegisteredBuf, SendFlags, SendOp, Sge};
+
+/// Whether every page of `[base, base+len)` is mapped (mincore fails with ENOMEM otherwise).
+fn mapped(base: usize, len: usize) -> bool {
+    let mut v = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: mincore only inspects the page tables; `v` has one byte per page.
+    unsafe { libc::mincore(base as *mut libc::c_void, len, v.as_mut_ptr()) == 0 }
+}
+
+/// Binds a type 2 window over `[addr, addr+len)` of `mr` through `conn`.
+fn bind_window(conn: &Connection, pd: &Pd, mr: *mut rdma_sys::ibv_mr, addr: u64, len: u64) -> Mw {
+    let mw = Mw::new(pd).unwrap();
+    let op =
+        SendOp::BindMw { mw: mw.as_raw(), rkey: mw.next_rkey(), mr, addr, len, access: Access::REMOTE_WRITE.bits() };
+    // SAFETY: a bind touches no local memory.
+    let id = unsafe { conn.post_chain("memory window bind", &[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.unwrap();
+    conn.wait_send(id).unwrap();
+    mw
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_chunk_the_device_will_not_deregister_stays_mapped() {
+    let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
+    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE | Access::MW_BIND).build().unwrap();
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let buf = heap.alloc(4096).unwrap();
+    let (mr, _) = mr_of(buf.as_ptr(), &pd).unwrap();
+    let (base, len) = chunk_of(buf.as_ptr()).unwrap();
+    let mw = bind_window(&a, &pd, mr, buf.addr(), 4096);
+    let before = leaked_mappings();
+    drop((buf, heap)); // teardown: ibv_dereg_mr fails while the window is bound
+    assert_eq!(leaked_mappings(), before + 1, "the chunk was counted as leaked");
+    assert!(mapped(base, len), "a chunk still registered was unmapped");
+    assert!(chunk_of(base as *const u8).is_none(), "the chunk left the page map");
+    drop(mw);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_registered_buffer_the_device_will_not_deregister_stays_mapped() {
+    let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let buf = RegisteredBuf::new(&pd, 8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND).unwrap();
+    let (addr, len) = (buf.as_ptr() as usize, buf.len());
+    let mw = bind_window(&a, &pd, buf.mr().as_raw(), addr as u64, len as u64);
+    let before = leaked_mappings();
+    drop(buf);
+    assert_eq!(leaked_mappings(), before + 1);
+    assert!(mapped(addr, len), "a buffer still registered was unmapped");
+    drop(mw);
+}
