@@ -26,6 +26,15 @@ use crate::heap::owner::{set_hook_error, HookError, Owner};
 type CBool = bool;
 
 /// The hook table every heap copies into its `Owner`.
+///
+/// **`dalloc` must stay `Some`.** jemalloc 5.3 treats an extent whose `dalloc` hook is missing
+/// as un-deallocatable, and its decay path may then purge it *itself* — with `process_madvise`
+/// (`MADV_DONTNEED`) when `opt.process_madvise_max_batch > 0` — calling none of these hooks
+/// (pac.c `pac_decay_stashed`, ehooks.h `ehooks_dalloc_will_fail`): the refusing `purge_*`
+/// entries below would be bypassed and registered pages silently replaced (the CPU and the NIC
+/// would then see different pages). A refusing `dalloc` keeps jemalloc on the hook path.
+/// (The option is off by default and, in this build, setting it through `_RJEM_MALLOC_CONF`
+/// did not make the purge tests fail with `dalloc: None`: no test pins this yet.)
 pub(crate) const HOOKS: extent_hooks_t = extent_hooks_t {
     alloc: Some(hook_alloc),
     dalloc: Some(hook_dalloc),
@@ -54,7 +63,11 @@ unsafe extern "C" fn hook_alloc(
     // SAFETY: `hooks` is the first field of a live Owner (see Owner::hooks_ptr); owners outlive
     // their arenas.
     let owner = unsafe { &*(hooks as *const Owner) };
-    let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment)));
+    // jemalloc's base allocator (metadata) asks with 2 MiB alignment and both zero and commit
+    // requested (base.c, base_map); data extents come page-aligned with neither (retain grow).
+    // SAFETY: jemalloc passes valid in/out pointers.
+    let metadata_like = alignment >= crate::heap::pagemap::SLOT && unsafe { *zero && *commit };
+    let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment, metadata_like)));
     match r {
         Ok(Ok(base)) => {
             // SAFETY: jemalloc passes valid out-pointers.

@@ -14,7 +14,6 @@ use crate::error::{memlock_text, Error, Result};
 use crate::heap::chunk::{self, MAX_PDS};
 use crate::heap::hooks;
 use crate::heap::numa;
-use crate::heap::pagemap::SLOT;
 use crate::verbs::{Access, Pd};
 
 /// Why the last extent-hook call on this thread failed. Read by the allocating call after
@@ -76,7 +75,7 @@ impl HookError {
 pub(crate) struct Counters {
     pub(crate) chunks: AtomicU64,
     pub(crate) mapped: AtomicU64,
-    /// Of `mapped`, bytes holding jemalloc's own metadata (never registered).
+    /// Of `mapped`, bytes that look like jemalloc's own metadata (registered like the rest).
     pub(crate) meta: AtomicU64,
     pub(crate) registered: [AtomicU64; MAX_PDS],
     pub(crate) reg_calls: AtomicU64,
@@ -163,12 +162,21 @@ impl Owner {
     /// Maps, binds, registers and publishes a new chunk. Runs inside the alloc hook: it must not
     /// allocate through any heap, panic, or block on anything jemalloc may hold.
     ///
-    /// jemalloc asks for its metadata (base blocks) with huge-page alignment and for data
-    /// extents with page alignment (with `opt.retain`, the default). Metadata chunks are neither
-    /// registered (nothing in them is handed out) nor excluded from fork (jemalloc's fork
-    /// handlers touch them in the child).
-    pub(crate) fn new_chunk(&self, size: usize, align: usize) -> std::result::Result<usize, HookError> {
-        let meta = align >= SLOT;
+    /// Every chunk is registered, jemalloc's metadata (base blocks) included: who asks cannot be
+    /// told for sure from the hook's arguments (a 2 MiB-aligned, zeroed user extent after a
+    /// failed grow looks like a base block), and an unregistered user chunk would hand out
+    /// memory without keys. A base block's rkey is never handed out (no buffer lies in it).
+    /// `looks_like_metadata` (base_map's arguments: 2 MiB alignment, zero and commit requested)
+    /// only decides fork behaviour — jemalloc's fork handlers touch metadata in the child, so
+    /// those chunks are not excluded from fork (a wrong guess only lets a child copy a data
+    /// chunk) — and the `metadata_bytes` statistic.
+    pub(crate) fn new_chunk(
+        &self,
+        size: usize,
+        align: usize,
+        looks_like_metadata: bool,
+    ) -> std::result::Result<usize, HookError> {
+        let meta = looks_like_metadata;
         let bound = self.bound.lock();
         let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
         if mapped.saturating_add(size) > self.limit {
@@ -184,7 +192,7 @@ impl Owner {
         chunk::advise(base, size, self.hugepages, self.dontfork && !meta);
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         for (slot, pd) in bound.pds.iter().enumerate() {
-            let Some(pd) = pd.as_ref().filter(|_| !meta) else { continue };
+            let Some(pd) = pd.as_ref() else { continue };
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access.bits()) {
                 Ok(mr) => {
@@ -234,7 +242,7 @@ impl Owner {
             return Err(Error::InvalidArgument(format!("a heap can be bound to at most {MAX_PDS} PDs")));
         };
         let mut failed: Option<(i32, usize)> = None;
-        for (_, rec) in chunk::owned_by(self.id).filter(|(_, r)| !r.meta.load(Ordering::Relaxed)) {
+        for (_, rec) in chunk::owned_by(self.id) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
             let t = Instant::now();

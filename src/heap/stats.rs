@@ -16,8 +16,9 @@ pub struct HeapStats {
     pub chunks: u64,
     /// Bytes currently mapped in chunks (all of it pinned once bound).
     pub mapped_bytes: u64,
-    /// Of `mapped_bytes`, bytes holding jemalloc's own metadata (not registered: nothing in
-    /// them is ever handed out).
+    /// Of `mapped_bytes`, chunks that look like jemalloc's own metadata (base blocks). They are
+    /// registered like every chunk (no rkey of theirs is ever handed out: no buffer lies in them)
+    /// but not excluded from `fork()` children, whose jemalloc touches them.
     pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
