@@ -286,4 +286,21 @@ mod tests {
         unmap(base, SLOT);
         assert_eq!(map(SLOT, 3 * SLOT), Err(libc::EINVAL));
     }
+
+    /// Lookups (`mr_of` / `keys_of_for`) run concurrently with heap teardown, which frees the
+    /// `ibv_mr` structs: they must decide from the record alone. A record whose MR pointer is
+    /// not even mapped memory answers without faulting (the old code read `(*mr).pd`).
+    #[test]
+    fn lookups_never_dereference_a_registration() {
+        let rec = ChunkRec::EMPTY;
+        let bogus = 0x10 as *mut ffi::ibv_mr; // the zero page: a dereference would fault
+        let pd = 0x1000 as *mut ffi::ibv_pd;
+        rec.keys[0].store((7u64 << 32) | 9, Ordering::Relaxed);
+        rec.pds[0].store(pd, Ordering::Relaxed);
+        rec.mrs[0].store(bogus, Ordering::Release);
+        assert_eq!(rec.mr_in(0, pd), Some(bogus));
+        assert_eq!(rec.mr_in(0, 0x2000 as *mut ffi::ibv_pd), None, "another PD");
+        assert_eq!(rec.mr_in(1, pd), None, "an empty slot");
+        assert_eq!(rec.keys(0), Some((7, 9)));
+    }
 }
