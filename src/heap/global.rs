@@ -140,15 +140,21 @@ fn report(args: std::fmt::Arguments<'_>) {
 }
 
 impl Global {
-    /// A global allocator whose registrations allow local writes only.
+    /// A global allocator whose registrations allow local writes only: the NIC reads and
+    /// writes process memory for this process's own operations; no peer can reach any of it.
     pub const fn new() -> Global {
-        Global::with_access(Access::LOCAL_WRITE)
+        Global { owner: Owner::new_static(Access::LOCAL_WRITE), state: AtomicU8::new(UNINIT) }
     }
 
-    /// A global allocator whose registrations carry `access` (add remote rights to let peers
-    /// access heap memory with its rkey).
-    pub const fn with_access(access: Access) -> Global {
-        Global { owner: Owner::new_static(access), state: AtomicU8::new(UNINIT) }
+    /// A global allocator whose registrations carry `remote` rights (plus local write) — an
+    /// explicit, process-wide exposure: **every object of the process** (thread stacks' heap
+    /// parts, thread caches, every `Box`, `Arc`, `String`, vtable-carrying object) lies in a
+    /// chunk whose rkey, once handed to a peer with any buffer's address, lets that peer read
+    /// and/or write the whole chunk for the rest of the process's life. Use it only between
+    /// mutually trusted processes; to expose single buffers, use a scoped heap and
+    /// [`crate::transfer::Connection::grant`].
+    pub const fn with_remote_access_to_every_object(remote: Access) -> Global {
+        Global { owner: Owner::new_static(remote.union(Access::LOCAL_WRITE)), state: AtomicU8::new(UNINIT) }
     }
 
     /// Whether the hooks are installed (after the first allocation).

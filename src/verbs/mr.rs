@@ -44,6 +44,11 @@ impl Access {
         self.0 & other.0 == other.0
     }
 
+    /// Both sets of rights (`|`, usable in `const` contexts).
+    pub const fn union(self, other: Access) -> Access {
+        Access(self.0 | other.0)
+    }
+
     /// Whether any remote right is included.
     pub const fn is_remote(self) -> bool {
         self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0) != 0
