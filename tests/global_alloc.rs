@@ -139,17 +139,39 @@ fn device_global_bind_registers_values_created_before_bind() {
     println!("Global bound to {}: {st:?}", lb.ctx.name());
     assert_eq!(st.registered_bytes[0], st.mapped_bytes, "every chunk is registered");
     for (bytes, what) in [(&v[..], "Vec<u8>"), (s.as_bytes(), "String")] {
-        let keys = mralloc::keys_of(bytes.as_ptr()).unwrap_or_else(|| panic!("{what} has no keys"));
-        let dst = RegisteredBuf::new(&lb.pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
-        let sge = [Sge::new(bytes.as_ptr() as u64, bytes.len() as u32, keys.lkey)];
-        // SAFETY: `bytes` and `dst` outlive the completion polled below; nothing writes them.
-        unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0).unwrap()))]).unwrap() };
-        lb.cq_a.next(WAIT).unwrap().ok().unwrap();
-        assert_bytes_eq(&dst, bytes, what);
+        rdma_write_check(&lb, bytes, what);
     }
     // Allocations after bind are registered as they come.
     let later = vec![9u8; 5 << 20];
     assert!(mralloc::keys_of(later.as_ptr()).is_some());
+    // Bound: freed memory is never purged any more (the hooks refuse), so reused memory is
+    // still the NIC's pages.
+    drop((0..32).map(|i| vec![i as u8; 256 << 10]).collect::<Vec<_>>());
+    purge_all_arenas();
+    for i in 0..32 {
+        let again = pattern(300 + i, 256 << 10);
+        rdma_write_check(&lb, &again, &format!("reused after purge #{i}"));
+    }
+}
+
+/// RDMA-WRITEs `bytes` (global-heap memory, with its own lkey) into a registered buffer and
+/// compares.
+fn rdma_write_check(lb: &Loopback, bytes: &[u8], what: &str) {
+    let keys = mralloc::keys_of(bytes.as_ptr()).unwrap_or_else(|| panic!("{what} has no keys"));
+    let dst = RegisteredBuf::new(&lb.pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    let sge = [Sge::new(bytes.as_ptr() as u64, bytes.len() as u32, keys.lkey)];
+    // SAFETY: `bytes` and `dst` outlive the completion polled below; nothing writes them.
+    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+    assert_bytes_eq(&dst, bytes, what);
+}
+
+/// `arena.<MALLCTL_ARENAS_ALL>.purge`: purge every automatic arena now.
+fn purge_all_arenas() {
+    let null = std::ptr::null_mut();
+    // SAFETY: a command mallctl: no old value, no new value.
+    let rc = unsafe { tikv_jemalloc_sys::mallctl(c"arena.4096.purge".as_ptr(), null, null.cast(), null, 0) };
+    assert_eq!(rc, 0, "arena.4096.purge");
 }
 
 /// Plain Vecs from the global allocator, churned by two threads while each thread streams them
@@ -264,4 +286,24 @@ fn device_global_bind_while_two_threads_grow_the_heap() {
     done.store(true, Ordering::Relaxed);
     watchdog.join().unwrap();
     println!("bound {} PDs while 2 threads allocated {} MiB", pds.len(), grown >> 20);
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * 4096
+}
+
+/// Before any PD is bound nothing is registered, so freed memory may be purged as jemalloc
+/// normally does: RSS follows live memory (it used to stay at its peak: the hooks refused every
+/// purge and decay was switched off on every arena).
+#[test]
+fn unbound_global_returns_freed_memory_to_the_os() {
+    let peak_blocks: Vec<Vec<u8>> = (0..160).map(|i| vec![i as u8; 1 << 20]).collect();
+    let at_peak = rss_bytes();
+    drop(peak_blocks);
+    // Purge every arena now instead of waiting for decay (MALLCTL_ARENAS_ALL = 4096).
+    purge_all_arenas();
+    let after = rss_bytes();
+    println!("RSS at the peak {} MiB, after free + purge {} MiB", at_peak >> 20, after >> 20);
+    assert!(after + (100 << 20) < at_peak, "freed memory stayed resident: {} -> {} MiB", at_peak >> 20, after >> 20);
 }

@@ -71,6 +71,8 @@ static INIT_TID: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::ne
 pub struct Global {
     owner: Owner,
     state: AtomicU8,
+    /// `arena.N.retain_grow_limit` of every automatic arena.
+    max_chunk: usize,
 }
 
 fn gettid() -> i64 {
@@ -143,7 +145,34 @@ impl Global {
     /// A global allocator whose registrations allow local writes only: the NIC reads and
     /// writes process memory for this process's own operations; no peer can reach any of it.
     pub const fn new() -> Global {
-        Global { owner: Owner::new_static(Access::LOCAL_WRITE), state: AtomicU8::new(UNINIT) }
+        Global {
+            owner: Owner::new_static(Access::LOCAL_WRITE),
+            state: AtomicU8::new(UNINIT),
+            max_chunk: crate::heap::DEFAULT_MAX_CHUNK,
+        }
+    }
+
+    /// Largest chunk jemalloc grows an arena by (default 64 MiB, as for a scoped heap; at least
+    /// 2 MiB). Larger allocations still get a chunk of their own size.
+    ///
+    /// ```
+    /// #[global_allocator]
+    /// static A: mralloc::heap::Global = mralloc::heap::Global::new().max_chunk(16 << 20).limit(8 << 30);
+    /// # fn main() { let v = vec![1u8; 100]; assert_eq!(v[99], 1); }
+    /// ```
+    pub const fn max_chunk(self, bytes: usize) -> Global {
+        let mut g = self;
+        g.max_chunk = if bytes < crate::heap::pagemap::SLOT { crate::heap::pagemap::SLOT } else { bytes };
+        g
+    }
+
+    /// Cap on mapped (and, once bound, registered and pinned) bytes. An allocation that would
+    /// need more fails: `std::alloc::alloc` returns null, and infallible collections abort
+    /// through `handle_alloc_error`, as with any exhausted allocator.
+    pub const fn limit(self, bytes: usize) -> Global {
+        let mut g = self;
+        g.owner.limit = bytes;
+        g
     }
 
     /// A global allocator whose registrations carry `remote` rights (plus local write) — an
@@ -154,7 +183,9 @@ impl Global {
     /// mutually trusted processes; to expose single buffers, use a scoped heap and
     /// [`crate::transfer::Connection::grant`].
     pub const fn with_remote_access_to_every_object(remote: Access) -> Global {
-        Global { owner: Owner::new_static(remote.union(Access::LOCAL_WRITE)), state: AtomicU8::new(UNINIT) }
+        let mut g = Global::new();
+        g.owner.access = remote.union(Access::LOCAL_WRITE);
+        g
     }
 
     /// Whether the hooks are installed (after the first allocation).
@@ -185,7 +216,25 @@ impl Global {
                 "mralloc::heap::Global is not the process allocator (or another Global is)".into(),
             ));
         }
-        self.owner.bind(pd).map(|_| ())
+        self.owner.bind(pd)?;
+        // Registered memory is never purged (the hooks refuse): stop jemalloc's decay from
+        // trying. Until the first bind, decay runs and unregistered pages are purged normally.
+        self.set_decay(-1);
+        Ok(())
+    }
+
+    /// Writes `dirty_decay_ms` and `muzzy_decay_ms` of every automatic arena (no allocation).
+    fn set_decay(&self, ms: isize) {
+        let Some(narenas) = name(format_args!("opt.narenas")).and_then(|n| mallctl_read::<libc::c_uint>(&n)) else {
+            return;
+        };
+        for i in 0..narenas {
+            for what in ["dirty_decay_ms", "muzzy_decay_ms"] {
+                if let Some(n) = name(format_args!("arena.{i}.{what}")) {
+                    mallctl_write(&n, ms);
+                }
+            }
+        }
     }
 
     /// Chunk and registration statistics; `live_bytes` is jemalloc's `stats.allocated` (all
@@ -244,10 +293,8 @@ impl Global {
                 report(format_args!("mralloc::Global: installing hooks on arena {i} failed"));
                 return false;
             }
-            for what in ["dirty_decay_ms", "muzzy_decay_ms"] {
-                if let Some(n) = name(format_args!("arena.{i}.{what}")) {
-                    mallctl_write(&n, -1isize);
-                }
+            if let Some(n) = name(format_args!("arena.{i}.retain_grow_limit")) {
+                mallctl_write(&n, self.max_chunk);
             }
         }
         self.drain_arena0();

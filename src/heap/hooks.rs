@@ -8,7 +8,8 @@
 //! | commit        | succeed: chunk memory is always committed                                 |
 //! | decommit      | absent (= refuse): a decommitted page would no longer be the NIC's page   |
 //! | purge_lazy    | absent (= refuse): `MADV_FREE` on pinned memory is not safe on all kernels|
-//! | purge_forced  | absent (= refuse): after `MADV_DONTNEED` CPU and NIC see different pages  |
+//! | purge_forced  | `MADV_DONTNEED` only while the owner has no PD (nothing registered yet); |
+//! |               | refuse once bound: after it the CPU and the NIC see different pages       |
 //! | split         | allow                                                                     |
 //! | merge         | allow within one chunk, refuse across chunks (each has its own MRs)       |
 //!
@@ -42,7 +43,7 @@ pub(crate) const HOOKS: extent_hooks_t = extent_hooks_t {
     commit: Some(hook_commit),
     decommit: None,
     purge_lazy: None,
-    purge_forced: None,
+    purge_forced: Some(hook_purge_forced),
     split: Some(hook_split),
     merge: Some(hook_merge),
 };
@@ -117,6 +118,20 @@ unsafe extern "C" fn hook_commit(
     _arena_ind: c_uint,
 ) -> CBool {
     false // success: chunk memory is always committed
+}
+
+unsafe extern "C" fn hook_purge_forced(
+    hooks: *mut extent_hooks_t,
+    addr: *mut c_void,
+    _size: usize,
+    offset: usize,
+    length: usize,
+    _arena_ind: c_uint,
+) -> CBool {
+    // SAFETY: as in hook_alloc.
+    let owner = unsafe { &*(hooks as *const Owner) };
+    // Refuse (true) on any panic, as on any doubt.
+    catch_unwind(AssertUnwindSafe(|| !owner.purge_unregistered(addr as usize + offset, length))).unwrap_or(true)
 }
 
 unsafe extern "C" fn hook_split(

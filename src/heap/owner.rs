@@ -278,6 +278,20 @@ impl Owner {
         Ok(slot)
     }
 
+    /// Purges `[start, start+len)` (part of one of this owner's chunks, as jemalloc asks) with
+    /// `MADV_DONTNEED` — only while no PD is bound, i.e. nothing of this owner is registered.
+    /// Holding `bound` keeps a concurrent bind from registering the range meanwhile. Returns
+    /// whether it purged (jemalloc then knows the pages read as zero).
+    pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
+        let bound = self.bound.lock();
+        if bound.pds.iter().any(Option::is_some) {
+            return false; // registered memory is never purged
+        }
+        // SAFETY: the range lies in a chunk this owner mapped and jemalloc no longer uses (it is
+        // purging it); nothing registered it (no PD is bound, and bind waits for this lock).
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
+    }
+
     /// The slot `pd` is bound in.
     pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
         self.bound.lock().pds.iter().position(|p| p.as_ref() == Some(pd))
