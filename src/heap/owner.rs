@@ -189,7 +189,9 @@ impl Owner {
                 return Err(HookError::Numa(e));
             }
         }
-        chunk::advise(base, size, self.hugepages, self.dontfork && !meta);
+        // No huge pages for metadata: a 2 MiB base block would turn resident whole at its first
+        // touch (8 automatic arenas: 16 MiB that plain jemalloc does not have).
+        chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta);
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         for (slot, pd) in bound.pds.iter().enumerate() {
             let Some(pd) = pd.as_ref() else { continue };
