@@ -51,7 +51,12 @@ fn main() -> mralloc::Result<()> {
     let ctx = Options::default().open_device()?;
     let pd = Pd::new(&ctx)?;
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build()?;
-    let opts = Options { send_depth: a.depth, recv_depth: a.depth.max(512), ..Options::default() };
+    let opts = Options {
+        send_depth: a.depth,
+        recv_depth: a.depth.max(512),
+        remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        ..Options::default()
+    };
     let (x, y) = Connection::pair(&pd, &opts)?;
     let n = a.size;
     let mut src = heap.alloc(n)?;

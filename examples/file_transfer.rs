@@ -67,7 +67,9 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE)?;
     let port = args.num("port", 7472) as u16;
     let out = PathBuf::from(args.str_or("out", &scratch_dir().join("mralloc-received.bin").display().to_string()));
-    let listener = Listener::bind(("0.0.0.0", port), &pd, Options::default())?;
+    // The client RDMA-WRITEs into the file mapped here: this side's QP must allow it.
+    let opts = Options { remote_access: Access::REMOTE_WRITE, ..Options::default() };
+    let listener = Listener::bind(("0.0.0.0", port), &pd, opts)?;
     println!("listening on port {port}, receiving into {}", out.display());
     let conn = listener.accept()?;
     let mut header = heap.alloc(12)?;

@@ -51,7 +51,8 @@ fn run() -> mralloc::Result<()> {
     }
 
     // A loopback connection; the peer offers a plain registered buffer.
-    let (a, _b) = Connection::pair(&pd, &Options::default())?;
+    // (_b's QP must accept RDMA WRITEs: connections grant no remote rights unless asked.)
+    let (a, _b) = Connection::pair(&pd, &Options { remote_access: Access::REMOTE_WRITE, ..Options::default() })?;
     for (what, bytes) in [("Vec<u8>", &vec[..]), ("String", text.as_bytes())] {
         let dst = RegisteredBuf::new(&pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
         let remote = mralloc::RemoteBuf { addr: dst.mr().addr(), len: dst.len() as u64, rkey: dst.mr().rkey() };

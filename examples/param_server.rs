@@ -105,7 +105,12 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let mut offer = Vec::new();
     offer.extend_from_slice(&params.remote()?.to_bytes());
     offer.extend_from_slice(&grads.remote()?.to_bytes());
-    let opts = Options { wait: WaitMode::Event, ..Options::default() };
+    // Workers pull by READ and push by WRITE into this heap: the server's QPs allow both.
+    let opts = Options {
+        wait: WaitMode::Event,
+        remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        ..Options::default()
+    };
     let listener = Listener::bind(("0.0.0.0", args.num("port", 7495) as u16), &pd, opts)?;
     let conns: Vec<Connection> = (0..workers).map(|_| listener.accept_with(&offer)).collect::<mralloc::Result<_>>()?;
     println!("{workers} workers connected; {n} parameters; {steps} steps");

@@ -69,8 +69,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let cq = Cq::new(&ctx, 64)?;
+    // a WRITEs into and READs from b's memory: b's QP must allow that (the default allows no
+    // one-sided access at all); a's memory is only ever the target of SENDs.
     let a = Qp::builder(&pd, &cq, &cq).build()?;
-    let b = Qp::builder(&pd, &cq, &cq).build()?;
+    let b = Qp::builder(&pd, &cq, &cq).remote_access(Access::REMOTE_WRITE | Access::REMOTE_READ).build()?;
     println!("QP a endpoint: {:?}", a.endpoint());
     println!("QP b endpoint: {:?}", b.endpoint());
     a.connect(&b.endpoint(), &ConnectOptions::default())?;

@@ -135,7 +135,9 @@ fn b(args: &Args) -> mralloc::Result<()> {
     let to_c = common::retry(|| Connection::connect(next.as_str(), &pd_out, opts_on(dev_out)))?;
     let mut landing = heap.alloc(size)?;
     let bind = args.str_or("bind", "0.0.0.0");
-    let listener = Listener::bind((bind.as_str(), args.num("port", 7481) as u16), &pd_in, opts_on(dev_in))?;
+    // A writes (with immediate) into `landing`: only this connection lets its peer write.
+    let from_a_opts = Options { remote_access: Access::REMOTE_WRITE, ..opts_on(dev_in) };
+    let listener = Listener::bind((bind.as_str(), args.num("port", 7481) as u16), &pd_in, from_a_opts)?;
     let from_a = listener.accept_with(&landing.remote_for(&pd_in)?.to_bytes())?;
     let t = Instant::now();
     let crc_a = from_a.recv_imm()?;

@@ -110,6 +110,11 @@ pub enum Error {
     /// A peer sent something that is not a valid mralloc connection message.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The shared-secret check of a TCP connection setup failed (see
+    /// [`crate::transfer::Options::secret`]). Both sides report it, before any queue pair is
+    /// connected or any blob handed to the application.
+    #[error("connection authentication failed: {0}")]
+    Authentication(AuthFailure),
     /// Waiting for completions took longer than allowed.
     #[error("timed out after {0:?} waiting for {1}")]
     Timeout(std::time::Duration, &'static str),
@@ -183,6 +188,24 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why the shared-secret check of a connection setup failed ([`Error::Authentication`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthFailure {
+    /// The peer requires a shared secret and this side has none.
+    #[error("the peer requires a shared secret and this side has none (set Options::secret)")]
+    NoLocalSecret,
+    /// This side requires a shared secret and the peer has none.
+    #[error("this side requires a shared secret and the peer has none")]
+    NoPeerSecret,
+    /// The peer's proof does not match this side's secret: the two secrets differ, or the
+    /// messages were altered or replayed.
+    #[error(
+        "the peer's proof does not match this side's secret (a different secret, or altered or replayed messages)"
+    )]
+    WrongSecret,
 }
 
 fn fmt_hint(hint: &Option<String>) -> String {

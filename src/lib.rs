@@ -26,8 +26,11 @@
 //! let dst = heap.alloc(4096)?;
 //! src[..11].copy_from_slice(b"hello, rdma");
 //!
-//! // 3. Connect (two RC queue pairs; `dst.remote()` is what a peer would be sent).
-//! let (a, _b) = Connection::pair(&pd, &Options::default())?;
+//! // 3. Connect (two RC queue pairs; `dst.remote()` is what a peer would be sent). A connection
+//! //    lets its peer WRITE, READ or use atomics on this side's memory only when asked to: the
+//! //    target side (`_b` here; a pair's ends share the options) asks for REMOTE_WRITE.
+//! let opts = Options { remote_access: Access::REMOTE_WRITE, ..Options::default() };
+//! let (a, _b) = Connection::pair(&pd, &opts)?;
 //!
 //! // 4. Zero-copy RDMA WRITE; returns when the NIC is done with `src`.
 //! a.write(&src[..11], &dst.remote()?)?;
@@ -118,6 +121,6 @@ mod remote;
 pub mod transfer;
 pub mod verbs;
 
-pub use error::{Error, Result};
+pub use error::{AuthFailure, Error, Result};
 pub use heap::{keys_of, keys_of_for, Buffer, Heap, Keys};
 pub use remote::RemoteBuf;

@@ -20,7 +20,7 @@ const OP_TIMEOUT: Duration = Duration::from_secs(20);
 fn setup() -> (Pd, Heap, Connection, Connection) {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE | Access::MW_BIND).build().unwrap();
-    let opts = Options { op_timeout: OP_TIMEOUT, ..Options::default() };
+    let opts = Options { op_timeout: OP_TIMEOUT, ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ) };
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     (pd, heap, a, b)
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::exchange::{Kind, Message};
+use mralloc::transfer::exchange::{Kind, Message, HEADER};
 use mralloc::transfer::{Connection, Listener, Options};
 use mralloc::verbs::{Access, Endpoint, Gid, Mtu, Pd, WcStatus};
 use mralloc::{Error, RemoteBuf};
@@ -67,7 +67,8 @@ fn device_stress_two_threads_eight_connections() {
             .map(|t| {
                 let (pd, heap) = (&pd, &heap);
                 s.spawn(move || {
-                    let pairs: Vec<_> = (0..4).map(|_| Connection::pair(pd, &Options::default()).unwrap()).collect();
+                    let opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+                    let pairs: Vec<_> = (0..4).map(|_| Connection::pair(pd, &opts).unwrap()).collect();
                     let mut rng = Rng(0xfeed + t);
                     let mut held = Vec::new();
                     let (mut moved, mut ops) = (0u64, 0u64);
@@ -145,14 +146,14 @@ fn device_malformed_connection_messages_are_typed_errors() {
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     let ep = Endpoint { qpn: 5, psn: 1, gid: Gid::default(), lid: 0, mtu: Mtu::Mtu1024 };
-    let good = Message { kind: Kind::Hello, endpoint: ep, blob: vec![] }.encode().unwrap();
+    let good = Message::new(Kind::Hello, Some(ep), vec![]).encode().unwrap();
     let mut wrong_version = good.clone();
     wrong_version[5] = 99;
     let mut huge = good.clone();
-    let at = 8 + Endpoint::ENCODED_LEN;
+    let at = HEADER - 4; // the blob length
     huge[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
     let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("garbage", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0".to_vec()),
+        ("garbage", [&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], &[0; HEADER]].concat()),
         ("wrong version", wrong_version),
         ("huge length", huge),
         ("truncated", good[..20].to_vec()),
@@ -193,7 +194,7 @@ fn device_malformed_connection_messages_are_typed_errors() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_bad_input_is_typed() {
     let (pd, heap) = setup();
-    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let src = heap.alloc(4096).unwrap();
     let dst = heap.alloc(4096).unwrap();
     let remote = dst.remote().unwrap();
@@ -250,7 +251,7 @@ fn device_link_down_then_up() {
         return;
     }
     let (pd, heap) = setup();
-    let opts = Options { op_timeout: Duration::from_secs(5), ..Options::default() };
+    let opts = Options { op_timeout: Duration::from_secs(5), ..rights(Access::REMOTE_WRITE) };
     let (a, _b) = Connection::pair(&pd, &opts).unwrap();
     let src = heap.alloc(64 << 10).unwrap();
     let dst = heap.alloc(64 << 10).unwrap();
@@ -279,7 +280,7 @@ fn device_link_down_then_up() {
     // A fresh connection works (GIDs may take a moment to come back: retry briefly).
     let t = Instant::now();
     let (c, _d) = loop {
-        match Connection::pair(&pd, &Options::default()) {
+        match Connection::pair(&pd, &rights(Access::REMOTE_WRITE)) {
             Ok(p) => break p,
             Err(e) if t.elapsed() < Duration::from_secs(30) => {
                 println!("  waiting for the link: {e}");

@@ -56,6 +56,8 @@ fn device_topology_exchange() {
                 let opts = Options {
                     device: Some(l.device.clone()),
                     op_timeout: Duration::from_secs(60),
+                    // Each side's inbox is the target of the peer's write-with-immediate.
+                    remote_access: Access::REMOTE_WRITE,
                     ..Options::default()
                 };
                 let inbox = heap.alloc(SIZE).unwrap();

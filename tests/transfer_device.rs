@@ -22,7 +22,7 @@ const SIZES: [usize; 6] = [1, 63, 4096, 65536, 1 << 20, 16 << 20];
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_every_operation_at_every_size_and_unaligned_offsets() {
     let (pd, heap) = setup();
-    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
     for (i, &n) in SIZES.iter().enumerate() {
         let off = 3 + i * 7; // unaligned local and remote offsets
         let want = pattern(i as u64, n);
@@ -82,7 +82,7 @@ fn device_sends_and_immediates_arrive_in_order() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_atomics_from_two_threads_sum_exactly() {
     let (pd, heap) = setup();
-    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_ATOMIC)).unwrap();
     let mut word = heap.alloc_layout(std::alloc::Layout::from_size_align(8, 8).unwrap()).unwrap();
     word.fill(0);
     let remote = word.remote().unwrap();
@@ -106,7 +106,7 @@ fn device_atomics_from_two_threads_sum_exactly() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_batch_of_1000_writes_with_selective_signaling() {
     let (pd, heap) = setup();
-    let opts = Options { send_depth: 64, ..Options::default() };
+    let opts = Options { send_depth: 64, ..rights(Access::REMOTE_WRITE) };
     let (a, _b) = Connection::pair(&pd, &opts).unwrap();
     let srcs: Vec<_> = (0..10)
         .map(|i| {
@@ -146,7 +146,7 @@ fn device_mapped_file_64mib_zero_copy() {
     std::fs::write(&src_path, &data).unwrap();
     let want = checksum(&data);
     drop(data);
-    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     // SAFETY: the test's own files; nothing else touches them while they are mapped.
     let src = unsafe { MappedFile::open(&src_path, Mode::ReadOnly, &pd) }.unwrap();
     // SAFETY: as above.
@@ -186,7 +186,7 @@ fn checksum(b: &[u8]) -> u64 {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_errors_are_typed_and_the_connection_fails_fast() {
     let (pd, heap) = setup();
-    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let src = heap.alloc(4096).unwrap();
     let dst = heap.alloc(4096).unwrap();
     let remote = dst.remote().unwrap();
@@ -254,7 +254,8 @@ fn device_two_processes_over_tcp_exchange() {
 fn server(port: u16) {
     let (pd, heap) = setup();
     let inbox = heap.alloc(1 << 20).unwrap();
-    let listener = Listener::bind(("127.0.0.1", port), &pd, Options::default()).unwrap();
+    // The server's memory is the target of the client's WRITE: it asks for that right.
+    let listener = Listener::bind(("127.0.0.1", port), &pd, rights(Access::REMOTE_WRITE)).unwrap();
     let conn = listener.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
     let imm = conn.recv_imm().unwrap();
     assert_bytes_eq(&inbox, &pattern(99, 1 << 20), "server inbox");
@@ -271,7 +272,7 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
         // The victim: offer a buffer, then wait to be killed.
         let (pd, heap) = setup();
         let inbox = heap.alloc(1 << 20).unwrap();
-        let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, Options::default()).unwrap();
+        let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, rights(Access::REMOTE_WRITE)).unwrap();
         let _conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
         println!("victim: connected");
         std::thread::sleep(Duration::from_secs(600));
@@ -313,7 +314,7 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     assert!(conn.write(&data, &remote).is_err());
     assert!(t.elapsed() < Duration::from_millis(100), "a failed connection refuses posts at once");
     // The survivor's other connections keep working.
-    let (x, _y) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (x, _y) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let dst = heap.alloc(64 << 10).unwrap();
     x.write(&data, &dst.remote().unwrap()).unwrap();
 }
@@ -327,9 +328,12 @@ fn device_two_processes_over_rdma_cm() {
     if let Ok(port) = std::env::var("MRALLOC_CM_SERVER") {
         let (pd, heap) = setup();
         let inbox = heap.alloc(256 << 10).unwrap();
-        let mut l =
-            mralloc::transfer::CmListener::bind((ip.as_str(), port.parse::<u16>().unwrap()), &pd, Options::default())
-                .unwrap();
+        let mut l = mralloc::transfer::CmListener::bind(
+            (ip.as_str(), port.parse::<u16>().unwrap()),
+            &pd,
+            rights(Access::REMOTE_WRITE),
+        )
+        .unwrap();
         println!("cm server: listening");
         let conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
         assert_eq!(conn.peer_blob(), b"hello over cm");
@@ -369,7 +373,7 @@ fn device_two_processes_over_rdma_cm() {
 fn device_grant_gives_scoped_revocable_access() {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE | Access::MW_BIND).build().unwrap();
-    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
     let mut target = heap.alloc(8192).unwrap();
     target.fill(0);
     let g = b.grant(target, Access::REMOTE_WRITE | Access::REMOTE_READ).unwrap();
@@ -389,7 +393,7 @@ fn device_grant_gives_scoped_revocable_access() {
     // The grant's RemoteBuf covers exactly the buffer; a larger write is refused locally before
     // posting. (rxe on 6.1 checks window accesses against the underlying region only, so a
     // hand-made wider range would land next to the buffer there; hardware HCAs refuse it.)
-    let (c, d) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (c, d) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let g = d.grant(heap.alloc(4096).unwrap(), Access::REMOTE_WRITE).unwrap();
     assert!(matches!(c.write(&src, &g.remote()), Err(Error::OutOfBounds { .. })));
     c.write(&src[..4096], &g.remote()).unwrap();
@@ -417,7 +421,7 @@ fn device_event_and_poller_modes_move_data_without_spinning() {
     let (pd, heap) = setup();
     let poller = Poller::spawn(None).unwrap();
     for (name, wait) in [("event", WaitMode::Event), ("poller", WaitMode::Poller(poller.clone()))] {
-        let opts = Options { wait, ..Options::default() };
+        let opts = Options { wait, ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ) };
         let (a, b) = Connection::pair(&pd, &opts).unwrap();
         // Every kind of operation works in this mode.
         let mut src = heap.alloc(100_000).unwrap();

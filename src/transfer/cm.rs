@@ -262,6 +262,18 @@ fn check_blob(blob: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
+/// connect unauthenticated.
+fn check_no_secret(opts: &Options) -> Result<()> {
+    if opts.secret.is_some() {
+        return Err(Error::InvalidArgument(
+            "Options::secret is only supported by the TCP exchange (Listener / Connection::connect), not by RDMA CM"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 fn peer_endpoint(qp: &Qp, qpn: u32) -> Endpoint {
     Endpoint { qpn, psn: 0, gid: Gid::default(), lid: 0, mtu: qp.endpoint().mtu }
 }
@@ -288,8 +300,13 @@ impl Connection {
     }
 
     /// As [`Connection::connect_cm`], sending `blob` (≤ [`MAX_CM_BLOB`] bytes) to the peer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `blob` is too long or [`Options::secret`] is set (the shared
+    /// secret needs the TCP exchange); [`Error::Verbs`] if an RDMA CM or verbs call fails.
     pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         check_blob(blob)?;
+        check_no_secret(&opts)?;
         let target = resolve(addr)?;
         let deadline = Instant::now() + opts.connect_timeout;
         let left = || Some(deadline.saturating_duration_since(Instant::now()));
@@ -345,7 +362,12 @@ unsafe impl Send for CmListener {}
 
 impl CmListener {
     /// Listens on `addr` (an IP address of a local RDMA device, and a port).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if [`Options::secret`] is set (the shared secret needs the TCP
+    /// exchange); [`Error::Verbs`] if binding or listening fails.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<CmListener> {
+        check_no_secret(&opts)?;
         let at = resolve(addr)?;
         let channel = Channel::new()?;
         let id = Id::new(&channel)?;
@@ -418,5 +440,8 @@ mod tests {
         assert!(matches!(unframe(&[200, 1, 2]), Err(Error::Protocol(_))));
         assert!(check_blob(&[0; MAX_CM_BLOB]).is_ok());
         assert!(check_blob(&[0; MAX_CM_BLOB + 1]).is_err());
+        assert!(check_no_secret(&Options::default()).is_ok());
+        let secret = Some(crate::transfer::Secret::new("k").unwrap());
+        assert!(matches!(check_no_secret(&Options { secret, ..Options::default() }), Err(Error::InvalidArgument(_))));
     }
 }

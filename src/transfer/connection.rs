@@ -119,7 +119,7 @@ impl Connection {
         } else {
             (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, opts.recv_depth + 8)?)
         };
-        let mut b = Qp::builder(pd, &send_cq, &recv_cq).caps(opts.caps());
+        let mut b = Qp::builder(pd, &send_cq, &recv_cq).caps(opts.caps()).remote_access(opts.remote_access);
         if let Some(p) = opts.port {
             b = b.port(p);
         }
@@ -180,7 +180,9 @@ impl Connection {
     }
 
     /// Two connections in `pd` connected to each other on one device (loopback): what a single
-    /// process needs to exercise both sides.
+    /// process needs to exercise both sides. Both get `opts`, [`Options::remote_access`]
+    /// included: a pair whose ends RDMA WRITE, READ or use atomics on each other's memory must
+    /// ask for those rights.
     ///
     /// # Errors
     /// [`Error::Verbs`] if creating or connecting a queue pair or CQ fails.

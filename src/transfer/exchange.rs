@@ -1,36 +1,82 @@
-//! The out-of-band connection message exchanged over TCP.
+//! The out-of-band connection message exchanged over TCP (protocol version 2).
 //!
 //! ```text
-//! "mRdx" | version u16 | kind u8 | reserved u8 | endpoint (32 bytes) | blob length u32 | blob
+//! "mRdx" | version u16 | kind u8 | code u8 | endpoint (32 bytes) | nonce (32) | mac (32)
+//!        | blob length u32 | blob
 //! ```
 //!
-//! Every field is checked before anything is allocated: a wrong magic or version, a truncated
-//! message or a blob longer than [`MAX_BLOB`] is a typed error, never a panic or an unbounded
-//! allocation.
+//! A field a kind does not use is all zero (an absent endpoint is 32 zero bytes). Only `Hello`
+//! and `Welcome` carry an endpoint (they must) and a blob; only `Refused` has a non-zero code.
+//! Every field is checked before anything is allocated: a wrong magic or version, an unknown
+//! kind or code, a truncated message or a blob longer than [`MAX_BLOB`] is a typed error, never a
+//! panic or an unbounded allocation.
+//!
+//! Without a shared secret: `Hello` (client) → `Welcome` (server) → `Ready` ↔ `Ready`. With one
+//! (see [`crate::transfer::Secret`]) the client first sends a `Challenge` (its nonce), the server
+//! answers with `Proof` (its nonce and a MAC over both), and `Hello` / `Welcome` carry MACs over
+//! both nonces and the sender's endpoint and blob. A side that gives up sends `Refused`.
 
 use std::io::{Read, Write};
 
-use crate::error::{Error, Result};
+use crate::error::{AuthFailure, Error, Result};
 use crate::verbs::Endpoint;
 
 /// Magic bytes of a connection message.
 pub const MAGIC: [u8; 4] = *b"mRdx";
-/// Protocol version this build speaks.
-pub const VERSION: u16 = 1;
+/// Protocol version this build speaks (2: nonces, MACs and the authentication kinds).
+pub const VERSION: u16 = 2;
 /// Largest application blob carried with an endpoint.
 pub const MAX_BLOB: usize = 64 << 10;
-const HEADER: usize = 4 + 2 + 1 + 1 + Endpoint::ENCODED_LEN + 4;
+/// Bytes of a nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a MAC (HMAC-SHA-256).
+pub const MAC_LEN: usize = 32;
+/// Bytes before the blob.
+pub const HEADER: usize = 4 + 2 + 1 + 1 + Endpoint::ENCODED_LEN + NONCE_LEN + MAC_LEN + 4;
+const AT_ENDPOINT: usize = 8;
+const AT_NONCE: usize = AT_ENDPOINT + Endpoint::ENCODED_LEN;
+const AT_MAC: usize = AT_NONCE + NONCE_LEN;
+const AT_LEN: usize = AT_MAC + MAC_LEN;
 
 /// What a message announces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
-    /// Client → server: my endpoint (+ blob).
+    /// Client → server: my endpoint (+ blob, + MAC with a secret).
     Hello = 1,
-    /// Server → client: my endpoint (+ blob).
+    /// Server → client: my endpoint (+ blob, + MAC with a secret).
     Welcome = 2,
     /// Either side: my QP is ready to receive.
     Ready = 3,
+    /// Client → server: I hold a shared secret; here is my nonce.
+    Challenge = 4,
+    /// Server → client: my nonce, and a MAC over both nonces proving I hold the secret.
+    Proof = 5,
+    /// Either side: I give up; `code` says why ([`Refusal`]).
+    Refused = 6,
+}
+
+/// Why a side sent `Refused` (the message's `code`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Refusal {
+    /// The sender requires a shared secret; the receiver offered none.
+    SecretRequired = 1,
+    /// The sender has no shared secret; the receiver required one.
+    NoSecret = 2,
+    /// The receiver's MAC did not match the sender's secret.
+    WrongSecret = 3,
+}
+
+impl Refusal {
+    /// The failure the *receiver* of this refusal reports.
+    pub fn failure(self) -> AuthFailure {
+        match self {
+            Refusal::SecretRequired => AuthFailure::NoLocalSecret,
+            Refusal::NoSecret => AuthFailure::NoPeerSecret,
+            Refusal::WrongSecret => AuthFailure::WrongSecret,
+        }
+    }
 }
 
 /// A decoded message.
@@ -38,9 +84,15 @@ pub enum Kind {
 pub struct Message {
     /// What it announces.
     pub kind: Kind,
-    /// The sender's QP endpoint.
-    pub endpoint: Endpoint,
-    /// Application data (e.g. an encoded [`crate::RemoteBuf`]).
+    /// Why it refuses (`Refused` only).
+    pub refusal: Option<Refusal>,
+    /// The sender's QP endpoint (`Hello`, `Welcome`; optional in `Ready`).
+    pub endpoint: Option<Endpoint>,
+    /// The sender's nonce (`Challenge`, `Proof`), else zero.
+    pub nonce: [u8; NONCE_LEN],
+    /// The sender's MAC (`Proof`, and `Hello` / `Welcome` with a secret), else zero.
+    pub mac: [u8; MAC_LEN],
+    /// Application data (e.g. an encoded [`crate::RemoteBuf`]; `Hello` and `Welcome` only).
     pub blob: Vec<u8>,
 }
 
@@ -49,7 +101,21 @@ fn malformed(why: String) -> Error {
 }
 
 impl Message {
+    /// A message of `kind` with an endpoint and a blob; no nonce, MAC or code.
+    pub fn new(kind: Kind, endpoint: Option<Endpoint>, blob: Vec<u8>) -> Message {
+        Message { kind, refusal: None, endpoint, nonce: [0; NONCE_LEN], mac: [0; MAC_LEN], blob }
+    }
+
+    /// A `Refused` message.
+    pub fn refused(why: Refusal) -> Message {
+        Message { refusal: Some(why), ..Message::new(Kind::Refused, None, Vec::new()) }
+    }
+
     /// Encodes the message.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the blob exceeds [`MAX_BLOB`], or if the message breaks the
+    /// rules [`Message::parse_header`] checks (so nothing this encodes is refused by a peer).
     pub fn encode(&self) -> Result<Vec<u8>> {
         if self.blob.len() > MAX_BLOB {
             return Err(Error::InvalidArgument(format!(
@@ -57,19 +123,30 @@ impl Message {
                 self.blob.len()
             )));
         }
+        check_shape(self.kind, self.refusal, self.endpoint.is_some(), self.blob.len()).map_err(|e| match e {
+            Error::Protocol(why) => Error::InvalidArgument(why),
+            e => e,
+        })?;
         let mut b = Vec::with_capacity(HEADER + self.blob.len());
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&VERSION.to_be_bytes());
         b.push(self.kind as u8);
-        b.push(0);
-        b.extend_from_slice(&self.endpoint.to_bytes());
+        b.push(self.refusal.map_or(0, |r| r as u8));
+        b.extend_from_slice(&self.endpoint.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes()));
+        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&self.mac);
         b.extend_from_slice(&(self.blob.len() as u32).to_be_bytes());
         b.extend_from_slice(&self.blob);
         Ok(b)
     }
 
-    /// Parses the fixed header; returns the message without its blob and the blob length.
-    pub fn parse_header(h: &[u8]) -> Result<(Kind, Endpoint, usize)> {
+    /// Parses the fixed header: the message without its blob, and the blob's length (checked
+    /// against [`MAX_BLOB`] and the kind).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a truncated header, a wrong magic or version, an unknown kind or
+    /// refusal code, a malformed endpoint, or a blob length the kind does not allow.
+    pub fn parse_header(h: &[u8]) -> Result<(Message, usize)> {
         if h.len() < HEADER {
             return Err(malformed(format!("truncated header: {} of {HEADER} bytes", h.len())));
         }
@@ -84,42 +161,94 @@ impl Message {
             1 => Kind::Hello,
             2 => Kind::Welcome,
             3 => Kind::Ready,
+            4 => Kind::Challenge,
+            5 => Kind::Proof,
+            6 => Kind::Refused,
             k => return Err(malformed(format!("unknown message kind {k}"))),
         };
-        let endpoint = Endpoint::from_bytes(&h[8..8 + Endpoint::ENCODED_LEN]).map_err(|e| malformed(e.to_string()))?;
-        let at = 8 + Endpoint::ENCODED_LEN;
-        let len = u32::from_be_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]) as usize;
+        let refusal = match h[7] {
+            0 => None,
+            1 => Some(Refusal::SecretRequired),
+            2 => Some(Refusal::NoSecret),
+            3 => Some(Refusal::WrongSecret),
+            c => return Err(malformed(format!("unknown refusal code {c}"))),
+        };
+        let raw = &h[AT_ENDPOINT..AT_NONCE];
+        let endpoint = if raw.iter().all(|&x| x == 0) {
+            None
+        } else {
+            Some(Endpoint::from_bytes(raw).map_err(|e| malformed(e.to_string()))?)
+        };
+        let len = u32::from_be_bytes([h[AT_LEN], h[AT_LEN + 1], h[AT_LEN + 2], h[AT_LEN + 3]]) as usize;
         if len > MAX_BLOB {
             return Err(malformed(format!("blob length {len} exceeds the {MAX_BLOB}-byte limit")));
         }
-        Ok((kind, endpoint, len))
+        check_shape(kind, refusal, endpoint.is_some(), len)?;
+        let mut m = Message::new(kind, endpoint, Vec::new());
+        m.refusal = refusal;
+        m.nonce.copy_from_slice(&h[AT_NONCE..AT_MAC]);
+        m.mac.copy_from_slice(&h[AT_MAC..AT_LEN]);
+        Ok((m, len))
     }
 
     /// Decodes a whole message from a byte slice (header and blob, nothing more).
+    ///
+    /// # Errors
+    /// As [`Message::parse_header`]; [`Error::Protocol`] if the blob's length differs from the
+    /// header's.
     pub fn decode(b: &[u8]) -> Result<Message> {
-        let (kind, endpoint, len) = Message::parse_header(b)?;
+        let (mut m, len) = Message::parse_header(b)?;
         let rest = &b[HEADER..];
         if rest.len() != len {
             return Err(malformed(format!("blob is {} bytes, header says {len}", rest.len())));
         }
-        Ok(Message { kind, endpoint, blob: rest.to_vec() })
+        m.blob = rest.to_vec();
+        Ok(m)
     }
 
     /// Writes the message to a stream.
+    ///
+    /// # Errors
+    /// As [`Message::encode`]; [`Error::Io`] if writing fails or times out.
     pub fn send(&self, w: &mut impl Write) -> Result<()> {
         let bytes = self.encode()?;
         w.write_all(&bytes).and_then(|_| w.flush()).map_err(|e| io("sending a connection message", e))
     }
 
     /// Reads one message from a stream (bounded by [`MAX_BLOB`]).
+    ///
+    /// # Errors
+    /// As [`Message::parse_header`]; [`Error::Io`] if reading fails, times out or the peer
+    /// closes the stream mid-message.
     pub fn recv(r: &mut impl Read) -> Result<Message> {
         let mut h = [0u8; HEADER];
         r.read_exact(&mut h).map_err(|e| io("reading a connection message", e))?;
-        let (kind, endpoint, len) = Message::parse_header(&h)?;
+        let (mut m, len) = Message::parse_header(&h)?;
         let mut blob = vec![0u8; len];
         r.read_exact(&mut blob).map_err(|e| io("reading a connection message's blob", e))?;
-        Ok(Message { kind, endpoint, blob })
+        m.blob = blob;
+        Ok(m)
     }
+}
+
+/// Which fields a kind may use: an endpoint is required in `Hello` / `Welcome` and absent from
+/// the authentication kinds; only `Hello` / `Welcome` carry a blob; only `Refused` (and it
+/// always) has a code.
+fn check_shape(kind: Kind, refusal: Option<Refusal>, endpoint: bool, blob_len: usize) -> Result<()> {
+    let carries = matches!(kind, Kind::Hello | Kind::Welcome);
+    if carries && !endpoint {
+        return Err(malformed(format!("a {kind:?} message without an endpoint")));
+    }
+    if matches!(kind, Kind::Challenge | Kind::Proof | Kind::Refused) && endpoint {
+        return Err(malformed(format!("a {kind:?} message with an endpoint")));
+    }
+    if !carries && blob_len != 0 {
+        return Err(malformed(format!("a {kind:?} message with a {blob_len}-byte blob")));
+    }
+    if (kind == Kind::Refused) != refusal.is_some() {
+        return Err(malformed(format!("a {kind:?} message with refusal code {refusal:?}")));
+    }
+    Ok(())
 }
 
 fn io(what: &str, e: std::io::Error) -> Error {
@@ -141,42 +270,111 @@ mod tests {
         Endpoint { qpn: 7, psn: 9, gid: Gid::from_bytes([1; 16]), lid: 0, mtu: Mtu::Mtu1024 }
     }
 
+    fn samples() -> Vec<Message> {
+        let mut hello = Message::new(Kind::Hello, Some(ep()), b"remote-buf".to_vec());
+        hello.mac = [0xAB; MAC_LEN];
+        let mut challenge = Message::new(Kind::Challenge, None, Vec::new());
+        challenge.nonce = [3; NONCE_LEN];
+        let mut proof = Message::new(Kind::Proof, None, Vec::new());
+        proof.nonce = [4; NONCE_LEN];
+        proof.mac = [5; MAC_LEN];
+        vec![
+            hello,
+            Message::new(Kind::Welcome, Some(ep()), vec![]),
+            Message::new(Kind::Ready, Some(ep()), vec![]),
+            Message::new(Kind::Ready, None, vec![]),
+            challenge,
+            proof,
+            Message::refused(Refusal::SecretRequired),
+            Message::refused(Refusal::NoSecret),
+            Message::refused(Refusal::WrongSecret),
+        ]
+    }
+
     #[test]
-    fn round_trip() {
-        let m = Message { kind: Kind::Hello, endpoint: ep(), blob: b"remote-buf".to_vec() };
-        let b = m.encode().unwrap();
-        assert_eq!(Message::decode(&b).unwrap(), m);
-        assert_eq!(Message::recv(&mut &b[..]).unwrap(), m);
+    fn round_trip_every_kind() {
+        for m in samples() {
+            let b = m.encode().unwrap();
+            assert_eq!(b.len(), HEADER + m.blob.len());
+            assert_eq!(Message::decode(&b).unwrap(), m);
+            assert_eq!(Message::recv(&mut &b[..]).unwrap(), m);
+        }
     }
 
     #[test]
     fn rejects_bad_input() {
-        let good = Message { kind: Kind::Welcome, endpoint: ep(), blob: vec![] }.encode().unwrap();
+        let good = Message::new(Kind::Welcome, Some(ep()), vec![]).encode().unwrap();
         let mut b = good.clone();
         b[5] = 9;
         assert!(Message::decode(&b).unwrap_err().to_string().contains("version 9"));
         let mut b = good.clone();
+        b[5] = 1; // a version-1 peer is told which version this build speaks
+        assert!(Message::decode(&b).unwrap_err().to_string().contains("this build speaks 2"));
+        let mut b = good.clone();
         b[0] = b'X';
         assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
         let mut b = good.clone();
-        let at = 8 + Endpoint::ENCODED_LEN;
-        b[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+        b[AT_LEN..AT_LEN + 4].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Message::decode(&b).unwrap_err().to_string().contains("exceeds"));
         assert!(Message::recv(&mut &good[..10]).is_err());
-        let big = Message { kind: Kind::Hello, endpoint: ep(), blob: vec![0; MAX_BLOB + 1] };
+        let big = Message::new(Kind::Hello, Some(ep()), vec![0; MAX_BLOB + 1]);
         assert!(big.encode().is_err());
+    }
+
+    #[test]
+    fn rejects_fields_a_kind_does_not_use() {
+        let shape = |m: &Message| m.encode().unwrap_err();
+        assert!(matches!(shape(&Message::new(Kind::Hello, None, vec![])), Error::InvalidArgument(_)));
+        assert!(matches!(shape(&Message::new(Kind::Challenge, Some(ep()), vec![])), Error::InvalidArgument(_)));
+        assert!(matches!(shape(&Message::new(Kind::Ready, None, vec![1])), Error::InvalidArgument(_)));
+        assert!(matches!(shape(&Message::new(Kind::Refused, None, vec![])), Error::InvalidArgument(_)));
+        // The same rules on the wire: a Proof with a blob, a Hello with a code, a zeroed Hello
+        // endpoint, an unknown code.
+        let proof = Message::new(Kind::Proof, None, vec![]).encode().unwrap();
+        let mut b = proof.clone();
+        b[AT_LEN + 3] = 1;
+        b.push(0);
+        assert!(Message::decode(&b).unwrap_err().to_string().contains("blob"));
+        let hello = Message::new(Kind::Hello, Some(ep()), vec![]).encode().unwrap();
+        let mut b = hello.clone();
+        b[7] = 3;
+        assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
+        let mut b = hello.clone();
+        b[AT_ENDPOINT..AT_NONCE].fill(0);
+        assert!(Message::decode(&b).unwrap_err().to_string().contains("without an endpoint"));
+        let mut b = Message::refused(Refusal::NoSecret).encode().unwrap();
+        b[7] = 200;
+        assert!(Message::decode(&b).unwrap_err().to_string().contains("refusal code 200"));
     }
 
     proptest! {
         #[test]
-        fn parser_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        fn parser_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = Message::decode(&bytes);
             let _ = Message::recv(&mut &bytes[..]);
         }
 
+        /// Arbitrary bytes behind a valid magic and version reach every later check.
         #[test]
-        fn parser_survives_corrupted_valid_messages(pos in 0usize..60, val in any::<u8>(), blob in proptest::collection::vec(any::<u8>(), 0..32)) {
-            let mut b = Message { kind: Kind::Hello, endpoint: ep(), blob }.encode().unwrap();
+        fn parser_is_bounded_behind_a_valid_prefix(kind in 0u8..8, code in 0u8..5, rest in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut b = MAGIC.to_vec();
+            b.extend_from_slice(&VERSION.to_be_bytes());
+            b.push(kind);
+            b.push(code);
+            b.extend_from_slice(&rest);
+            if let Ok(m) = Message::recv(&mut &b[..]) {
+                prop_assert!(m.blob.len() <= MAX_BLOB);
+                prop_assert_eq!(Message::decode(&m.encode().unwrap()).unwrap(), m);
+            }
+        }
+
+        #[test]
+        fn parser_survives_corrupted_valid_messages(which in 0usize..9, pos in 0usize..200, val in any::<u8>(), blob in proptest::collection::vec(any::<u8>(), 0..32)) {
+            let mut m = samples().swap_remove(which);
+            if matches!(m.kind, Kind::Hello | Kind::Welcome) {
+                m.blob = blob;
+            }
+            let mut b = m.encode().unwrap();
             let i = pos % b.len();
             b[i] = val;
             if let Ok(m) = Message::decode(&b) {

@@ -24,6 +24,7 @@ fn setup_with(opts: Options) -> (Heap, Connection, Connection) {
         .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
         .build()
         .unwrap();
+    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..opts };
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     (heap, a, b)
 }

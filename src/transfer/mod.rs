@@ -1,7 +1,8 @@
 //! Connections and zero-copy RDMA operations on heap memory and mapped files.
 //!
 //! - Setup: [`Listener`] / [`Connection::connect`] exchange endpoints (and an optional blob, e.g.
-//!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message;
+//!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message, optionally
+//!   authenticated by a shared [`Secret`] ([`Options::secret`]);
 //!   [`CmListener`] / [`Connection::connect_cm`] do the same through the RDMA connection manager;
 //!   [`Connection::pair`] connects two QPs of one process (loopback).
 //! - Blocking operations borrow local memory for the call ([`Local`]): [`Connection::write`],
@@ -16,6 +17,8 @@
 //!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
 //! - [`Connection::grant`]: a revocable rkey for exactly one buffer (a type 2 memory window).
+//! - Remote rights: a connection lets its peer RDMA WRITE, READ or use atomics on this side's
+//!   memory only if [`Options::remote_access`] asks for it (default: none; SENDs always work).
 //!
 //! Local memory is anything [`Local`]: heap [`crate::Buffer`]s, slices of any heap memory (keys
 //! from [`crate::keys_of`]), [`crate::verbs::RegisteredBuf`]s and mapped files; foreign memory is
@@ -23,6 +26,7 @@
 //! bounds-checked locally. A failed completion fails the connection: later posts return the
 //! original error at once.
 
+mod auth;
 mod batch;
 mod cm;
 mod completion;
@@ -40,6 +44,7 @@ mod pending;
 mod poller;
 mod tcp;
 
+pub use auth::Secret;
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 pub use completion::Completed;

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::transfer::Poller;
-use crate::verbs::{ConnectOptions, Context, QpCaps};
+use crate::transfer::{Poller, Secret};
+use crate::verbs::{Access, ConnectOptions, Context, QpCaps};
 
 /// How a thread waiting for a completion waits.
 #[derive(Debug, Clone, Default)]
@@ -47,6 +47,23 @@ pub struct Options {
     /// Limit on waiting for one operation's completion; past it the connection is failed (its
     /// QP moved to the error state) so that no memory stays in the NIC's hands.
     pub op_timeout: Duration,
+    /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
+    /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],
+    /// [`Access::REMOTE_READ`], [`Access::REMOTE_ATOMIC`]; other bits are ignored). Default
+    /// [`Access::NONE`]: the peer can only SEND, and its one-sided requests fail at its end
+    /// with a remote error completion. The side whose memory is the *target* asks: a server
+    /// that offers a buffer for the client to write into needs `REMOTE_WRITE`; a client that
+    /// only writes needs nothing. The memory itself must grant the right as well (its heap's
+    /// access, or a [`crate::transfer::Connection::grant`]).
+    pub remote_access: Access,
+    /// A secret both ends of a TCP setup ([`crate::transfer::Listener`],
+    /// [`crate::transfer::Connection::connect`]) must hold (default: none). With one, the
+    /// exchange is a challenge-response (HMAC-SHA-256 over fresh nonces, endpoints and blobs;
+    /// the secret never travels): a peer without it gets no QP and no blob, and both sides fail
+    /// with [`crate::Error::Authentication`] if either lacks it or they differ. It
+    /// authenticates, it does not encrypt. RDMA CM setups refuse options with a secret;
+    /// [`crate::transfer::Connection::pair`] (one process) ignores it. Never printed by `Debug`.
+    pub secret: Option<Secret>,
 }
 
 impl Default for Options {
@@ -64,6 +81,8 @@ impl Default for Options {
             wait: WaitMode::BusyPoll,
             connect_timeout: Duration::from_secs(10),
             op_timeout: Duration::from_secs(30),
+            remote_access: Access::NONE,
+            secret: None,
         }
     }
 }

@@ -1,10 +1,12 @@
 //! Connection setup over TCP: endpoints (and an optional application blob) are exchanged with a
-//! small versioned message, then both QPs go to RTS and confirm with a `Ready` message before
-//! either side may post.
+//! small versioned message (authenticated when [`Options::secret`] is set: see the `auth`
+//! module), then both QPs go to RTS and confirm with a `Ready` message before either side may
+//! post.
 
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 
 use crate::error::{Error, Result};
+use crate::transfer::auth::{self, expect};
 use crate::transfer::exchange::{Kind, Message};
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
@@ -17,13 +19,6 @@ fn configure(s: &TcpStream, opts: &Options) -> Result<()> {
     s.set_read_timeout(Some(opts.connect_timeout)).map_err(io("setting the TCP read timeout".into()))?;
     s.set_write_timeout(Some(opts.connect_timeout)).map_err(io("setting the TCP write timeout".into()))?;
     s.set_nodelay(true).map_err(io("setting TCP_NODELAY".into()))
-}
-
-fn expect(m: Message, kind: Kind) -> Result<Message> {
-    if m.kind != kind {
-        return Err(Error::Protocol(format!("expected a {kind:?} message, got {:?}", m.kind)));
-    }
-    Ok(m)
 }
 
 /// Accepts RDMA connections whose endpoints arrive over TCP.
@@ -55,23 +50,36 @@ impl Listener {
     }
 
     /// Accepts the next connection.
+    ///
+    /// # Errors
+    /// As [`Listener::accept_with`].
     pub fn accept(&self) -> Result<Connection> {
         self.accept_with(&[])
     }
 
     /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to
-    /// the peer with this side's endpoint.
+    /// the peer with this side's endpoint. With [`Options::secret`] set, the peer must prove it
+    /// holds the same secret before a QP is created for it or `blob` is sent.
+    ///
+    /// # Errors
+    /// [`Error::Authentication`] if the secrets differ or only one side has one (the peer is
+    /// told); [`Error::Protocol`] if the peer sends something else than the exchange;
+    /// [`Error::Io`] if the TCP connection fails or times out ([`Options::connect_timeout`]);
+    /// [`Error::Verbs`] if creating or connecting the QP fails.
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
         let (mut s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
         configure(&s, &self.opts)?;
-        let hello = expect(Message::recv(&mut s)?, Kind::Hello)?;
-        let prepared = Connection::prepare(&self.pd, &self.opts)?;
-        let me = prepared.0.endpoint();
-        Message { kind: Kind::Welcome, endpoint: me, blob: blob.to_vec() }.send(&mut s)?;
-        let mut conn = Connection::finish(&self.pd, &self.opts, prepared, hello.endpoint, hello.blob, None)?;
+        let x = auth::server(&mut s, self.opts.secret.as_ref(), blob, || {
+            let prepared = Connection::prepare(&self.pd, &self.opts)?;
+            let me = prepared.0.endpoint();
+            Ok((prepared, me))
+        })?;
+        // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
+        // QP connected. The client posts nothing before this side's Ready, sent once it is.
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        Message { kind: Kind::Ready, endpoint: me, blob: Vec::new() }.send(&mut s)?;
-        tracing::debug!(%peer, "accepted RDMA connection");
+        let mut conn = Connection::finish(&self.pd, &self.opts, x.prepared, x.peer, x.peer_blob, None)?;
+        Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
+        tracing::debug!(%peer, authenticated = self.opts.secret.is_some(), "accepted RDMA connection");
         conn._tcp = Some(s);
         Ok(conn)
     }
@@ -79,23 +87,32 @@ impl Listener {
 
 impl Connection {
     /// Connects to a [`Listener`] at `addr`, in `pd`.
+    ///
+    /// # Errors
+    /// As [`Connection::connect_with`].
     pub fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Connection> {
         Connection::connect_with(addr, pd, opts, &[])
     }
 
-    /// Connects, sending `blob` to the peer with this side's endpoint.
+    /// Connects, sending `blob` to the peer with this side's endpoint. With
+    /// [`Options::secret`] set, the listener must prove it holds the same secret before a QP is
+    /// created or `blob` is sent.
+    ///
+    /// # Errors
+    /// As [`Listener::accept_with`]; [`Error::InvalidArgument`] if `addr` resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
         let target = *addrs.first().ok_or_else(|| Error::InvalidArgument("the address resolved to nothing".into()))?;
         let mut s = TcpStream::connect_timeout(&target, opts.connect_timeout)
             .map_err(io(format!("connecting to {target} (is the peer listening?)")))?;
         configure(&s, &opts)?;
-        let prepared = Connection::prepare(pd, &opts)?;
-        let me = prepared.0.endpoint();
-        Message { kind: Kind::Hello, endpoint: me, blob: blob.to_vec() }.send(&mut s)?;
-        let welcome = expect(Message::recv(&mut s)?, Kind::Welcome)?;
-        let mut conn = Connection::finish(pd, &opts, prepared, welcome.endpoint, welcome.blob, None)?;
-        Message { kind: Kind::Ready, endpoint: me, blob: Vec::new() }.send(&mut s)?;
+        let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
+            let prepared = Connection::prepare(pd, &opts)?;
+            let me = prepared.0.endpoint();
+            Ok((prepared, me))
+        })?;
+        let mut conn = Connection::finish(pd, &opts, x.prepared, x.peer, x.peer_blob, None)?;
+        Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
         conn._tcp = Some(s);
         Ok(conn)

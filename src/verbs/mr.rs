@@ -53,6 +53,11 @@ impl Access {
     pub const fn is_remote(self) -> bool {
         self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0) != 0
     }
+
+    /// Only the remote rights of `self` (write, read, atomic): what a queue pair can be given.
+    pub const fn remote_only(self) -> Access {
+        Access(self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0))
+    }
 }
 
 impl BitOr for Access {
@@ -335,6 +340,11 @@ mod tests {
         assert!(a.is_remote());
         assert!(!Access::LOCAL_WRITE.is_remote());
         assert!(Access::ALL_REMOTE.contains(a));
+        assert_eq!(
+            Access::ALL_REMOTE.remote_only(),
+            Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC
+        );
+        assert_eq!((Access::LOCAL_WRITE | Access::MW_BIND).remote_only(), Access::NONE);
         assert_eq!(Access::LOCAL_WRITE.bits(), 1);
     }
 }

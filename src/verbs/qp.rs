@@ -115,10 +115,15 @@ impl QpBuilder {
         self
     }
 
-    /// What peers may do through this QP (default: remote read, write and atomics; each memory
-    /// region still has to grant them).
+    /// What the peer may do through this QP: RDMA WRITE (also write-with-immediate), READ and
+    /// atomics *into this side's memory* ([`Access::REMOTE_WRITE`], [`Access::REMOTE_READ`],
+    /// [`Access::REMOTE_ATOMIC`]). Default: [`Access::NONE`] — the peer can only SEND; its
+    /// one-sided requests are refused by this side's NIC (the peer sees a remote error
+    /// completion). A right given here is necessary, not sufficient: the memory region or window
+    /// the request names must grant it too. Bits that are not remote rights (`LOCAL_WRITE`,
+    /// `MW_BIND`) are ignored, so e.g. [`Access::ALL_REMOTE`] may be passed.
     pub fn remote_access(mut self, access: Access) -> Self {
-        self.access = access;
+        self.access = access.remote_only();
         self
     }
 
@@ -241,7 +246,8 @@ impl std::fmt::Debug for Qp {
 
 impl Qp {
     /// Starts building an RC QP in `pd` that completes sends on `send_cq` and receives on
-    /// `recv_cq` (they may be the same CQ).
+    /// `recv_cq` (they may be the same CQ). The peer gets no remote rights through it unless
+    /// [`QpBuilder::remote_access`] grants them.
     pub fn builder(pd: &Pd, send_cq: &Cq, recv_cq: &Cq) -> QpBuilder {
         QpBuilder {
             pd: pd.clone(),
@@ -250,7 +256,7 @@ impl Qp {
             caps: QpCaps::default(),
             port: None,
             gid_index: None,
-            access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+            access: Access::NONE,
         }
     }
 

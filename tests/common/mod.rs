@@ -9,7 +9,8 @@ pub mod model;
 
 use std::time::Duration;
 
-use mralloc::verbs::{ConnectOptions, Context, Cq, Pd, Qp};
+use mralloc::transfer::Options;
+use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp};
 
 pub const WAIT: Duration = Duration::from_secs(20);
 
@@ -24,7 +25,14 @@ pub fn open() -> Context {
     Context::open(&name).unwrap_or_else(|e| panic!("opening {name}: {e}"))
 }
 
-/// Two RC queue pairs on one device, connected to each other, each with its own CQ.
+/// Connection options whose QPs let the peer do `access` (RDMA WRITE/READ/atomics) into this
+/// side's memory. `Options::default()` grants the peer nothing.
+pub fn rights(access: Access) -> Options {
+    Options { remote_access: access, ..Options::default() }
+}
+
+/// Two RC queue pairs on one device, connected to each other, each with its own CQ. Each lets
+/// the other WRITE, READ and use atomics on its memory (the verbs tests exercise all of them).
 pub struct Loopback {
     pub ctx: Context,
     pub pd: Pd,
@@ -43,8 +51,9 @@ pub fn loopback() -> Loopback {
 pub fn loopback_in(ctx: &Context, pd: &Pd) -> Loopback {
     let cq_a = Cq::new(ctx, 256).expect("create CQ a");
     let cq_b = Cq::new(ctx, 256).expect("create CQ b");
-    let a = Qp::builder(pd, &cq_a, &cq_a).build().expect("create QP a");
-    let b = Qp::builder(pd, &cq_b, &cq_b).build().expect("create QP b");
+    let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let a = Qp::builder(pd, &cq_a, &cq_a).remote_access(all).build().expect("create QP a");
+    let b = Qp::builder(pd, &cq_b, &cq_b).remote_access(all).build().expect("create QP b");
     let opts = ConnectOptions::default();
     a.connect(&b.endpoint(), &opts).expect("connect a -> b");
     b.connect(&a.endpoint(), &opts).expect("connect b -> a");

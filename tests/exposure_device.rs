@@ -1,0 +1,225 @@
+//! Remote access only to what was granted (run in the Soft-RoCE VM by `scripts/test`): a
+//! connection's QP lets the peer WRITE, READ or use atomics on this side's memory only when
+//! `Options::remote_access` asked for it, and a TCP exchange with a shared secret hands no QP
+//! and no blob to a peer that does not know the secret.
+
+mod common;
+
+use common::*;
+use mralloc::heap::Heap;
+use mralloc::transfer::{Connection, Listener, Options, Secret};
+use mralloc::verbs::{Access, Cq, Pd, Qp, QpState, RegisteredBuf, SendOp, SendWr, WcStatus};
+use mralloc::{AuthFailure, Error};
+
+/// What rxe (kernel 6.1) reports to the requester when the responder's QP lacks the right for a
+/// one-sided request: the responder NAKs it as an invalid request (IB class C error).
+const REFUSED: WcStatus = WcStatus::RemInvReqErr;
+
+fn setup() -> (Pd, Heap) {
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
+    (pd, heap)
+}
+
+fn filled(heap: &Heap, n: usize, byte: u8) -> mralloc::Buffer {
+    let mut b = heap.alloc(n).unwrap();
+    b.fill(byte);
+    b
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_connection_without_remote_rights_refuses_the_peers_write() {
+    let (pd, heap) = setup();
+    // The memory grants everything (its heap has ALL_REMOTE); only the connection's QP decides.
+    let target = filled(&heap, 4096, 0x11);
+    let remote = target.remote().unwrap();
+    let src = filled(&heap, 4096, 0x22);
+
+    // Default options: no remote rights. The writer gets a remote error completion, typed.
+    let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let err = a.write(&src, &remote).unwrap_err();
+    println!("WRITE into a connection without REMOTE_WRITE: {err}");
+    assert!(matches!(err, Error::Operation { .. }), "{err:?}");
+    assert_eq!(err.wc_status(), Some(REFUSED), "{err}");
+    assert!(target.iter().all(|&x| x == 0x11), "the refused WRITE changed the target memory");
+
+    // READ and atomics are refused the same way.
+    let (c, _d) = Connection::pair(&pd, &Options::default()).unwrap();
+    let mut back = filled(&heap, 4096, 0);
+    let err = c.read(&mut back, &remote).unwrap_err();
+    assert_eq!(err.wc_status(), Some(REFUSED), "READ: {err}");
+    assert!(back.iter().all(|&x| x == 0), "a refused READ delivered bytes");
+    let (e, _f) = Connection::pair(&pd, &Options::default()).unwrap();
+    let err = e.fetch_add(&remote, 0, 1).unwrap_err();
+    assert_eq!(err.wc_status(), Some(REFUSED), "fetch-add: {err}");
+    assert!(target.iter().all(|&x| x == 0x11), "a refused atomic changed the target memory");
+
+    // The same WRITE succeeds once the target side asked for REMOTE_WRITE...
+    let (g, _h) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
+    g.write(&src, &remote).unwrap();
+    assert!(target.iter().all(|&x| x == 0x22), "the permitted WRITE landed");
+    // ...and that right is all it got: a READ is still refused.
+    let err = g.read(&mut back, &remote).unwrap_err();
+    assert_eq!(err.wc_status(), Some(REFUSED), "READ with only REMOTE_WRITE: {err}");
+
+    // Write-with-immediate needs REMOTE_WRITE too; a SEND needs no right at all.
+    let (i, j) = Connection::pair(&pd, &Options::default()).unwrap();
+    let inbox = j.post_recv(heap.alloc(64).unwrap()).unwrap();
+    i.send(&src[..64]).unwrap();
+    let (inbox, got) = inbox.wait().unwrap();
+    assert_eq!((got.len, inbox[0]), (64, 0x22), "a SEND into a connection without rights");
+    let err = i.write_with_imm(&src, &remote, 0, 7).unwrap_err();
+    assert_eq!(err.wc_status(), Some(REFUSED), "write-with-imm: {err}");
+}
+
+/// The verbs layer's default is the same: a `QpBuilder` grants the peer nothing unless
+/// `remote_access` says so.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_verbs_qp_default_grants_no_remote_rights() {
+    let ctx = open();
+    let pd = Pd::new(&ctx).unwrap();
+    let mut src = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE).unwrap();
+    src.fill(0x44);
+    let mut dst = RegisteredBuf::new(&pd, 4096, Access::ALL_REMOTE).unwrap();
+    dst.fill(0x33);
+    let remote = dst.mr().remote(0).unwrap();
+    let sge = [src.sge(0..4096).unwrap()];
+    for (granted, want) in [(None, Err(REFUSED)), (Some(Access::ALL_REMOTE), Ok(()))] {
+        let (cq_a, cq_b) = (Cq::new(&ctx, 16).unwrap(), Cq::new(&ctx, 16).unwrap());
+        let a = Qp::builder(&pd, &cq_a, &cq_a).build().unwrap();
+        let mut b = Qp::builder(&pd, &cq_b, &cq_b);
+        if let Some(access) = granted {
+            b = b.remote_access(access); // LOCAL_WRITE in it is ignored: not a QP right
+        }
+        let b = b.build().unwrap();
+        a.connect(&b.endpoint(), &Default::default()).unwrap();
+        b.connect(&a.endpoint(), &Default::default()).unwrap();
+        // SAFETY: src and dst outlive the completion polled below; the CPU does not touch them.
+        unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote))]).unwrap() };
+        let got = cq_a.next(WAIT).unwrap().ok().map(|_| ()).map_err(|e| e.wc_status().unwrap());
+        println!("verbs WRITE into a QP granted {granted:?}: {got:?}");
+        assert_eq!(got, want);
+        if want.is_err() {
+            assert_eq!(a.state().unwrap(), QpState::Error);
+            assert!(dst.iter().all(|&x| x == 0x33), "the refused WRITE changed the target memory");
+        } else {
+            assert!(dst.iter().all(|&x| x == 0x44), "the permitted WRITE landed");
+        }
+    }
+}
+
+fn with_secret(opts: Options, secret: &str) -> Options {
+    Options { secret: Some(Secret::new(secret).unwrap()), ..opts }
+}
+
+fn auth_failure<T: std::fmt::Debug>(r: mralloc::Result<T>) -> AuthFailure {
+    match r {
+        Err(Error::Authentication(f)) => f,
+        other => panic!("expected an authentication error, got {other:?}"),
+    }
+}
+
+/// One listener with a secret, clients with the wrong secret, none, and the right one (threads
+/// of one process); then a listener without a secret and a client that requires one.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_shared_secret_admits_only_peers_that_hold_it() {
+    let (pd, heap) = setup();
+    let inbox = filled(&heap, 64 << 10, 0);
+    let offer = inbox.remote().unwrap().to_bytes();
+    let server_opts = with_secret(rights(Access::REMOTE_WRITE), "correct horse battery staple");
+    let listener = Listener::bind("127.0.0.1:0", &pd, server_opts).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connect = |opts: Options| std::thread::spawn(move || Connection::connect(addr, &Pd::new(&open())?, opts));
+
+    let cases = [
+        (
+            "wrong secret",
+            with_secret(Options::default(), "wrong horse"),
+            AuthFailure::WrongSecret,
+            AuthFailure::WrongSecret,
+        ),
+        ("no secret", Options::default(), AuthFailure::NoLocalSecret, AuthFailure::NoPeerSecret),
+    ];
+    for (what, opts, client_sees, server_sees) in cases {
+        let client = connect(opts);
+        let server = listener.accept_with(&offer);
+        let client = client.join().unwrap();
+        println!("{what}: client: {:?}; server: {:?}", client.as_ref().err(), server.as_ref().err());
+        assert_eq!(auth_failure(client), client_sees, "{what}: the client's error");
+        assert_eq!(auth_failure(server), server_sees, "{what}: the server's error");
+    }
+
+    // The right secret: connected, and the client's write lands in the offered buffer.
+    let client = std::thread::spawn(move || {
+        let pd = Pd::new(&open()).unwrap();
+        let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE).build().unwrap();
+        let opts = with_secret(Options::default(), "correct horse battery staple");
+        let conn = Connection::connect(addr, &pd, opts).unwrap();
+        let remote = mralloc::RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
+        let mut data = heap.alloc(64 << 10).unwrap();
+        data.copy_from_slice(&pattern(41, 64 << 10));
+        conn.write_with_imm(&data, &remote, 0, 41).unwrap();
+    });
+    let conn = listener.accept_with(&offer).unwrap();
+    assert_eq!(conn.recv_imm().unwrap(), 41);
+    client.join().unwrap();
+    assert_bytes_eq(&inbox, &pattern(41, 64 << 10), "written by the authenticated client");
+
+    // A client that requires a secret refuses a listener without one, and both say so.
+    let open_listener = Listener::bind("127.0.0.1:0", &pd, rights(Access::REMOTE_WRITE)).unwrap();
+    let addr = open_listener.local_addr().unwrap();
+    let client = std::thread::spawn(move || {
+        let opts = with_secret(Options::default(), "correct horse battery staple");
+        Connection::connect(addr, &Pd::new(&open())?, opts)
+    });
+    let server = open_listener.accept_with(&offer);
+    assert_eq!(auth_failure(client.join().unwrap()), AuthFailure::NoPeerSecret);
+    assert_eq!(auth_failure(server), AuthFailure::NoLocalSecret);
+}
+
+/// Two processes: the server (child) holds a secret; the client first tries a wrong one (both
+/// fail, typed), then the right one and writes into the buffer the server offered.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_two_processes_with_right_and_wrong_secrets() {
+    const SECRET: &str = "two-process secret 8c1f";
+    if let Ok(port) = std::env::var("MRALLOC_SECRET_SERVER") {
+        let (pd, heap) = setup();
+        let inbox = filled(&heap, 1 << 20, 0);
+        let opts = with_secret(rights(Access::REMOTE_WRITE), SECRET);
+        let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, opts).unwrap();
+        let offer = inbox.remote().unwrap().to_bytes();
+        let first = auth_failure(l.accept_with(&offer));
+        println!("secret server: first peer refused: {first:?}");
+        assert_eq!(first, AuthFailure::WrongSecret);
+        let conn = l.accept_with(&offer).unwrap();
+        let imm = conn.recv_imm().unwrap();
+        assert_bytes_eq(&inbox, &pattern(43, 1 << 20), "secret server inbox");
+        println!("secret server: verified {} bytes, imm {imm}", inbox.len());
+        return;
+    }
+    let port = 21000 + (std::process::id() % 20000) as u16;
+    let child =
+        spawn_self("device_two_processes_with_right_and_wrong_secrets", ("MRALLOC_SECRET_SERVER", port.to_string()));
+    let (pd, heap) = setup();
+    let wrong = connect_retrying(|| {
+        match Connection::connect(("127.0.0.1", port), &pd, with_secret(Options::default(), "guess")) {
+            Err(Error::Authentication(f)) => Ok(f),
+            Err(e) => Err(e),
+            Ok(_) => panic!("connected with a wrong secret"),
+        }
+    });
+    assert_eq!(wrong, AuthFailure::WrongSecret);
+    let conn =
+        connect_retrying(|| Connection::connect(("127.0.0.1", port), &pd, with_secret(Options::default(), SECRET)));
+    let remote = mralloc::RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
+    let mut data = heap.alloc(1 << 20).unwrap();
+    data.copy_from_slice(&pattern(43, 1 << 20));
+    conn.write_with_imm(&data, &remote, 0, 43).unwrap();
+    let text = finish_child(child, "server");
+    assert!(text.contains("secret server: first peer refused: WrongSecret"));
+    assert!(text.contains("secret server: verified 1048576 bytes, imm 43"));
+}
