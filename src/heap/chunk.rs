@@ -24,8 +24,12 @@ pub(crate) struct ChunkRec {
     pub(crate) len: AtomicUsize,
     /// Id of the owning heap; 0 = free record.
     pub(crate) owner: AtomicU64,
-    /// jemalloc metadata (a base block): never handed out, never registered.
+    /// Looks like jemalloc metadata (a base block): registered with local rights only, not
+    /// excluded from fork, no THP advice.
     pub(crate) meta: AtomicBool,
+    /// A registration `Owner::bind` made but has not published yet (touched only under the
+    /// owner's `bound` lock): published when every chunk registered, rolled back otherwise.
+    pub(crate) staged: AtomicPtr<ffi::ibv_mr>,
     /// Registration per PD slot of the owning heap (NULL = not registered with that slot).
     pub(crate) mrs: [AtomicPtr<ffi::ibv_mr>; MAX_PDS],
     /// `(lkey << 32) | rkey`, written before the matching `mrs` entry is published.
@@ -46,6 +50,7 @@ impl ChunkRec {
         len: AtomicUsize::new(0),
         owner: AtomicU64::new(0),
         meta: AtomicBool::new(false),
+        staged: AtomicPtr::new(ptr::null_mut()),
         mrs: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
         keys: [const { AtomicU64::new(0) }; MAX_PDS],
         pds: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
@@ -64,10 +69,19 @@ impl ChunkRec {
     }
 
     /// The registration of `slot` if it belongs to `pd` (no dereference of the `ibv_mr`).
+    /// Registrations are published once, after their keys and PD, and only withdrawn when the
+    /// chunk is released, so the fields read after `mrs` belong to it.
     #[inline]
     pub(crate) fn mr_in(&self, slot: usize, pd: *mut ffi::ibv_pd) -> Option<*mut ffi::ibv_mr> {
         let mr = self.mrs[slot].load(Ordering::Acquire);
         (!mr.is_null() && self.pds[slot].load(Ordering::Relaxed) == pd).then_some(mr)
+    }
+
+    /// Whether the chunk is (or may still be) registered with any PD.
+    pub(crate) fn registered(&self) -> bool {
+        self.leaked.load(Ordering::Relaxed)
+            || !self.staged.load(Ordering::Relaxed).is_null()
+            || self.mrs.iter().any(|m| !m.load(Ordering::Acquire).is_null())
     }
 
     /// Publishes a registration for `slot`.
@@ -229,15 +243,13 @@ pub(crate) fn register(pd: *mut ffi::ibv_pd, base: usize, len: usize, access: u3
 }
 
 /// Deregisters an MR made by [`register`]. `false` if the device refused: the range is still
-/// registered and must stay mapped (leaked).
+/// registered and must stay mapped (leaked). Logs nothing: callers may hold the owner's lock or
+/// run inside an extent hook, where logging could allocate; they count the leak
+/// (`verbs::leaked_mappings`) and report after unlocking.
 #[must_use = "a chunk whose deregistration failed must not be unmapped"]
 pub(crate) fn deregister(mr: *mut ffi::ibv_mr) -> bool {
     // SAFETY: mr came from register() and is deregistered once, by the chunk's owner.
-    let rc = unsafe { ffi::ibv_dereg_mr(mr) };
-    if rc != 0 {
-        tracing::error!(rc, "ibv_dereg_mr of a heap chunk failed: the chunk stays mapped (leaked)");
-    }
-    rc == 0
+    unsafe { ffi::ibv_dereg_mr(mr) == 0 }
 }
 
 /// Deregisters every MR in `mrs` (nulls skipped); unmaps the range only if all let go,

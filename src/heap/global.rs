@@ -387,15 +387,24 @@ unsafe impl GlobalAlloc for Global {
             return std::ptr::null_mut();
         }
         let flags = jemalloc::align_flags(layout);
+        // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
+        // arguments of jemalloc's metadata requests (see hooks.rs): zero those here instead.
+        let zero_here = layout.align() >= crate::heap::pagemap::SLOT;
         // SAFETY: as in alloc.
         let p = unsafe {
             if flags == 0 {
                 je::calloc(1, layout.size())
+            } else if zero_here {
+                je::mallocx(layout.size(), flags)
             } else {
                 je::mallocx(layout.size(), flags | je::MALLOCX_ZERO)
             }
         }
         .cast::<u8>();
+        if zero_here && !p.is_null() {
+            // SAFETY: a fresh allocation of layout.size() bytes.
+            unsafe { p.write_bytes(0, layout.size()) };
+        }
         if p.is_null() {
             self.failed(layout.size());
         }

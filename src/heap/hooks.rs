@@ -65,7 +65,10 @@ unsafe extern "C" fn hook_alloc(
     // their arenas.
     let owner = unsafe { &*(hooks as *const Owner) };
     // jemalloc's base allocator (metadata) asks with 2 MiB alignment and both zero and commit
-    // requested (base.c, base_map); data extents come page-aligned with neither (retain grow).
+    // requested (base.c, base_map); data extents come page-aligned with neither (retain grow),
+    // or with the caller's alignment and zero flag (exact-size retry) — and mralloc never asks
+    // jemalloc to zero a request aligned to 2 MiB (it zeroes those itself), so only base blocks
+    // match.
     // SAFETY: jemalloc passes valid in/out pointers.
     let metadata_like = alignment >= crate::heap::pagemap::SLOT && unsafe { *zero && *commit };
     let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment, metadata_like)));

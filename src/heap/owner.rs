@@ -162,14 +162,12 @@ impl Owner {
     /// Maps, binds, registers and publishes a new chunk. Runs inside the alloc hook: it must not
     /// allocate through any heap, panic, or block on anything jemalloc may hold.
     ///
-    /// Every chunk is registered, jemalloc's metadata (base blocks) included: who asks cannot be
-    /// told for sure from the hook's arguments (a 2 MiB-aligned, zeroed user extent after a
-    /// failed grow looks like a base block), and an unregistered user chunk would hand out
-    /// memory without keys. A base block's rkey is never handed out (no buffer lies in it).
-    /// `looks_like_metadata` (base_map's arguments: 2 MiB alignment, zero and commit requested)
-    /// only decides fork behaviour — jemalloc's fork handlers touch metadata in the child, so
-    /// those chunks are not excluded from fork (a wrong guess only lets a child copy a data
-    /// chunk) — and the `metadata_bytes` statistic.
+    /// Every chunk is registered, jemalloc's metadata (base blocks) included, so that no user
+    /// chunk can ever be handed out without keys whatever the classification says.
+    /// `looks_like_metadata` (base_map's exact arguments: 2 MiB alignment, zero and commit
+    /// requested — mralloc never asks jemalloc to zero a 2 MiB-aligned request, so no user extent
+    /// matches) decides the rest: metadata is registered with local rights only, gets no THP
+    /// advice, and is not excluded from fork children (jemalloc's fork handlers touch it).
     pub(crate) fn new_chunk(
         &self,
         size: usize,
@@ -196,7 +194,7 @@ impl Owner {
         for (slot, pd) in bound.pds.iter().enumerate() {
             let Some(pd) = pd.as_ref() else { continue };
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, size, self.access.bits()) {
+            match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
                 Ok(mr) => {
                     mrs[slot] = mr;
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
@@ -243,17 +241,19 @@ impl Owner {
             drop(bound);
             return Err(Error::InvalidArgument(format!("a heap can be bound to at most {MAX_PDS} PDs")));
         };
+        // Register every chunk into its record's staging field; publish only when all
+        // succeeded (readers never see a registration a rollback could withdraw).
         let mut failed: Option<(i32, usize)> = None;
         for (_, rec) in chunk::owned_by(self.id) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
+            let access = self.access_for(rec.meta.load(Ordering::Relaxed));
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, len, self.access.bits()) {
+            match chunk::register(pd.as_raw(), base, len, access) {
                 Ok(mr) => {
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
                     self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    rec.set_mr(slot, mr);
-                    self.counters.registered[slot].fetch_add(len as u64, Ordering::Relaxed);
+                    rec.staged.store(mr, Ordering::Relaxed);
                 }
                 Err(errno) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
@@ -262,36 +262,59 @@ impl Owner {
                 }
             }
         }
-        if let Some((errno, len)) = failed {
-            for (_, rec) in chunk::owned_by(self.id) {
-                let mr = rec.mrs[slot].swap(std::ptr::null_mut(), Ordering::AcqRel);
-                if !mr.is_null() {
-                    self.counters.registered[slot].fetch_sub(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
-                    if !chunk::deregister(mr) {
-                        // Still registered with `pd`: the chunk must never be unmapped.
-                        rec.leaked.store(true, Ordering::Relaxed);
-                    }
-                }
+        let mut leaked = 0u64;
+        for (_, rec) in chunk::owned_by(self.id) {
+            let mr = rec.staged.swap(std::ptr::null_mut(), Ordering::Relaxed);
+            if mr.is_null() {
+                continue;
             }
+            if failed.is_none() {
+                rec.set_mr(slot, mr);
+                self.counters.registered[slot].fetch_add(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+            } else if !chunk::deregister(mr) {
+                // Still registered with `pd`: the chunk must never be unmapped nor purged.
+                rec.leaked.store(true, Ordering::Relaxed);
+                leaked += 1;
+            }
+        }
+        if let Some((errno, len)) = failed {
             drop(bound);
+            if leaked > 0 {
+                tracing::error!(leaked, "rolling back a failed bind: ibv_dereg_mr refused; those chunks stay mapped");
+            }
             return Err(HookError::Register(errno).into_error(len));
         }
         bound.pds[slot] = Some(pd.clone());
         Ok(slot)
     }
 
-    /// Purges `[start, start+len)` (part of one of this owner's chunks, as jemalloc asks) with
-    /// `MADV_DONTNEED` — only while no PD is bound, i.e. nothing of this owner is registered.
-    /// Holding `bound` keeps a concurrent bind from registering the range meanwhile. Returns
-    /// whether it purged (jemalloc then knows the pages read as zero).
+    /// Purges `[start, start+len)` (free memory of this owner's arena, as jemalloc asks) with
+    /// `MADV_DONTNEED` — only while no PD is bound and the range's chunk holds no registration
+    /// (published, staged, or leaked by a failed rollback). Holding `bound` keeps a concurrent
+    /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
+    /// knows the pages read as zero).
     pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
         let bound = self.bound.lock();
         if bound.pds.iter().any(Option::is_some) {
             return false; // registered memory is never purged
         }
-        // SAFETY: the range lies in a chunk this owner mapped and jemalloc no longer uses (it is
-        // purging it); nothing registered it (no PD is bound, and bind waits for this lock).
+        if chunk::find(start).is_some_and(|(_, rec)| rec.registered()) {
+            return false;
+        }
+        // SAFETY: jemalloc purges only free memory of its own extents (for Global's arena 0 also
+        // pre-install, default-mapped ones: plain anonymous memory); nothing is registered there
+        // (checked above under `bound`, which every registration takes).
         unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
+    }
+
+    /// The access rights to register a chunk with: jemalloc metadata gets local rights only (no
+    /// peer ever has a reason to reach it).
+    fn access_for(&self, meta: bool) -> u32 {
+        if meta {
+            Access::LOCAL_WRITE.bits()
+        } else {
+            self.access.bits()
+        }
     }
 
     /// The slot `pd` is bound in.
@@ -301,7 +324,8 @@ impl Owner {
 
     /// Deregisters and unmaps every chunk (the arena must be gone).
     pub(crate) fn release_all(&self) {
-        let _bound = self.bound.lock();
+        let bound = self.bound.lock();
+        let mut kept = 0u64;
         let chunks: Vec<(u32, usize, usize)> = chunk::owned_by(self.id)
             .map(|(i, r)| (i, r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed)))
             .collect();
@@ -324,12 +348,19 @@ impl Owner {
                 // never unmap.
                 mrs.iter().filter(|m| !m.is_null()).for_each(|&m| _ = chunk::deregister(m));
                 crate::verbs::LEAKED_MAPPINGS.fetch_add(1, Ordering::Relaxed);
+                kept += 1;
             } else {
                 // Unmapped only if every registration let go; otherwise leaked, still pinned.
-                chunk::deregister_and_unmap(&mrs, base, len);
+                if !chunk::deregister_and_unmap(&mrs, base, len) {
+                    kept += 1;
+                }
             }
             self.counters.chunks.fetch_sub(1, Ordering::Relaxed);
             self.counters.mapped.fetch_sub(len as u64, Ordering::Relaxed);
+        }
+        drop(bound);
+        if kept > 0 {
+            tracing::error!(kept, "ibv_dereg_mr refused: chunks left mapped (and pinned) rather than unmapped");
         }
     }
 }

@@ -4,8 +4,9 @@
 //! address space belongs to at most one chunk. A three-level radix table indexed by the slot
 //! number stores `chunk index + 1` (0 = none): the root is a static array of pointers to middle
 //! nodes, which point to leaves; nodes are mmap'd on first use and never freed. Reads are three
-//! atomic loads; writes happen only in the extent hooks (with the chunk table's lock held) and
-//! never allocate through any heap.
+//! atomic loads; writes happen when chunks are published or released (each slot by one writer:
+//! slots of live chunks are disjoint; nodes are created with a compare-and-swap) and never
+//! allocate through any heap.
 //!
 //! It covers [`ADDR_BITS`] = 57 bits: every user address of x86_64 with 4-level (47-bit) or
 //! 5-level (56-bit) paging and of aarch64 with 48- or 52-bit virtual addresses.

@@ -301,13 +301,20 @@ impl Heap {
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         let (tc, live, own) = cache(self.id, self.shared);
         let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | jemalloc::align_flags(layout);
-        if zeroed {
+        // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
+        // arguments of jemalloc's metadata requests (see hooks.rs): zero those in Rust instead.
+        let zero_here = zeroed && layout.align() >= SLOT;
+        if zeroed && !zero_here {
             flags |= je::MALLOCX_ZERO;
         }
         // SAFETY: size > 0 (checked by callers); flags name our arena and a tcache of ours.
         let p = unsafe { je::mallocx(layout.size(), flags) };
         match NonNull::new(p.cast::<u8>()) {
             Some(p) => {
+                if zero_here {
+                    // SAFETY: a fresh allocation of layout.size() bytes.
+                    unsafe { p.as_ptr().write_bytes(0, layout.size()) };
+                }
                 add_live(live, own, layout.size() as i64);
                 Ok(p)
             }

@@ -105,8 +105,10 @@ impl Mr {
     ///
     /// # Safety
     /// The range must be memory of this process that stays mapped, and is not handed to anyone
-    /// else for reuse, until the returned `Mr` is dropped **and** no posted work request that
-    /// uses it can still be executed by the NIC. With remote rights, peers may write the range at
+    /// else for reuse, until the returned `Mr` is deregistered — use [`Mr::deregister`] and keep
+    /// the memory forever if it fails (dropping an `Mr` whose deregistration fails leaves the
+    /// region registered) — **and** no posted work request that uses it can still be executed
+    /// by the NIC. With remote rights, peers may write the range at
     /// any time while the region lives: the caller must treat it as shared with the network.
     pub unsafe fn register(pd: &Pd, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         if len == 0 {
