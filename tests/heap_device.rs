@@ -258,24 +258,35 @@ fn vm_pinned_kib() -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// Runs test `name` of this binary in a child process with `marker=1` (and `env`) set, echoes
+/// its output prefixed (so its own libtest summary is not counted as a result) and requires it
+/// to succeed and to print "`what` child: OK".
+fn in_child(name: &str, marker: &str, env: &[(&str, &str)], what: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(marker, "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    for line in text.lines() {
+        println!("  child| {line}");
+    }
+    assert!(out.status.success(), "{what} child failed");
+    assert!(text.contains(&format!("{what} child: OK")), "child did not run its body");
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives() {
     if std::env::var("MRALLOC_MEMLOCK_CHILD").is_err() {
         // Run the body in a child process: it lowers its own memlock limit.
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives"])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
-            .env("MRALLOC_MEMLOCK_CHILD", "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        // Prefixed, so that the child's own libtest summary is not counted as a result.
-        for line in text.lines() {
-            println!("  child| {line}");
-        }
-        assert!(out.status.success(), "memlock child failed");
-        assert!(text.contains("memlock child: OK"), "child did not run its body");
+        in_child(
+            "device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives",
+            "MRALLOC_MEMLOCK_CHILD",
+            &[],
+            "memlock",
+        );
         return;
     }
     // Lower the limit and drop the capability that ignores it *before* opening the device: the
@@ -346,19 +357,13 @@ fn device_two_mib_aligned_allocation_after_a_refused_grow_is_registered() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_purged_memory_stays_the_nics_even_with_process_madvise() {
     if std::env::var("MRALLOC_PURGE_CHILD").is_err() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "device_purged_memory_stays_the_nics_even_with_process_madvise"])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
-            .env("MRALLOC_PURGE_CHILD", "1")
-            .env("_RJEM_MALLOC_CONF", "process_madvise_max_batch:64")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        for line in text.lines() {
-            println!("  child| {line}");
-        }
-        assert!(out.status.success(), "purge child failed");
-        assert!(text.contains("purge child: OK"), "child did not run its body");
+        let conf = [("_RJEM_MALLOC_CONF", "process_madvise_max_batch:64")];
+        in_child(
+            "device_purged_memory_stays_the_nics_even_with_process_madvise",
+            "MRALLOC_PURGE_CHILD",
+            &conf,
+            "purge",
+        );
         return;
     }
     let lb = loopback();
