@@ -429,9 +429,16 @@ impl Connection {
             Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
             r => r?,
         };
-        let mut guard = InFlight::new(self, true);
-        guard.push(id);
-        let r = self.wait(id, true);
+        self.wait_borrowed(id, true)
+    }
+
+    /// Waits for `wr_id`, posted on *borrowed* memory: unwinding out of the wait waits for the
+    /// flush too (the `InFlight` guard), and a flush that never comes aborts the process rather
+    /// than end the borrow.
+    pub(crate) fn wait_borrowed(&self, wr_id: u64, send: bool) -> Result<Completed> {
+        let mut guard = InFlight::new(self, send);
+        guard.push(wr_id);
+        let r = self.wait(wr_id, send);
         guard.disarm();
         match r {
             Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),

@@ -222,7 +222,7 @@ unsafe impl IoBuf for RegisteredBuf {
         self.len()
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (self.mr().pd() == pd).then(|| self.mr().lkey())
+        self.mr().lkey_in(pd)
     }
 }
 // SAFETY: as above; registered with whatever access it was given (the NIC checks LOCAL_WRITE).
@@ -242,7 +242,7 @@ unsafe impl IoBuf for MappedFile {
         self.len()
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (self.mr().pd() == pd).then(|| self.mr().lkey())
+        self.mr().lkey_in(pd)
     }
 }
 // SAFETY: as above, and nothing else reads the bytes while the NIC writes them (the constructors'

@@ -99,7 +99,7 @@ unsafe impl Local for RegisteredBuf {
         self.len()
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (self.mr().pd() == pd).then(|| self.mr().lkey())
+        self.mr().lkey_in(pd)
     }
 }
 // SAFETY: as above; registered with whatever access it was given (the NIC checks LOCAL_WRITE).

@@ -260,7 +260,7 @@ unsafe impl Local for MappedFile {
         self.len
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        (self.mr.pd() == pd).then(|| self.mr.lkey())
+        self.mr.lkey_in(pd)
     }
 }
 // SAFETY: as above; a read-only file's region lacks LOCAL_WRITE, so the NIC refuses to write it

@@ -3,7 +3,6 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::connection::{abort_borrowed, InFlight};
 use crate::transfer::local::{sge_of, Local, LocalMut};
 use crate::transfer::{Completed, Connection};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge};
@@ -100,14 +99,7 @@ impl Connection {
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
         // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
         let id = unsafe { self.post_recv_raw(Some(sge))? };
-        let mut guard = InFlight::new(self, false);
-        guard.push(id);
-        let r = self.wait_recv(id);
-        guard.disarm();
-        match r {
-            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
-            r => r.map(Received::from),
-        }
+        self.wait_borrowed(id, false).map(Received::from)
     }
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty

@@ -164,6 +164,12 @@ impl Mr {
         &self.pd
     }
 
+    /// The local key, if this region belongs to `pd` (what an operation on a connection in
+    /// `pd` needs).
+    pub fn lkey_in(&self, pd: &Pd) -> Option<u32> {
+        (self.pd() == pd).then(|| self.lkey())
+    }
+
     /// The raw `ibv_mr`, valid while this `Mr` lives.
     pub fn as_raw(&self) -> *mut ffi::ibv_mr {
         self.mr
