@@ -156,11 +156,17 @@ pub enum Error {
         /// The address.
         addr: u64,
     },
-    /// An rkey was asked of a heap built without remote access rights.
+    /// A buffer was to be exposed, but its heap was built without remote access rights.
     #[error(
-        "the heap was built without remote access rights: use HeapBuilder::access(... REMOTE_*) to expose its rkey"
+        "the heap was built without remote access rights: use HeapBuilder::access(... REMOTE_*) to expose its buffers"
     )]
     NoRemoteAccess,
+    /// A chunk-wide rkey was asked of a heap whose chunks are registered for local access only.
+    #[error(
+        "the heap's chunks have no remote rights: Buffer::remote exposes one buffer; chunk-wide keys need \
+         HeapBuilder::remote_access_to_whole_chunks"
+    )]
+    NoWholeChunkAccess,
     /// A range lies outside the buffer it refers to.
     #[error("range of {len} bytes at offset {offset} is outside the {size}-byte buffer")]
     OutOfBounds {

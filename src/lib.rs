@@ -91,9 +91,16 @@
 //!
 //! ## Remote grants and mapped files
 //!
-//! A heap's own rkey covers whole chunks and is only handed out when the heap was built with remote
-//! rights. To expose exactly one buffer, [`transfer::Connection::grant`] binds a type 2 memory
-//! window to it and returns a fresh rkey, revoked by [`transfer::Grant::revoke`].
+//! A peer reaches only what was exposed to it. [`heap::Buffer::remote`] registers exactly that
+//! buffer with the heap's remote rights and hands out the registration's rkey: the device refuses
+//! every access outside the buffer, and the key dies when the buffer is freed or
+//! [`heap::Buffer::revoke_remote`]d. Chunks are registered for local access only; chunk-wide
+//! rkeys (free to hand out, but reaching every allocation in the chunk, irrevocably) exist only
+//! for heaps built with [`heap::HeapBuilder::remote_access_to_whole_chunks`], through
+//! [`heap::Buffer::remote_whole_chunk`]. [`transfer::Connection::grant`] gives one connection a
+//! revocable rkey of its own for any owned buffer (a type 2 memory window), revoked by
+//! [`transfer::Grant::revoke`]. And a connection's queue pair admits one-sided operations only
+//! with the rights its [`transfer::Options::remote_access`] asked for.
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.
 //!

@@ -9,7 +9,7 @@ use common::*;
 use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Listener, Options, Secret};
 use mralloc::verbs::{Access, Cq, Pd, Qp, QpState, RegisteredBuf, SendOp, SendWr, WcStatus};
-use mralloc::{AuthFailure, Error};
+use mralloc::{AuthFailure, Error, RemoteBuf};
 
 /// What rxe (kernel 6.1) reports to the requester when the responder's QP lacks the right for a
 /// one-sided request: the responder NAKs it as an invalid request (IB class C error).
@@ -222,4 +222,135 @@ fn device_two_processes_with_right_and_wrong_secrets() {
     let text = finish_child(child, "server");
     assert!(text.contains("secret server: first peer refused: WrongSecret"));
     assert!(text.contains("secret server: verified 1048576 bytes, imm 43"));
+}
+
+/// A writer connection with every remote right on the target side, so only the key decides.
+fn open_pair(pd: &Pd) -> (Connection, Connection) {
+    Connection::pair(pd, &rights(Access::ALL_REMOTE.remote_only())).unwrap()
+}
+
+/// `Buffer::remote` hands out a key for that buffer alone: one byte before or after it, a
+/// neighbour in the same chunk, and the chunk's own rkey all fail at the peer with a remote
+/// access error, and nothing there changes.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_buffer_key_covers_that_buffer_only() {
+    let (pd, heap) = setup();
+    let before = filled(&heap, 4096, 0x01);
+    let target = filled(&heap, 4096, 0x02);
+    let after = filled(&heap, 4096, 0x03);
+    assert_eq!(mralloc::heap::chunk_of(before.as_ptr()), mralloc::heap::chunk_of(after.as_ptr()), "one chunk");
+    let remote = target.remote().unwrap();
+    assert!(target.is_exposed());
+    assert_eq!(target.remote().unwrap(), remote, "a second call reuses the key");
+    assert_ne!(Some(remote.rkey), target.keys().map(|k| k.rkey), "not the chunk's key");
+    let src = filled(&heap, 8192, 0xEE);
+
+    // The whole buffer is reachable, with exactly its bounds.
+    let (a, _b) = open_pair(&pd);
+    a.write(&src[..4096], &remote).unwrap();
+    assert!(target.iter().all(|&x| x == 0xEE));
+    let mut back = filled(&heap, 4096, 0);
+    a.read(&mut back, &remote).unwrap();
+    assert!(back.iter().all(|&x| x == 0xEE));
+
+    // One byte outside, on either side; a neighbour; a range running over the end. The fields
+    // are public, so a peer can build any of these: the device must refuse them.
+    let rkey = remote.rkey;
+    let probes = [
+        ("the byte after", RemoteBuf { addr: target.addr() + 4096, len: 1, rkey }),
+        ("the byte before", RemoteBuf { addr: target.addr() - 1, len: 1, rkey }),
+        ("a neighbour", RemoteBuf { addr: after.addr(), len: 64, rkey }),
+        ("a range over the end", RemoteBuf { addr: target.addr() + 4000, len: 200, rkey }),
+    ];
+    for (what, probe) in probes {
+        let (w, _r) = open_pair(&pd);
+        let err = w.write(&src[..probe.len as usize], &probe).unwrap_err();
+        println!("WRITE to {what}: {err}");
+        assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE to {what}: {err}");
+        let (x, _y) = open_pair(&pd);
+        let mut got = filled(&heap, probe.len as usize, 0x5A);
+        let err = x.read(&mut got, &probe).unwrap_err();
+        assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "READ of {what}: {err}");
+        assert!(got.iter().all(|&b| b == 0x5A), "a refused READ of {what} delivered bytes");
+    }
+    assert!(before.iter().all(|&x| x == 0x01) && after.iter().all(|&x| x == 0x03), "neighbours unchanged");
+    assert!(target.iter().all(|&x| x == 0xEE), "the refused range-over-the-end wrote nothing");
+
+    // The chunk's registration has no remote rights: its rkey reaches nothing.
+    let chunk_key = RemoteBuf { addr: target.addr(), len: 64, rkey: target.keys().unwrap().rkey };
+    let (c, _d) = open_pair(&pd);
+    let err = c.write(&src[..64], &chunk_key).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE with the chunk rkey: {err}");
+    assert!(matches!(target.remote_whole_chunk(), Err(Error::NoWholeChunkAccess)));
+}
+
+/// A freed exposed buffer, and a revoked one, are unreachable — also when the heap hands the
+/// same bytes to a new owner.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_freed_or_revoked_buffer_is_unreachable() {
+    let (pd, heap) = setup();
+    let src = filled(&heap, 4096, 0xEE);
+
+    let freed = filled(&heap, 4096, 0x10);
+    let (addr, old) = (freed.addr(), freed.remote().unwrap());
+    let (a, _b) = open_pair(&pd);
+    a.write(&src, &old).unwrap();
+    drop(freed);
+    let heir = filled(&heap, 4096, 0x20);
+    assert_eq!(heir.addr(), addr, "the heap reuses the freed bytes (thread cache)");
+    let (c, _d) = open_pair(&pd);
+    let err = c.write(&src, &old).unwrap_err();
+    println!("WRITE to a freed buffer: {err}");
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE to a freed buffer: {err}");
+    let (e, _f) = open_pair(&pd);
+    let mut got = filled(&heap, 4096, 0x5A);
+    assert_eq!(e.read(&mut got, &old).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+    assert!(heir.iter().all(|&x| x == 0x20), "the new owner's bytes were reached");
+    assert!(!heir.is_exposed(), "the new owner is not exposed by the old key");
+
+    let mut kept = filled(&heap, 4096, 0x30);
+    let first = kept.remote().unwrap();
+    kept.revoke_remote().unwrap();
+    assert!(!kept.is_exposed());
+    let (g, _h) = open_pair(&pd);
+    assert_eq!(g.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+    assert!(kept.iter().all(|&x| x == 0x30), "a revoked buffer was written");
+    // Exposing it again gives a new key that works; the old one stays dead.
+    let second = kept.remote().unwrap();
+    assert_ne!(second.rkey, first.rkey);
+    let (i, _j) = open_pair(&pd);
+    i.write(&src, &second).unwrap();
+    assert!(kept.iter().all(|&x| x == 0xEE));
+    let (k, _l) = open_pair(&pd);
+    assert_eq!(k.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+}
+
+/// Chunk-wide keys exist only when asked for, and then reach what the docs say: the whole
+/// chunk, neighbours included.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_whole_chunk_keys_only_when_asked() {
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).remote_access_to_whole_chunks().build().unwrap();
+    let target = filled(&heap, 4096, 0x01);
+    let neighbour = filled(&heap, 4096, 0x02);
+    assert_eq!(mralloc::heap::chunk_of(target.as_ptr()), mralloc::heap::chunk_of(neighbour.as_ptr()), "one chunk");
+    let wide = target.remote_whole_chunk().unwrap();
+    assert_eq!(Some(wide.rkey), target.keys().map(|k| k.rkey));
+    assert!(!target.is_exposed(), "no registration of its own");
+    let src = filled(&heap, 4096, 0xEE);
+    let (a, _b) = open_pair(&pd);
+    a.write(&src, &wide).unwrap();
+    // The key is the chunk's: the neighbour is reachable through it, as documented.
+    let next_door = RemoteBuf { addr: neighbour.addr(), len: 4096, rkey: wide.rkey };
+    a.write(&src, &next_door).unwrap();
+    assert!(neighbour.iter().all(|&x| x == 0xEE));
+    // Buffer::remote still confines on such a heap.
+    let own = target.remote().unwrap();
+    assert_ne!(own.rkey, wide.rkey);
+    let (c, _d) = open_pair(&pd);
+    let err = c.write(&src[..1], &RemoteBuf { addr: neighbour.addr(), len: 1, rkey: own.rkey }).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
 }

@@ -102,7 +102,7 @@ fn device_multi_pd_registration() {
         let dst = heap.alloc(100_000).unwrap();
         let keys = src.keys_for(pd).unwrap();
         let sge = [mralloc::verbs::Sge::new(src.addr(), 100_000, keys.lkey)];
-        let remote = mralloc::verbs::RemoteAddr { addr: dst.addr(), rkey: dst.keys_for(pd).unwrap().rkey };
+        let remote = dst.remote_for(pd).unwrap().at(0, 100_000).unwrap();
         // SAFETY: buffers outlive the completion polled below.
         unsafe { lb.a.post_send(&[SendWr::new(3, &sge, SendOp::Write(remote))]).unwrap() };
         lb.cq_a.next(WAIT).unwrap().ok().unwrap();
@@ -180,14 +180,16 @@ fn device_bound_heap_matches_model() {
             });
             let live: usize = la.iter().chain(&lb_).map(|l| l.layout.size()).sum();
             prop_assert_eq!(heap.stats().live_bytes, live as u64);
-            // Every live allocation is readable by the NIC with its own keys.
+            // The NIC reads every live allocation with its chunk's lkey (here: the source of an
+            // RDMA WRITE into a buffer exposed on its own).
             for l in la.iter().chain(&lb_) {
                 let keys = heap.keys(l.ptr.as_ptr()).expect("bound heap gives keys");
-                let back = heap.alloc(l.layout.size()).unwrap();
-                let sge = [back.sge(..).unwrap()];
-                let remote = mralloc::verbs::RemoteAddr { addr: l.ptr.as_ptr() as u64, rkey: keys.rkey };
+                let n = l.layout.size();
+                let back = heap.alloc(n).unwrap();
+                let sge = [mralloc::verbs::Sge::new(l.ptr.as_ptr() as u64, n as u32, keys.lkey)];
+                let remote = back.remote().unwrap().at(0, n as u64).unwrap();
                 // SAFETY: both live until the completion below is polled.
-                unsafe { lb.a.post_send(&[SendWr::new(4, &sge, SendOp::Read(remote))]).unwrap() };
+                unsafe { lb.a.post_send(&[SendWr::new(4, &sge, SendOp::Write(remote))]).unwrap() };
                 lb.cq_a.next(WAIT).unwrap().ok().unwrap();
                 assert_bytes_eq(&back, &pattern(l.seed, l.layout.size()), "NIC sees the model's bytes");
             }

@@ -84,7 +84,14 @@ fn unbound_heap_has_chunks_but_no_keys() {
     assert_eq!(buf.lkey(), None);
     assert!(matches!(buf.sge(..), Err(Error::NotRegistered { .. })));
     assert!(matches!(buf.remote(), Err(Error::NoRemoteAccess)));
+    assert!(matches!(buf.remote_whole_chunk(), Err(Error::NoRemoteAccess)));
+    assert!(!buf.is_exposed());
     assert!(mralloc::keys_of(buf.as_ptr()).is_none());
+    // Remote rights but no PD: nothing to register with, typed.
+    let remote = Heap::builder().access(mralloc::verbs::Access::ALL_REMOTE).build().unwrap();
+    let rbuf = remote.alloc(64).unwrap();
+    assert!(matches!(rbuf.remote(), Err(Error::NotRegistered { .. })));
+    assert!(matches!(rbuf.remote_whole_chunk(), Err(Error::NoWholeChunkAccess)));
     let on_stack = 5u64;
     assert!(chunk_of(&on_stack as *const u64).is_none());
     let boxed = Box::new(5u64);

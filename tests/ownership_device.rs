@@ -13,7 +13,7 @@ use common::*;
 use mralloc::heap::{draining_heaps, Heap};
 use mralloc::transfer::{Connection, IoBuf, Options};
 use mralloc::verbs::{Access, Pd};
-use mralloc::{Buffer, RemoteBuf};
+use mralloc::Buffer;
 
 const OP_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -113,7 +113,7 @@ fn device_forgotten_sends_writes_and_reads_touch_no_new_owner() {
     // READ: the NIC writes the forgotten buffer, never a new owner.
     let mut source = heap.alloc(n).unwrap();
     source.fill(0xA4);
-    let from = RemoteBuf { addr: source.addr(), len: n as u64, rkey: source.rkey().unwrap() };
+    let from = source.remote().unwrap();
     let target = heap.alloc(n).unwrap();
     let target_addr = target.addr();
     std::mem::forget(a.post_read(target, &from, 0).unwrap());

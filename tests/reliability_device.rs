@@ -205,7 +205,8 @@ fn device_bad_input_is_typed() {
     // A RemoteBuf of another connection's PD: the NIC refuses it, typed.
     let other_pd = Pd::new(pd.context()).unwrap();
     let other = Heap::builder().bind(&other_pd).access(Access::ALL_REMOTE).build().unwrap();
-    let foreign_remote = other.alloc(4096).unwrap().remote().unwrap();
+    let foreign = other.alloc(4096).unwrap();
+    let foreign_remote = foreign.remote().unwrap();
     let err = a.write(&src, &foreign_remote).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     // Memory of another PD as the local side: refused before posting.

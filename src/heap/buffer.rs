@@ -6,6 +6,7 @@ use std::ops::{Bound, Deref, DerefMut, RangeBounds};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::heap::exposure::Slot;
 use crate::heap::keys::Keys;
 use crate::heap::scoped::{free_raw, keys_for_in, keys_in};
 use crate::heap::shared::Shared;
@@ -30,6 +31,8 @@ pub struct Buffer {
     ptr: NonNull<u8>,
     layout: Layout,
     shared: NonNull<Shared>,
+    /// The buffer's own remote keys, once exposed ([`Buffer::remote`]).
+    exposure: Slot,
 }
 
 // SAFETY: a Buffer owns its bytes exclusively (like Box<[u8]>); its heap record is thread-safe,
@@ -65,7 +68,7 @@ impl Buffer {
     /// `ptr` is a live allocation of `layout` from the heap behind `shared` that nothing else
     /// owns (the allocation itself keeps that heap alive).
     pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, layout: Layout, shared: NonNull<Shared>) -> Buffer {
-        Buffer { ptr, layout, shared }
+        Buffer { ptr, layout, shared, exposure: Slot::default() }
     }
 
     #[inline]
@@ -94,33 +97,93 @@ impl Buffer {
         self.keys().map(|k| k.lkey)
     }
 
-    /// Remote key (primary PD) — only when the heap was built with a remote access right.
-    pub fn rkey(&self) -> Option<u32> {
-        if self.shared().owner.access.is_remote() {
-            self.keys().map(|k| k.rkey)
-        } else {
-            None
-        }
-    }
-
     /// A scatter/gather entry for `range` of the buffer (primary PD).
     pub fn sge(&self, range: impl RangeBounds<usize>) -> Result<Sge> {
         let (s, e) = range_of(range, self.len())?;
         self.slice(s..e)?.sge()
     }
 
-    /// What a peer needs to RDMA-access the whole buffer.
+    /// What a peer needs to RDMA-access this buffer — and only this buffer — through the heap's
+    /// primary PD: address, length and an rkey of its own.
+    ///
+    /// The first call registers a memory region over exactly the buffer's bytes with the remote
+    /// rights of [`crate::heap::HeapBuilder::access`] (later calls return the same key). The
+    /// device checks every remote access against that range: one byte before or after the
+    /// buffer fails at the peer with a remote access error, and so does every access after
+    /// [`Buffer::revoke_remote`] or after the buffer is dropped (the registration is removed
+    /// before the memory goes back to the heap). Registering costs a system call and pins
+    /// nothing new (the chunk is pinned already); BENCHMARKS.md ("Exposure") has the numbers,
+    /// next to [`Buffer::remote_whole_chunk`], the free but chunk-wide alternative.
+    ///
+    /// The peer may write the buffer whenever it likes while it is exposed: what the local side
+    /// reads then is whatever the NIC last wrote.
+    ///
+    /// # Errors
+    /// [`Error::NoRemoteAccess`] if the heap was built without remote rights,
+    /// [`Error::NotRegistered`] if the heap is bound to no PD, [`Error::Verbs`] if the device
+    /// refuses the registration (`ibv_reg_mr`).
     pub fn remote(&self) -> Result<RemoteBuf> {
-        self.as_slice().remote()
-    }
-
-    /// What a peer reaching this host through `pd`'s device needs (a heap bound to several PDs
-    /// has one rkey per PD).
-    pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
-        if !self.shared().owner.access.is_remote() {
+        if !self.shared().access.is_remote() {
             return Err(Error::NoRemoteAccess);
         }
-        let keys = self.keys_for(pd).ok_or(Error::NotRegistered { addr: self.addr() })?;
+        let pd = self.shared().owner.primary_pd().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        self.remote_for(&pd)
+    }
+
+    /// [`Buffer::remote`] for a peer that reaches this host through `pd`'s device (any PD of
+    /// this process; each PD gets a registration of its own).
+    ///
+    /// # Errors
+    /// As [`Buffer::remote`].
+    pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
+        let remote = self.shared().access.remote_only();
+        // SAFETY: the buffer owns its bytes until Drop, and Drop (or leaking the buffer) never
+        // frees them before `Slot::revoke` succeeded; the heap's chunks stay mapped while the
+        // buffer lives.
+        let rkey = unsafe { self.exposure.rkey(pd, self.ptr.as_ptr(), self.len(), remote)? };
+        Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey })
+    }
+
+    /// Removes the keys [`Buffer::remote`] handed out: once this returns `Ok`, every remote
+    /// access to the buffer fails at the peer with a remote access error. Calling
+    /// [`Buffer::remote`] again exposes it with a new key.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if the device refused to remove a registration: the buffer then stays
+    /// reachable through it, and its memory is leaked (never reused) when the buffer is dropped.
+    pub fn revoke_remote(&mut self) -> Result<()> {
+        self.exposure.revoke()
+    }
+
+    /// Whether the buffer has a remote key now ([`Buffer::remote`] and no revocation since).
+    pub fn is_exposed(&self) -> bool {
+        self.exposure.is_exposed()
+    }
+
+    /// A remote descriptor that uses the **chunk's** rkey (primary PD): no registration per
+    /// buffer, no cost — and no confinement.
+    ///
+    /// **What it exposes:** the key is that of the whole registered chunk the buffer lies in
+    /// (2 MiB up to the heap's `max_chunk`). A peer holding it can reach every byte of that
+    /// chunk with the heap's remote rights: the other buffers and collections there, now and
+    /// later, and whatever reuses this buffer's bytes after it is freed, until the heap is
+    /// gone. It cannot be revoked. Only for heaps built with
+    /// [`crate::heap::HeapBuilder::remote_access_to_whole_chunks`], and only for peers trusted
+    /// with all of the heap.
+    ///
+    /// # Errors
+    /// [`Error::NoWholeChunkAccess`] if the heap was not built for chunk-wide keys,
+    /// [`Error::NoRemoteAccess`] if it has no remote rights, [`Error::NotRegistered`] if it is
+    /// bound to no PD.
+    pub fn remote_whole_chunk(&self) -> Result<RemoteBuf> {
+        let s = self.shared();
+        if !s.access.is_remote() {
+            return Err(Error::NoRemoteAccess);
+        }
+        if !s.whole_chunks {
+            return Err(Error::NoWholeChunkAccess);
+        }
+        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
         Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey: keys.rkey })
     }
 
@@ -134,10 +197,6 @@ impl Buffer {
             shared: self.shared,
             _borrow: PhantomData,
         })
-    }
-
-    fn as_slice(&self) -> BufSlice<'_> {
-        BufSlice { ptr: self.ptr, len: self.layout.size(), shared: self.shared, _borrow: PhantomData }
     }
 }
 
@@ -160,7 +219,15 @@ impl DerefMut for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: ptr/layout come from this heap's raw_alloc and are freed exactly once.
+        if let Err(e) = self.exposure.revoke() {
+            // A peer may still reach these bytes: they must never be reused. The heap stays
+            // alive (this allocation is never freed), so its chunks stay mapped.
+            tracing::error!("{e}: leaking an exposed buffer of {} bytes at {:#x}", self.len(), self.addr());
+            crate::verbs::LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        // SAFETY: ptr/layout come from this heap's raw_alloc and are freed exactly once, and no
+        // registration of the buffer's own is left (revoked above).
         unsafe { free_raw(self.shared, self.ptr, self.layout) };
     }
 }
@@ -171,6 +238,7 @@ impl std::fmt::Debug for Buffer {
             .field("addr", &format_args!("{:#x}", self.addr()))
             .field("len", &self.len())
             .field("keys", &self.keys())
+            .field("exposed", &self.is_exposed())
             .finish()
     }
 }
@@ -212,16 +280,6 @@ impl BufSlice<'_> {
             .map_err(|_| Error::InvalidArgument(format!("an SGE holds at most 4 GiB, got {} bytes", self.len)))?;
         let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
         Ok(Sge::new(self.addr(), len, keys.lkey))
-    }
-
-    /// What a peer needs to RDMA-access this range.
-    pub fn remote(&self) -> Result<RemoteBuf> {
-        // SAFETY: as in keys.
-        if !unsafe { self.shared.as_ref() }.owner.access.is_remote() {
-            return Err(Error::NoRemoteAccess);
-        }
-        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
-        Ok(RemoteBuf { addr: self.addr(), len: self.len as u64, rkey: keys.rkey })
     }
 }
 

@@ -16,6 +16,7 @@ mod buffer;
 mod chunk;
 #[cfg(test)]
 mod device_tests;
+mod exposure;
 mod global;
 mod hooks;
 mod jemalloc;

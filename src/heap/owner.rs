@@ -317,6 +317,11 @@ impl Owner {
         }
     }
 
+    /// The primary PD (slot 0), if bound.
+    pub(crate) fn primary_pd(&self) -> Option<Pd> {
+        self.bound.lock().pds[0].clone()
+    }
+
     /// The slot `pd` is bound in.
     pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
         self.bound.lock().pds.iter().position(|p| p.as_ref() == Some(pd))

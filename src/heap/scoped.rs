@@ -31,6 +31,7 @@ pub struct HeapBuilder {
     hugepages: bool,
     max_chunk: usize,
     limit: Option<usize>,
+    whole_chunks: bool,
 }
 
 impl HeapBuilder {
@@ -42,10 +43,30 @@ impl HeapBuilder {
         self
     }
 
-    /// Access rights of every chunk's registration. Default [`Access::LOCAL_WRITE`]: remote read,
-    /// write and atomics must be asked for, and only then is a heap rkey ever handed out.
+    /// Access rights. Default [`Access::LOCAL_WRITE`]: local use only.
+    ///
+    /// The remote rights (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`) are what
+    /// [`Buffer::remote`] exposes a buffer with — through a registration of that buffer alone,
+    /// so a peer reaches nothing else. Chunks themselves are registered with the local rights
+    /// only ([`Access::LOCAL_WRITE`], and [`Access::MW_BIND`] if asked for, which
+    /// [`crate::transfer::Connection::grant`] needs), unless
+    /// [`HeapBuilder::remote_access_to_whole_chunks`] says otherwise.
     pub fn access(mut self, access: Access) -> Self {
         self.access = access;
+        self
+    }
+
+    /// Registers every chunk with the remote rights too, so that
+    /// [`Buffer::remote_whole_chunk`] can hand out rkeys without a registration per buffer.
+    ///
+    /// **What this exposes:** such an rkey is the chunk's. A peer holding it can read and write
+    /// (as the rights allow) every byte of the 2 MiB to [`HeapBuilder::max_chunk`] chunk the
+    /// buffer lies in — every other buffer and collection allocated there, now and later, and
+    /// whatever reuses a freed buffer's bytes — for as long as the heap lives; it cannot be
+    /// revoked. Use it when every peer is trusted with the whole heap and the cost of a
+    /// registration per exposed buffer matters (see BENCHMARKS.md, "Exposure").
+    pub fn remote_access_to_whole_chunks(mut self) -> Self {
+        self.whole_chunks = true;
         self
     }
 
@@ -98,7 +119,12 @@ impl HeapBuilder {
                 node
             }
         };
-        let owner = Arc::new(Owner::new(self.access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
+        let chunk_access = if self.whole_chunks {
+            self.access.union(Access::LOCAL_WRITE)
+        } else {
+            self.access.without_remote()
+        };
+        let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
         for pd in &self.pds {
             owner.bind(pd)?;
         }
@@ -114,7 +140,7 @@ impl HeapBuilder {
             }
         };
         let id = owner.id;
-        let heap = Heap { shared: Shared::create(owner, arena, self.max_chunk), id, arena };
+        let heap = Heap { shared: Shared::create(owner, arena, self.max_chunk, self.access, self.whole_chunks), id, arena };
         jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
         jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
@@ -142,7 +168,9 @@ impl HeapBuilder {
 /// let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
 /// let mut buf = heap.alloc(64 << 10)?;
 /// buf.fill(7);
-/// println!("lkey {:?} rkey {:?} at {:#x}", buf.lkey(), buf.rkey(), buf.addr());
+/// println!("lkey {:?} at {:#x}", buf.lkey(), buf.addr());
+/// // A key for this buffer alone (a registration of its own, removed when it is freed):
+/// println!("offer {:?}", buf.remote()?);
 ///
 /// // Buffers move freely; the heap stays registered while they live.
 /// let worker = std::thread::spawn(move || buf.iter().map(|&b| b as u64).sum::<u64>());
@@ -199,7 +227,8 @@ impl std::fmt::Debug for Heap {
         let s = self.shared();
         f.debug_struct("Heap")
             .field("arena", &self.arena)
-            .field("access", &s.owner.access)
+            .field("access", &s.access)
+            .field("whole_chunks", &s.whole_chunks)
             .field("numa_node", &s.owner.numa_node())
             .field("max_chunk", &s.max_chunk)
             .finish()
@@ -216,6 +245,7 @@ impl Heap {
             hugepages: true,
             max_chunk: DEFAULT_MAX_CHUNK,
             limit: None,
+            whole_chunks: false,
         }
     }
 
@@ -247,9 +277,9 @@ impl Heap {
         self.arena
     }
 
-    /// The registration access rights.
+    /// The access rights the heap was built with ([`HeapBuilder::access`]).
     pub fn access(&self) -> Access {
-        self.shared().owner.access
+        self.shared().access
     }
 
     /// The NUMA node chunks are bound to, if any.

@@ -29,6 +29,7 @@ use parking_lot::Mutex;
 use crate::heap::jemalloc;
 use crate::heap::owner::Owner;
 use crate::heap::tcache::Registry;
+use crate::verbs::Access;
 
 /// What a heap's handles and buffers point at.
 pub(crate) struct Shared {
@@ -37,6 +38,10 @@ pub(crate) struct Shared {
     pub(crate) tcaches: Arc<Registry>,
     pub(crate) arena: u32,
     pub(crate) max_chunk: usize,
+    /// The rights the heap was built with: its buffers are exposed with the remote part.
+    pub(crate) access: Access,
+    /// Whether chunks are registered with the remote rights too (chunk-wide rkeys).
+    pub(crate) whole_chunks: bool,
     /// Live [`crate::heap::Heap`] handles. Once it reaches zero it never rises again.
     handles: AtomicUsize,
 }
@@ -50,13 +55,21 @@ unsafe impl Send for Ptr {}
 
 impl Shared {
     /// A record with one handle.
-    pub(crate) fn create(owner: Arc<Owner>, arena: u32, max_chunk: usize) -> NonNull<Shared> {
+    pub(crate) fn create(
+        owner: Arc<Owner>,
+        arena: u32,
+        max_chunk: usize,
+        access: Access,
+        whole_chunks: bool,
+    ) -> NonNull<Shared> {
         let s = Box::new(Shared {
             id: owner.id,
             owner,
             tcaches: Arc::new(Registry::default()),
             arena,
             max_chunk,
+            access,
+            whole_chunks,
             handles: AtomicUsize::new(1),
         });
         NonNull::from(Box::leak(s))

@@ -58,6 +58,11 @@ impl Access {
     pub const fn remote_only(self) -> Access {
         Access(self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0))
     }
+
+    /// `self` without its remote rights (local write, window binding).
+    pub const fn without_remote(self) -> Access {
+        Access(self.0 & !(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0))
+    }
 }
 
 impl BitOr for Access {

@@ -1,0 +1,110 @@
+//! What exposing one buffer to a peer costs, per way of doing it (run by
+//! `scripts/bench-transfer` in the Soft-RoCE VM, or on a host with an RDMA device):
+//!
+//! - `buffer`: [`Buffer::remote`] + [`Buffer::revoke_remote`] — a registration of exactly the
+//!   buffer (`ibv_reg_mr` + `ibv_dereg_mr`), the default;
+//! - `grant`: [`Connection::grant`] + `Grant::revoke` — a type 2 memory window bound and
+//!   invalidated through the connection (two work requests and their completions);
+//! - `whole_chunk`: [`Buffer::remote_whole_chunk`] — the chunk's rkey, a page-map lookup;
+//! - `write`: one RDMA WRITE of the same size on the same connection, for scale.
+//!
+//! The four are measured in interleaved rounds (each round runs every method `--iters` times
+//! per size); a line per method and size gives the median over rounds of the per-round median
+//! and the spread of those round medians:
+//! ```text
+//! EXPOSE <method> <size> <median µs> <min µs> <max µs>
+//! ```
+
+use std::time::Instant;
+
+use mralloc::heap::Heap;
+use mralloc::transfer::{Connection, Options};
+use mralloc::verbs::{Access, Pd};
+
+const SIZES: [usize; 4] = [64, 4096, 65536, 1 << 20];
+const METHODS: [&str; 4] = ["buffer", "grant", "whole_chunk", "write"];
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    v[v.len() / 2]
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn main() -> mralloc::Result<()> {
+    if std::env::var("MRALLOC_DEVICE").is_err() && std::env::args().any(|x| x == "--bench") {
+        println!("exposure: needs an RDMA device; run scripts/bench-transfer");
+        return Ok(());
+    }
+    let (iters, rounds) = (arg("--iters", 200), arg("--rounds", 5));
+    let ctx = Options::default().open_device()?;
+    let pd = Pd::new(&ctx)?;
+    let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::MW_BIND;
+    // Two heaps with the same rights: chunks without remote rights (the default), and chunks
+    // registered with them (what `remote_whole_chunk` needs).
+    let heap = Heap::builder().bind(&pd).access(access).build()?;
+    let wide = Heap::builder().bind(&pd).access(access).remote_access_to_whole_chunks().build()?;
+    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Options::default() };
+    let (x, _y) = Connection::pair(&pd, &opts)?;
+
+    // samples[method][size] = one median per round
+    let mut samples = vec![vec![Vec::new(); SIZES.len()]; METHODS.len()];
+    for _ in 0..rounds {
+        for (si, &n) in SIZES.iter().enumerate() {
+            for (mi, &method) in METHODS.iter().enumerate() {
+                let mut t = Vec::with_capacity(iters);
+                match method {
+                    "buffer" => {
+                        let mut buf = heap.alloc(n)?;
+                        for _ in 0..iters {
+                            let s = Instant::now();
+                            std::hint::black_box(buf.remote()?);
+                            buf.revoke_remote()?;
+                            t.push(s.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                    "grant" => {
+                        let mut buf = Some(heap.alloc(n)?);
+                        for _ in 0..iters {
+                            let s = Instant::now();
+                            let g = x.grant(buf.take().expect("buffer"), Access::REMOTE_WRITE).map_err(|r| r.error)?;
+                            std::hint::black_box(g.remote());
+                            buf = Some(g.revoke().map_err(|r| r.error)?);
+                            t.push(s.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                    "whole_chunk" => {
+                        let buf = wide.alloc(n)?;
+                        for _ in 0..iters {
+                            let s = Instant::now();
+                            std::hint::black_box(buf.remote_whole_chunk()?);
+                            t.push(s.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                    _ => {
+                        let src = wide.alloc(n)?;
+                        let dst = wide.alloc(n)?;
+                        let remote = dst.remote_whole_chunk()?;
+                        for _ in 0..iters {
+                            let s = Instant::now();
+                            x.write(&src, &remote)?;
+                            t.push(s.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                }
+                samples[mi][si].push(median(&mut t));
+            }
+        }
+    }
+    for (mi, method) in METHODS.iter().enumerate() {
+        for (si, n) in SIZES.iter().enumerate() {
+            let v = &mut samples[mi][si];
+            let m = median(v);
+            println!("EXPOSE {method} {n} {m:.2} {:.2} {:.2}", v[0], v[v.len() - 1]);
+        }
+    }
+    Ok(())
+}
