@@ -8,7 +8,7 @@
 //! - `whole_chunk`: [`Buffer::remote_whole_chunk`] — the chunk's rkey, a page-map lookup;
 //! - `write`: one RDMA WRITE of the same size on the same connection, for scale.
 //!
-//! The four are measured in interleaved rounds (each round runs every method `--iters` times
+//! After one uncounted warm-up round, the four are measured in interleaved rounds (each round runs every method `--iters` times
 //! per size); a line per method and size gives the median over rounds of the per-round median
 //! and the spread of those round medians:
 //! ```text
@@ -52,7 +52,8 @@ fn main() -> mralloc::Result<()> {
 
     // samples[method][size] = one median per round
     let mut samples = vec![vec![Vec::new(); SIZES.len()]; METHODS.len()];
-    for _ in 0..rounds {
+    // Round 0 warms up (first registrations, page-map and QP caches) and is not counted.
+    for round in 0..=rounds {
         for (si, &n) in SIZES.iter().enumerate() {
             for (mi, &method) in METHODS.iter().enumerate() {
                 let mut t = Vec::with_capacity(iters);
@@ -95,7 +96,9 @@ fn main() -> mralloc::Result<()> {
                         }
                     }
                 }
-                samples[mi][si].push(median(&mut t));
+                if round > 0 {
+                    samples[mi][si].push(median(&mut t));
+                }
             }
         }
     }

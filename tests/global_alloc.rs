@@ -286,6 +286,13 @@ fn device_global_bind_while_two_threads_grow_the_heap() {
     done.store(true, Ordering::Relaxed);
     watchdog.join().unwrap();
     println!("bound {} PDs while 2 threads allocated {} MiB", pds.len(), grown >> 20);
+    // Whether or not a hook happened to be reached meanwhile, nothing may have allocated or
+    // freed under the lock (this catches the bug deterministically; the run above only can).
+    assert_eq!(
+        Global::allocations_under_registration_lock(),
+        Some(0),
+        "allocations or frees under a heap's registration lock (debug build expected)"
+    );
 }
 
 fn rss_bytes() -> usize {

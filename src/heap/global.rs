@@ -24,7 +24,7 @@ use tikv_jemalloc_sys as je;
 use crate::error::Result;
 use crate::heap::chunk;
 use crate::heap::jemalloc;
-use crate::heap::owner::{take_hook_error, HookError, Owner};
+use crate::heap::owner::{self, take_hook_error, HookError, Owner};
 use crate::heap::stats::HeapStats;
 use crate::verbs::{Access, Pd};
 
@@ -191,6 +191,15 @@ impl Global {
     /// Whether the hooks are installed (after the first allocation).
     pub fn is_ready(&self) -> bool {
         self.state.load(Ordering::Acquire) == READY
+    }
+
+    /// Debug builds: how many allocations and frees went through the global allocator while
+    /// their thread held a heap's registration lock, which the extent hooks take too (such a
+    /// call deadlocks when it reaches a hook). Always `Some(0)` unless that bug is back; `None`
+    /// in release builds, which do not count. For tests.
+    #[doc(hidden)]
+    pub fn allocations_under_registration_lock() -> Option<u64> {
+        owner::allocations_under_bound()
     }
 
     /// Registers every chunk allocated so far (memory from before `main` included) and every
@@ -361,6 +370,7 @@ impl Default for Global {
 unsafe impl GlobalAlloc for Global {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        owner::note_allocator_call();
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
@@ -383,6 +393,7 @@ unsafe impl GlobalAlloc for Global {
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        owner::note_allocator_call();
         if !self.ensure_init() {
             return std::ptr::null_mut();
         }
@@ -413,12 +424,14 @@ unsafe impl GlobalAlloc for Global {
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        owner::note_allocator_call();
         // SAFETY: ptr came from this allocator with layout (GlobalAlloc contract).
         unsafe { je::sdallocx(ptr.cast(), layout.size(), jemalloc::align_flags(layout)) }
     }
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        owner::note_allocator_call();
         let new = Layout::from_size_align(new_size, layout.align()).unwrap_or(layout);
         let flags = jemalloc::align_flags(new);
         // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).

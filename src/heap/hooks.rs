@@ -35,7 +35,8 @@ type CBool = bool;
 /// entries below would be bypassed and registered pages silently replaced (the CPU and the NIC
 /// would then see different pages). A refusing `dalloc` keeps jemalloc on the hook path.
 /// (The option is off by default and, in this build, setting it through `_RJEM_MALLOC_CONF`
-/// did not make the purge tests fail with `dalloc: None`: no test pins this yet.)
+/// did not make the purge tests fail with `dalloc: None`; the unit test
+/// `hook_table_keeps_jemalloc_on_the_hook_path` pins the table's shape instead.)
 pub(crate) const HOOKS: extent_hooks_t = extent_hooks_t {
     alloc: Some(hook_alloc),
     dalloc: Some(hook_dalloc),
@@ -164,5 +165,20 @@ unsafe extern "C" fn hook_merge(
             crate::heap::stats::CROSS_CHUNK_MERGES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             true
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The table's shape is a safety property: which entries exist decides which of jemalloc's
+    /// paths can reach registered pages without asking (see [`super::HOOKS`]).
+    #[test]
+    fn hook_table_keeps_jemalloc_on_the_hook_path() {
+        let h = super::HOOKS;
+        assert!(h.dalloc.is_some(), "dalloc: None lets jemalloc purge extents without the purge hooks");
+        assert!(h.purge_forced.is_some(), "purge_forced returns unbound memory to the OS");
+        assert!(h.merge.is_some() && h.split.is_some(), "merge/split must stay hooked (cross-chunk merges)");
+        assert!(h.alloc.is_some() && h.destroy.is_some() && h.commit.is_some());
+        assert!(h.decommit.is_none() && h.purge_lazy.is_none(), "refused by absence");
     }
 }

@@ -108,6 +108,58 @@ pub(crate) struct Owner {
 
 static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
 
+/// `bound`, held: what [`Owner::lock_bound`] returns.
+pub(crate) struct BoundGuard<'a>(parking_lot::MutexGuard<'a, Bound>);
+
+impl std::ops::Deref for BoundGuard<'_> {
+    type Target = Bound;
+    fn deref(&self) -> &Bound {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for BoundGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Bound {
+        &mut self.0
+    }
+}
+
+impl Drop for BoundGuard<'_> {
+    fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        HOLDING_BOUND.with(|h| h.set(h.get() - 1));
+    }
+}
+
+#[cfg(debug_assertions)]
+thread_local! {
+    /// How many owners' `bound` locks this thread holds (debug builds).
+    static HOLDING_BOUND: Cell<u32> = const { Cell::new(0) };
+}
+
+#[cfg(debug_assertions)]
+static ALLOCS_UNDER_BOUND: AtomicU64 = AtomicU64::new(0);
+
+/// Called by the global allocator on every allocation and free (debug builds only; compiles
+/// to nothing in release).
+#[inline(always)]
+pub(crate) fn note_allocator_call() {
+    #[cfg(debug_assertions)]
+    if HOLDING_BOUND.with(Cell::get) > 0 {
+        ALLOCS_UNDER_BOUND.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Allocations and frees through the global allocator made while the calling thread held a
+/// heap's `bound` lock, process-wide: `Some(0)` unless a lock-order bug is back; `None` in
+/// release builds, which do not count.
+pub(crate) fn allocations_under_bound() -> Option<u64> {
+    #[cfg(debug_assertions)]
+    return Some(ALLOCS_UNDER_BOUND.load(Ordering::Relaxed));
+    #[cfg(not(debug_assertions))]
+    None
+}
+
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
         Owner {
@@ -175,7 +227,7 @@ impl Owner {
         looks_like_metadata: bool,
     ) -> std::result::Result<usize, HookError> {
         let meta = looks_like_metadata;
-        let bound = self.bound.lock();
+        let bound = self.lock_bound();
         let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
         if mapped.saturating_add(size) > self.limit {
             return Err(HookError::Limit { limit: self.limit, mapped, requested: size });
@@ -233,7 +285,7 @@ impl Owner {
     /// lock deadlocked, alone or with a thread holding jemalloc's grow mutex). Registrations are
     /// published into the chunk records as they are made and rolled back from there.
     pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
-        let mut bound = self.bound.lock();
+        let mut bound = self.lock_bound();
         if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
             return Ok(slot);
         }
@@ -294,7 +346,7 @@ impl Owner {
     /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
     /// knows the pages read as zero).
     pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
-        let bound = self.bound.lock();
+        let bound = self.lock_bound();
         if bound.pds.iter().any(Option::is_some) {
             return false; // registered memory is never purged
         }
@@ -317,23 +369,34 @@ impl Owner {
         }
     }
 
+    /// Takes `bound`. In debug builds the thread is marked meanwhile, so that an allocation or
+    /// free through the global allocator under the lock is counted
+    /// ([`allocations_under_bound`]): the alloc and purge hooks take this lock, so such a call
+    /// can deadlock whenever it reaches a hook.
+    pub(crate) fn lock_bound(&self) -> BoundGuard<'_> {
+        #[cfg(debug_assertions)]
+        HOLDING_BOUND.with(|h| h.set(h.get() + 1));
+        BoundGuard(self.bound.lock())
+    }
+
     /// The primary PD (slot 0), if bound.
     pub(crate) fn primary_pd(&self) -> Option<Pd> {
-        self.bound.lock().pds[0].clone()
+        self.lock_bound().pds[0].clone()
     }
 
     /// The slot `pd` is bound in.
     pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
-        self.bound.lock().pds.iter().position(|p| p.as_ref() == Some(pd))
+        self.lock_bound().pds.iter().position(|p| p.as_ref() == Some(pd))
     }
 
-    /// Deregisters and unmaps every chunk (the arena must be gone).
+    /// Deregisters and unmaps every chunk (the arena must be gone, so the list is final; it is
+    /// taken before locking: nothing allocates under `bound`).
     pub(crate) fn release_all(&self) {
-        let bound = self.bound.lock();
-        let mut kept = 0u64;
         let chunks: Vec<(u32, usize, usize)> = chunk::owned_by(self.id)
             .map(|(i, r)| (i, r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed)))
             .collect();
+        let bound = self.lock_bound();
+        let mut kept = 0u64;
         for (index, base, len) in chunks {
             let rec = chunk::rec(index);
             let mut mrs = [std::ptr::null_mut(); MAX_PDS];
