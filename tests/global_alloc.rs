@@ -69,6 +69,9 @@ fn every_allocation_lies_in_a_hooked_chunk() {
     let st = A.stats();
     println!("Global after 4 x 50k allocations: {st:?}");
     assert!(st.chunks > 0 && st.mapped_bytes > 0);
+    // Four threads growing at once contend for the hooks' locks: waiting for one must not
+    // allocate (parking_lot's first park did, from inside jemalloc).
+    assert_eq!(Global::allocations_under_registration_lock(), Some(0), "allocator calls under the hooks' lock");
 }
 
 #[test]

@@ -8,7 +8,7 @@
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use rdma_sys as ffi;
 
 use crate::heap::pagemap::{PAGEMAP, SLOT};
@@ -103,7 +103,9 @@ struct FreeList {
     head: u32,
 }
 
-static ALLOC: Mutex<FreeList> = parking_lot::const_mutex(FreeList { fresh: 0, head: u32::MAX });
+/// A `std` mutex (a futex): taken inside jemalloc's hooks, where parking_lot's allocation on a
+/// thread's first park would re-enter the allocator.
+static ALLOC: Mutex<FreeList> = Mutex::new(FreeList { fresh: 0, head: u32::MAX });
 
 /// The record at `index`.
 #[inline]
@@ -128,7 +130,7 @@ pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
 /// full or the page map could not grow.
 pub(crate) fn publish(owner: u64, base: usize, len: usize, meta: bool) -> Option<u32> {
     let index = {
-        let mut fl = ALLOC.lock();
+        let mut fl = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if fl.head != u32::MAX {
             let i = fl.head;
             fl.head = rec(i).next_free.load(Ordering::Relaxed);
@@ -160,14 +162,14 @@ pub(crate) fn release(index: u32) {
     for m in &r.mrs {
         m.store(ptr::null_mut(), Ordering::Release);
     }
-    let mut fl = ALLOC.lock();
+    let mut fl = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     r.next_free.store(fl.head, Ordering::Relaxed);
     fl.head = index;
 }
 
 /// Every live record owned by `owner` (scans the used part of the table).
 pub(crate) fn owned_by(owner: u64) -> impl Iterator<Item = (u32, &'static ChunkRec)> {
-    let used = ALLOC.lock().fresh;
+    let used = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner).fresh;
     (0..used).map(|i| (i, rec(i))).filter(move |(_, r)| r.owner.load(Ordering::Acquire) == owner)
 }
 

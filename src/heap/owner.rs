@@ -7,7 +7,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use tikv_jemalloc_sys::extent_hooks_t;
 
 use crate::error::{memlock_text, Error, Result};
@@ -109,7 +109,7 @@ pub(crate) struct Owner {
 static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// `bound`, held: what [`Owner::lock_bound`] returns.
-pub(crate) struct BoundGuard<'a>(parking_lot::MutexGuard<'a, Bound>);
+pub(crate) struct BoundGuard<'a>(std::sync::MutexGuard<'a, Bound>);
 
 impl std::ops::Deref for BoundGuard<'_> {
     type Target = Bound;
@@ -150,8 +150,8 @@ pub(crate) fn note_allocator_call() {
     }
 }
 
-/// Allocations and frees through the global allocator made while the calling thread held a
-/// heap's `bound` lock, process-wide: `Some(0)` unless a lock-order bug is back; `None` in
+/// Allocations and frees through the global allocator made while the calling thread waited for
+/// or held a heap's `bound` lock, process-wide: `Some(0)` unless a lock-order bug is back; `None` in
 /// release builds, which do not count.
 pub(crate) fn allocations_under_bound() -> Option<u64> {
     #[cfg(debug_assertions)]
@@ -180,7 +180,7 @@ impl Owner {
         Owner {
             hooks: hooks::HOOKS,
             id: u64::MAX,
-            bound: parking_lot::const_mutex(Bound { pds: [const { None }; MAX_PDS] }),
+            bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
             access,
             numa_node: AtomicU32::new(u32::MAX),
             hugepages: true,
@@ -369,14 +369,20 @@ impl Owner {
         }
     }
 
-    /// Takes `bound`. In debug builds the thread is marked meanwhile, so that an allocation or
-    /// free through the global allocator under the lock is counted
+    /// Takes `bound`. In debug builds the thread is marked while it waits for and holds the
+    /// lock, so that an allocation or free through the global allocator meanwhile is counted
     /// ([`allocations_under_bound`]): the alloc and purge hooks take this lock, so such a call
     /// can deadlock whenever it reaches a hook.
+    ///
+    /// A `std` mutex (a futex), not `parking_lot`'s: the hooks take this lock inside jemalloc,
+    /// and parking_lot allocates when a thread first parks or its table grows — through the
+    /// global allocator, from inside an allocation. A poisoned lock is still taken: nothing
+    /// under it leaves `Bound` half-updated (the PD array is written last, in one store).
     pub(crate) fn lock_bound(&self) -> BoundGuard<'_> {
+        // Marked before waiting: an allocation while waiting is as bad as one while holding.
         #[cfg(debug_assertions)]
         HOLDING_BOUND.with(|h| h.set(h.get() + 1));
-        BoundGuard(self.bound.lock())
+        BoundGuard(self.bound.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// The primary PD (slot 0), if bound.
