@@ -156,11 +156,16 @@ pub enum Error {
         /// The address.
         addr: u64,
     },
-    /// A buffer was to be exposed, but its heap was built without remote access rights.
+    /// A buffer was to be exposed, but its heap was built without the remote right that needs
+    /// (`REMOTE_READ` for `Buffer::remote`, any remote right for `Buffer::expose`).
     #[error(
-        "the heap was built without remote access rights: use HeapBuilder::access(... REMOTE_*) to expose its buffers"
+        "the heap was built without the remote right this needs: use HeapBuilder::access(... REMOTE_*) to expose its buffers"
     )]
     NoRemoteAccess,
+    /// An earlier revocation of a buffer's remote key was refused by the device: the key may
+    /// still work, so the buffer's memory is never reused.
+    #[error("a remote key of this buffer could not be revoked earlier: its memory stays reachable and is leaked")]
+    RevocationFailed,
     /// A chunk-wide rkey was asked of a heap whose chunks are registered for local access only.
     #[error(
         "the heap's chunks have no remote rights: Buffer::remote exposes one buffer; chunk-wide keys need \

@@ -11,7 +11,7 @@ use crate::heap::keys::Keys;
 use crate::heap::scoped::{free_raw, keys_for_in, keys_in};
 use crate::heap::shared::Shared;
 use crate::remote::RemoteBuf;
-use crate::verbs::{Pd, Sge};
+use crate::verbs::{Access, Pd, Sge};
 
 /// Memory from a [`crate::heap::Heap`]: owns its bytes like a `Box<[u8]>`, and carries the keys
 /// of the registered chunk it lies in. It has no lifetime: it keeps its heap's chunks
@@ -103,30 +103,31 @@ impl Buffer {
         self.slice(s..e)?.sge()
     }
 
-    /// What a peer needs to RDMA-access this buffer — and only this buffer — through the heap's
-    /// primary PD: address, length and an rkey of its own.
+    /// A key with which a peer can RDMA-**read** this buffer — and only this buffer — through
+    /// the heap's primary PD: address, length and an rkey of its own.
     ///
-    /// The first call registers a memory region over exactly the buffer's bytes with the remote
-    /// rights of [`crate::heap::HeapBuilder::access`] (later calls return the same key). The
-    /// device checks every remote access against that range: one byte before or after the
-    /// buffer fails at the peer with a remote access error, and so does every access after
-    /// [`Buffer::revoke_remote`] or after the buffer is dropped (the registration is removed
-    /// before the memory goes back to the heap). Registering costs a system call and pins
-    /// nothing new (the chunk is pinned already); BENCHMARKS.md ("Exposure") has the numbers,
-    /// next to [`Buffer::remote_whole_chunk`], the free but chunk-wide alternative.
+    /// The first call registers a memory region over exactly the buffer's bytes with
+    /// [`Access::REMOTE_READ`] (later calls return the same key). The device checks every
+    /// remote access against that range: one byte before or after the buffer fails at the peer
+    /// with a remote access error, and so does every access after [`Buffer::revoke_remote`] or
+    /// after the buffer is dropped (the registration is removed before the memory goes back to
+    /// the heap). A peer reading while this side writes may see a mix of old and new bytes.
     ///
-    /// The peer may write the buffer whenever it likes while it is exposed: what the local side
-    /// reads then is whatever the NIC last wrote.
+    /// For a key the peer may **write** (or use atomics on), use [`Buffer::expose`]: that
+    /// takes the buffer, because no Rust reference to bytes the network may change at any
+    /// moment can exist.
+    ///
+    /// Each registration is a system call, pins the buffer's pages once more against
+    /// `RLIMIT_MEMLOCK` (the kernel counts every registration) and uses one of the device's
+    /// memory regions (`max_mr`); BENCHMARKS.md ("Exposure") has the cost next to
+    /// [`Buffer::remote_whole_chunk`], the free but chunk-wide alternative.
     ///
     /// # Errors
-    /// [`Error::NoRemoteAccess`] if the heap was built without remote rights,
+    /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
     /// [`Error::NotRegistered`] if the heap is bound to no PD, [`Error::Verbs`] if the device
-    /// refuses the registration (`ibv_reg_mr`).
+    /// refuses the registration (`ibv_reg_mr`; the memlock limit is the usual cause).
     pub fn remote(&self) -> Result<RemoteBuf> {
-        if !self.shared().access.is_remote() {
-            return Err(Error::NoRemoteAccess);
-        }
-        let pd = self.shared().owner.primary_pd().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        let pd = self.primary_pd()?;
         self.remote_for(&pd)
     }
 
@@ -134,13 +135,34 @@ impl Buffer {
     /// this process; each PD gets a registration of its own).
     ///
     /// # Errors
-    /// As [`Buffer::remote`].
+    /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
+    /// [`Error::Verbs`] if the device refuses the registration.
     pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
-        let remote = self.shared().access.remote_only();
+        if !self.shared().access.contains(Access::REMOTE_READ) {
+            return Err(Error::NoRemoteAccess);
+        }
+        self.key_with(pd, Access::REMOTE_READ)
+    }
+
+    pub(crate) fn primary_pd(&self) -> Result<Pd> {
+        if !self.shared().access.is_remote() {
+            return Err(Error::NoRemoteAccess);
+        }
+        self.shared().owner.primary_pd().ok_or(Error::NotRegistered { addr: self.addr() })
+    }
+
+    /// The remote rights the heap was built with.
+    pub(crate) fn heap_remote_rights(&self) -> Access {
+        self.shared().access.remote_only()
+    }
+
+    /// A key over exactly this buffer, with `rights`, through `pd`.
+    pub(crate) fn key_with(&self, pd: &Pd, rights: Access) -> Result<RemoteBuf> {
         // SAFETY: the buffer owns its bytes until Drop, and Drop (or leaking the buffer) never
         // frees them before `Slot::revoke` succeeded; the heap's chunks stay mapped while the
-        // buffer lives.
-        let rkey = unsafe { self.exposure.rkey(pd, self.ptr.as_ptr(), self.len(), remote)? };
+        // buffer lives. Callers give write/atomic rights only to an `Exposed`, which hands out
+        // no reference to the bytes.
+        let rkey = unsafe { self.exposure.rkey(pd, self.ptr.as_ptr(), self.len(), rights)? };
         Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey })
     }
 
@@ -149,13 +171,15 @@ impl Buffer {
     /// [`Buffer::remote`] again exposes it with a new key.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if the device refused to remove a registration: the buffer then stays
-    /// reachable through it, and its memory is leaked (never reused) when the buffer is dropped.
+    /// [`Error::Verbs`] (or [`Error::RevocationFailed`], for an earlier refusal) if the device
+    /// refused to remove a registration: the buffer then stays reachable through it, and its
+    /// memory is leaked (never reused) when the buffer is dropped.
     pub fn revoke_remote(&mut self) -> Result<()> {
         self.exposure.revoke()
     }
 
-    /// Whether the buffer has a remote key now ([`Buffer::remote`] and no revocation since).
+    /// Whether a peer may reach the buffer through a key of its own: [`Buffer::remote`] and no
+    /// revocation since — or a revocation the device refused.
     pub fn is_exposed(&self) -> bool {
         self.exposure.is_exposed()
     }

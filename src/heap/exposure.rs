@@ -38,14 +38,15 @@ impl Exposure {
     /// before every registration of this record has been removed by [`Exposure::revoke`] with
     /// success — or ever, if it fails.
     unsafe fn rkey(&self, pd: &Pd, addr: *mut u8, len: usize, remote: Access) -> Result<u32> {
+        let access = remote.remote_only().union(Access::LOCAL_WRITE);
         let mut mrs = self.mrs.lock();
-        if let Some(mr) = mrs.iter().find(|m| m.pd() == pd) {
+        if let Some(mr) = mrs.iter().find(|m| m.pd() == pd && m.access() == access) {
             return Ok(mr.rkey());
         }
         // SAFETY: the range stays mapped and owned by the buffer until `revoke` succeeded
-        // (function contract); remote rights make it shared with the network, which is what
-        // exposing it means.
-        let mr = unsafe { Mr::register(pd, addr, len, remote.remote_only().union(Access::LOCAL_WRITE))? };
+        // (function contract); the caller decides which remote rights are sound to give
+        // (read-only for a buffer Rust code still references, more only for an `Exposed`).
+        let mr = unsafe { Mr::register(pd, addr, len, access)? };
         let rkey = mr.rkey();
         mrs.push(mr);
         Ok(rkey)
@@ -64,9 +65,7 @@ impl Exposure {
         }
         match first {
             Some(e) => Err(e),
-            None if self.stuck.load(Ordering::Relaxed) => {
-                Err(Error::verbs_errno("ibv_dereg_mr (an earlier revocation of this buffer)", libc::EBUSY))
-            }
+            None if self.stuck.load(Ordering::Relaxed) => Err(Error::RevocationFailed),
             None => Ok(()),
         }
     }
@@ -121,10 +120,15 @@ impl Slot {
         r
     }
 
-    /// Whether the buffer is exposed now.
+    /// Whether any peer may still reach the buffer through a key of its own: a live
+    /// registration, or one the device refused to remove.
     pub(crate) fn is_exposed(&self) -> bool {
         let p = self.0.load(Ordering::Acquire);
+        if p.is_null() {
+            return false;
+        }
         // SAFETY: as in `rkey`.
-        !p.is_null() && !unsafe { (*p).mrs.lock().is_empty() }
+        let e = unsafe { &*p };
+        e.stuck.load(Ordering::Relaxed) || !e.mrs.lock().is_empty()
     }
 }

@@ -181,8 +181,16 @@ impl Global {
     /// chunk whose rkey, once handed to a peer with any buffer's address, lets that peer read
     /// and/or write the whole chunk for the rest of the process's life. Use it only between
     /// mutually trusted processes; to expose single buffers, use a scoped heap and
-    /// [`crate::transfer::Connection::grant`].
-    pub const fn with_remote_access_to_every_object(remote: Access) -> Global {
+    /// [`crate::heap::Buffer::expose`] (or [`crate::heap::Buffer::remote`] for reading).
+    ///
+    /// # Safety
+    /// With write or atomic rights, a peer holding such a key can change any object of the
+    /// process — including pointers, vtables and bytes Rust code holds `&`/`&mut` references
+    /// to — at any time, which is undefined behaviour for the local program unless the peer
+    /// only ever touches memory the program treats as shared with the network (volatile or
+    /// atomic access, no references). The caller guarantees that of every peer it hands a key
+    /// or address to. Read-only rights leak data but cannot cause undefined behaviour locally.
+    pub const unsafe fn with_remote_access_to_every_object(remote: Access) -> Global {
         let mut g = Global::new();
         g.owner.access = remote.union(Access::LOCAL_WRITE);
         g

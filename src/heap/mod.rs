@@ -16,6 +16,7 @@ mod buffer;
 mod chunk;
 #[cfg(test)]
 mod device_tests;
+mod exposed;
 mod exposure;
 mod global;
 mod hooks;
@@ -32,6 +33,7 @@ mod tcache;
 pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
+pub use exposed::{ExposeError, Exposed};
 pub use global::Global;
 pub(crate) use keys::mr_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};

@@ -65,7 +65,16 @@ impl HeapBuilder {
     /// whatever reuses a freed buffer's bytes — for as long as the heap lives; it cannot be
     /// revoked. Use it when every peer is trusted with the whole heap and the cost of a
     /// registration per exposed buffer matters (see BENCHMARKS.md, "Exposure").
-    pub fn remote_access_to_whole_chunks(mut self) -> Self {
+    ///
+    /// # Safety
+    /// With write or atomic rights, a peer holding a chunk key can change any allocation of
+    /// the heap — collections' elements, pointers, vtable-carrying objects, bytes Rust code
+    /// holds references to — which is undefined behaviour for the local program unless the peer
+    /// only touches memory the program treats as shared with the network (through
+    /// [`crate::heap::Exposed`]-style volatile access, never references). The caller
+    /// guarantees that of every peer it hands a chunk key to. With read-only rights the peer
+    /// can read the whole chunk, which is a leak but not undefined behaviour.
+    pub unsafe fn remote_access_to_whole_chunks(mut self) -> Self {
         self.whole_chunks = true;
         self
     }
