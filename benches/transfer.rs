@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use mralloc::heap::Heap;
+use mralloc::heap::{Exposed, Heap};
 use mralloc::transfer::{Connection, Options};
 use mralloc::verbs::{Access, Pd};
 
@@ -61,8 +61,9 @@ fn main() -> mralloc::Result<()> {
     let n = a.size;
     let mut src = heap.alloc(n)?;
     src.fill(0x5a);
-    let dst = heap.alloc(n)?;
-    let remote = dst.remote()?;
+    // The WRITE tests write into dst, the READ tests read it: exposed, with a key for both.
+    let dst = heap.alloc(n)?.expose()?;
+    let remote = dst.remote();
     let mib = |bytes: usize, secs: f64| bytes as f64 / secs / (1u64 << 20) as f64;
     match a.test.as_str() {
         "write_bw" | "read_bw" => {
@@ -115,11 +116,12 @@ fn main() -> mralloc::Result<()> {
         "write_lat" => {
             // Ping-pong through memory, as ib_write_lat: post the write, spin on the own inbox
             // for the peer's, then reap the (long since arrived) send completion.
-            let inbox_x = heap.alloc(n)?;
-            let inbox_y = heap.alloc(n)?;
-            let (rx, ry) = (inbox_x.remote()?, inbox_y.remote()?);
-            let spin = |inbox: &mralloc::Buffer, tag: u8| {
-                // SAFETY: a volatile read of heap memory the peer writes by RDMA.
+            let inbox_x = heap.alloc(n)?.expose()?;
+            let inbox_y = heap.alloc(n)?.expose()?;
+            let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
+            let spin = |inbox: &Exposed, tag: u8| {
+                // SAFETY: a volatile read of the inbox's last byte (n - 1 < n: in bounds), which
+                // the peer writes by RDMA; no reference to the exposed bytes is made.
                 while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
                     std::hint::spin_loop();
                 }

@@ -69,9 +69,10 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (clients, ops) = (args.num("clients", 3), args.num("ops", 200));
     let keys = clients * KEYS_PER_CLIENT;
-    let mut table = heap.alloc_zeroed(keys * VALUE)?;
-    table.fill(0);
-    let offer = table.remote()?.to_bytes();
+    // Clients PUT by RDMA WRITE into the table: it goes to the network (exposed, with its own
+    // write and read key) until every client is done.
+    let table = heap.alloc_zeroed(keys * VALUE)?.expose()?;
+    let offer = table.remote().to_bytes();
     // The server's threads mostly wait for notifications: let them sleep on the completion
     // channel instead of spinning (clients keep busy polling for latency).
     // Clients GET by READ and PUT by WRITE into this heap: the server's QPs allow both.
@@ -118,7 +119,9 @@ fn server(args: &Args) -> mralloc::Result<()> {
         }
         Ok(())
     })?;
-    // Verify the final state against the plan.
+    // Every client has sent its last notification after its last PUT completed: revoke the
+    // clients' key and take the table back to verify the final state against the plan.
+    let table = table.revoke()?;
     let mut expect_versions = vec![0u32; keys];
     let mut last = vec![None; keys];
     for c in 0..clients {

@@ -98,13 +98,14 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let (pd, heap) = common::setup_on(None, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
     let (workers, steps, n) = shape(args);
     let bytes = n * 4;
-    // Parameters (workers READ them) and one gradient slot per worker (workers WRITE them).
+    // Parameters (workers READ them: a read-only key) and one gradient slot per worker (workers
+    // WRITE them: the slots are exposed, and read here by copying out).
     let mut params = heap.alloc(bytes)?;
     params.copy_from_slice(as_bytes(&initial(n)));
-    let grads = heap.alloc(workers * bytes)?;
+    let grads = heap.alloc(workers * bytes)?.expose()?;
     let mut offer = Vec::new();
     offer.extend_from_slice(&params.remote()?.to_bytes());
-    offer.extend_from_slice(&grads.remote()?.to_bytes());
+    offer.extend_from_slice(&grads.remote().to_bytes());
     // Workers pull by READ and push by WRITE into this heap: the server's QPs allow both.
     let opts = Options {
         wait: WaitMode::Event,
@@ -127,7 +128,8 @@ fn server(args: &Args) -> mralloc::Result<()> {
                 fail(&format!("worker {w} pushed step {imm} during step {step}"));
             }
         }
-        let g: Vec<Vec<f32>> = (0..workers).map(|w| floats(&grads[w * bytes..(w + 1) * bytes])).collect();
+        let landed = grads.to_vec();
+        let g: Vec<Vec<f32>> = (0..workers).map(|w| floats(&landed[w * bytes..(w + 1) * bytes])).collect();
         let mut p = floats(&params);
         apply(&mut p, &g);
         params.copy_from_slice(as_bytes(&p));

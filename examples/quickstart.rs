@@ -4,7 +4,8 @@
 //! scripts/softroce -- cargo run --release --example quickstart -- [--size BYTES]
 //! ```
 //!
-//! Buffers come out of a `Heap` bound to the device: no `ibv_reg_mr` per buffer, keys included.
+//! Buffers come out of a `Heap` bound to the device: no `ibv_reg_mr` per buffer for local use,
+//! lkeys included; only a buffer handed to the peer gets a registration (its rkey) of its own.
 //! Both queue pairs live on one device (a loopback connection), so one process shows the whole
 //! path: the endpoint each side prints is exactly what two hosts would exchange over TCP.
 
@@ -81,8 +82,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for (i, byte) in src.iter_mut().enumerate() {
         *byte = (i as u64).wrapping_mul(2654435761).to_le_bytes()[1];
     }
-    // dst's own key: a registration of exactly dst, removed when dst is freed.
-    let remote = dst.remote()?;
+    // a WRITEs into dst, so dst goes to the network (`expose`) with a key of its own: a
+    // registration of exactly dst, removed when dst is dropped. Its bytes are read by copying out.
+    let dst = dst.expose()?;
+    let remote = dst.remote();
     println!("peer would be sent: {remote:?}");
 
     // RDMA WRITE: a's src -> b's dst.
@@ -91,7 +94,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: src and dst stay alive and are not touched by the CPU until the completion below.
     unsafe { a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, size as u64)?))])? };
     cq.next(wait)?.ok()?;
-    report("RDMA WRITE", &src, &dst, t.elapsed())?;
+    let took = t.elapsed(); // before the copy out of dst
+    report("RDMA WRITE", &src, &dst.to_vec(), took)?;
 
     // RDMA READ: b's dst -> a's back buffer.
     let sge = [back.sge(..)?];

@@ -133,7 +133,8 @@ fn b(args: &Args) -> mralloc::Result<()> {
     let size = args.num("size", 16 << 20);
     let next = args.str_or("next", "127.0.0.1:7482");
     let to_c = common::retry(|| Connection::connect(next.as_str(), &pd_out, opts_on(dev_out)))?;
-    let mut landing = heap.alloc(size)?;
+    // Exposed: A gets a key it may write through, until its immediate says the data is there.
+    let landing = heap.alloc(size)?.expose()?;
     let bind = args.str_or("bind", "0.0.0.0");
     // A writes (with immediate) into `landing`: only this connection lets its peer write.
     let from_a_opts = Options { remote_access: Access::REMOTE_WRITE, ..opts_on(dev_in) };
@@ -141,6 +142,8 @@ fn b(args: &Args) -> mralloc::Result<()> {
     let from_a = listener.accept_with(&landing.remote_for(&pd_in)?.to_bytes())?;
     let t = Instant::now();
     let crc_a = from_a.recv_imm()?;
+    // A is done: revoke its key and take the bytes back.
+    let mut landing = landing.revoke()?;
     let got = crc32(&landing);
     if got != crc_a {
         fail(&format!("B: data from A has CRC {got:08x}, A said {crc_a:08x}"));

@@ -21,9 +21,11 @@
 //! let pd = Pd::new(&Context::open_default()?)?;
 //! let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
 //!
-//! // 2. Buffers come out registered: no ibv_reg_mr per buffer, keys included.
+//! // 2. Buffers come out registered (no ibv_reg_mr per buffer, lkey included). One that a peer
+//! //    may write is handed to the network: `expose` gives it a key of its own, covering
+//! //    exactly its bytes, and no references to them while the peer may write.
 //! let mut src = heap.alloc(4096)?;
-//! let dst = heap.alloc(4096)?;
+//! let dst = heap.alloc(4096)?.expose()?;
 //! src[..11].copy_from_slice(b"hello, rdma");
 //!
 //! // 3. Connect (two RC queue pairs; `dst.remote()` is what a peer would be sent). A connection
@@ -33,7 +35,8 @@
 //! let (a, _b) = Connection::pair(&pd, &opts)?;
 //!
 //! // 4. Zero-copy RDMA WRITE; returns when the NIC is done with `src`.
-//! a.write(&src[..11], &dst.remote()?)?;
+//! a.write(&src[..11], &dst.remote())?;
+//! let dst = dst.revoke()?; // the key is dead: the bytes are ours again
 //! assert_eq!(&dst[..11], b"hello, rdma");
 //! # Ok::<(), mralloc::Error>(())
 //! ```
@@ -91,10 +94,12 @@
 //!
 //! ## Remote grants and mapped files
 //!
-//! A peer reaches only what was exposed to it. [`heap::Buffer::remote`] registers exactly that
+//! A peer reaches only what was exposed to it. [`heap::Buffer::expose`] registers exactly that
 //! buffer with the heap's remote rights and hands out the registration's rkey: the device refuses
-//! every access outside the buffer, and the key dies when the buffer is freed or
-//! [`heap::Buffer::revoke_remote`]d. Chunks are registered for local access only; chunk-wide
+//! every access outside the buffer, and the key dies when the [`heap::Exposed`] is revoked or
+//! dropped. While exposed, the buffer gives no references to its bytes (the peer may write them
+//! at any moment), only volatile copies. [`heap::Buffer::remote`] is the read-only variant: a
+//! key the peer can only read through, so the buffer stays usable. Chunks are registered for local access only; chunk-wide
 //! rkeys (free to hand out, but reaching every allocation in the chunk, irrevocably) exist only
 //! for heaps built with [`heap::HeapBuilder::remote_access_to_whole_chunks`], through
 //! [`heap::Buffer::remote_whole_chunk`]. [`transfer::Connection::grant`] gives one connection a

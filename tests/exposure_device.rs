@@ -32,8 +32,8 @@ fn filled(heap: &Heap, n: usize, byte: u8) -> mralloc::Buffer {
 fn device_connection_without_remote_rights_refuses_the_peers_write() {
     let (pd, heap) = setup();
     // The memory grants everything (its heap has ALL_REMOTE); only the connection's QP decides.
-    let target = filled(&heap, 4096, 0x11);
-    let remote = target.remote().unwrap();
+    let target = filled(&heap, 4096, 0x11).expose().unwrap();
+    let remote = target.remote();
     let src = filled(&heap, 4096, 0x22);
 
     // Default options: no remote rights. The writer gets a remote error completion, typed.
@@ -42,7 +42,7 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     println!("WRITE into a connection without REMOTE_WRITE: {err}");
     assert!(matches!(err, Error::Operation { .. }), "{err:?}");
     assert_eq!(err.wc_status(), Some(REFUSED), "{err}");
-    assert!(target.iter().all(|&x| x == 0x11), "the refused WRITE changed the target memory");
+    assert!(target.to_vec().iter().all(|&x| x == 0x11), "the refused WRITE changed the target memory");
 
     // READ and atomics are refused the same way.
     let (c, _d) = Connection::pair(&pd, &Options::default()).unwrap();
@@ -53,12 +53,12 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     let (e, _f) = Connection::pair(&pd, &Options::default()).unwrap();
     let err = e.fetch_add(&remote, 0, 1).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "fetch-add: {err}");
-    assert!(target.iter().all(|&x| x == 0x11), "a refused atomic changed the target memory");
+    assert!(target.to_vec().iter().all(|&x| x == 0x11), "a refused atomic changed the target memory");
 
     // The same WRITE succeeds once the target side asked for REMOTE_WRITE...
     let (g, _h) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     g.write(&src, &remote).unwrap();
-    assert!(target.iter().all(|&x| x == 0x22), "the permitted WRITE landed");
+    assert!(target.to_vec().iter().all(|&x| x == 0x22), "the permitted WRITE landed");
     // ...and that right is all it got: a READ is still refused.
     let err = g.read(&mut back, &remote).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "READ with only REMOTE_WRITE: {err}");
@@ -127,8 +127,8 @@ fn auth_failure<T: std::fmt::Debug>(r: mralloc::Result<T>) -> AuthFailure {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_shared_secret_admits_only_peers_that_hold_it() {
     let (pd, heap) = setup();
-    let inbox = filled(&heap, 64 << 10, 0);
-    let offer = inbox.remote().unwrap().to_bytes();
+    let inbox = filled(&heap, 64 << 10, 0).expose().unwrap();
+    let offer = inbox.remote().to_bytes();
     let server_opts = with_secret(rights(Access::REMOTE_WRITE), "correct horse battery staple");
     let listener = Listener::bind("127.0.0.1:0", &pd, server_opts).unwrap();
     let addr = listener.local_addr().unwrap();
@@ -166,7 +166,7 @@ fn device_shared_secret_admits_only_peers_that_hold_it() {
     let conn = listener.accept_with(&offer).unwrap();
     assert_eq!(conn.recv_imm().unwrap(), 41);
     client.join().unwrap();
-    assert_bytes_eq(&inbox, &pattern(41, 64 << 10), "written by the authenticated client");
+    assert_bytes_eq(&inbox.to_vec(), &pattern(41, 64 << 10), "written by the authenticated client");
 
     // A client that requires a secret refuses a listener without one, and both say so.
     let open_listener = Listener::bind("127.0.0.1:0", &pd, rights(Access::REMOTE_WRITE)).unwrap();
@@ -188,15 +188,16 @@ fn device_two_processes_with_right_and_wrong_secrets() {
     const SECRET: &str = "two-process secret 8c1f";
     if let Ok(port) = std::env::var("MRALLOC_SECRET_SERVER") {
         let (pd, heap) = setup();
-        let inbox = filled(&heap, 1 << 20, 0);
+        let inbox = filled(&heap, 1 << 20, 0).expose().unwrap();
         let opts = with_secret(rights(Access::REMOTE_WRITE), SECRET);
         let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, opts).unwrap();
-        let offer = inbox.remote().unwrap().to_bytes();
+        let offer = inbox.remote().to_bytes();
         let first = auth_failure(l.accept_with(&offer));
         println!("secret server: first peer refused: {first:?}");
         assert_eq!(first, AuthFailure::WrongSecret);
         let conn = l.accept_with(&offer).unwrap();
         let imm = conn.recv_imm().unwrap();
+        let inbox = inbox.revoke().unwrap();
         assert_bytes_eq(&inbox, &pattern(43, 1 << 20), "secret server inbox");
         println!("secret server: verified {} bytes, imm {imm}", inbox.len());
         return;
@@ -240,16 +241,31 @@ fn device_buffer_key_covers_that_buffer_only() {
     let target = filled(&heap, 4096, 0x02);
     let after = filled(&heap, 4096, 0x03);
     assert_eq!(mralloc::heap::chunk_of(before.as_ptr()), mralloc::heap::chunk_of(after.as_ptr()), "one chunk");
-    let remote = target.remote().unwrap();
-    assert!(target.is_exposed());
-    assert_eq!(target.remote().unwrap(), remote, "a second call reuses the key");
-    assert_ne!(Some(remote.rkey), target.keys().map(|k| k.rkey), "not the chunk's key");
+    let chunk_rkey = target.keys().unwrap().rkey;
     let src = filled(&heap, 8192, 0xEE);
+
+    // `remote()` is a read-only key over exactly the buffer: a peer's WRITE through it fails.
+    let read_only = target.remote().unwrap();
+    assert!(target.is_exposed());
+    assert_eq!(target.remote().unwrap(), read_only, "a second call reuses the key");
+    let (r, _s) = open_pair(&pd);
+    let mut got = filled(&heap, 4096, 0);
+    r.read(&mut got, &read_only).unwrap();
+    assert!(got.iter().all(|&x| x == 0x02), "read through the read-only key");
+    let err = r.write(&src[..4096], &read_only).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE through a read-only key: {err}");
+    assert!(target.iter().all(|&x| x == 0x02), "the refused WRITE changed nothing");
+
+    // `expose()`: a key with the heap's rights (write too), over exactly the buffer.
+    let target = target.expose().unwrap();
+    let remote = target.remote();
+    assert_ne!(remote.rkey, chunk_rkey, "not the chunk's key");
+    assert_ne!(remote.rkey, read_only.rkey, "not the read-only key");
 
     // The whole buffer is reachable, with exactly its bounds.
     let (a, _b) = open_pair(&pd);
     a.write(&src[..4096], &remote).unwrap();
-    assert!(target.iter().all(|&x| x == 0xEE));
+    assert!(target.to_vec().iter().all(|&x| x == 0xEE));
     let mut back = filled(&heap, 4096, 0);
     a.read(&mut back, &remote).unwrap();
     assert!(back.iter().all(|&x| x == 0xEE));
@@ -275,13 +291,14 @@ fn device_buffer_key_covers_that_buffer_only() {
         assert!(got.iter().all(|&b| b == 0x5A), "a refused READ of {what} delivered bytes");
     }
     assert!(before.iter().all(|&x| x == 0x01) && after.iter().all(|&x| x == 0x03), "neighbours unchanged");
-    assert!(target.iter().all(|&x| x == 0xEE), "the refused range-over-the-end wrote nothing");
+    assert!(target.to_vec().iter().all(|&x| x == 0xEE), "the refused range-over-the-end wrote nothing");
 
     // The chunk's registration has no remote rights: its rkey reaches nothing.
-    let chunk_key = RemoteBuf { addr: target.addr(), len: 64, rkey: target.keys().unwrap().rkey };
+    let chunk_key = RemoteBuf { addr: target.addr(), len: 64, rkey: chunk_rkey };
     let (c, _d) = open_pair(&pd);
     let err = c.write(&src[..64], &chunk_key).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE with the chunk rkey: {err}");
+    let target = target.revoke().unwrap();
     assert!(matches!(target.remote_whole_chunk(), Err(Error::NoWholeChunkAccess)));
 }
 
@@ -293,8 +310,8 @@ fn device_freed_or_revoked_buffer_is_unreachable() {
     let (pd, heap) = setup();
     let src = filled(&heap, 4096, 0xEE);
 
-    let freed = filled(&heap, 4096, 0x10);
-    let (addr, old) = (freed.addr(), freed.remote().unwrap());
+    let freed = filled(&heap, 4096, 0x10).expose().unwrap();
+    let (addr, old) = (freed.addr(), freed.remote());
     let (a, _b) = open_pair(&pd);
     a.write(&src, &old).unwrap();
     drop(freed);
@@ -310,19 +327,20 @@ fn device_freed_or_revoked_buffer_is_unreachable() {
     assert!(heir.iter().all(|&x| x == 0x20), "the new owner's bytes were reached");
     assert!(!heir.is_exposed(), "the new owner is not exposed by the old key");
 
-    let mut kept = filled(&heap, 4096, 0x30);
-    let first = kept.remote().unwrap();
-    kept.revoke_remote().unwrap();
+    let kept = filled(&heap, 4096, 0x30).expose().unwrap();
+    let first = kept.remote();
+    let kept = kept.revoke().unwrap();
     assert!(!kept.is_exposed());
     let (g, _h) = open_pair(&pd);
     assert_eq!(g.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
     assert!(kept.iter().all(|&x| x == 0x30), "a revoked buffer was written");
     // Exposing it again gives a new key that works; the old one stays dead.
-    let second = kept.remote().unwrap();
+    let kept = kept.expose().unwrap();
+    let second = kept.remote();
     assert_ne!(second.rkey, first.rkey);
     let (i, _j) = open_pair(&pd);
     i.write(&src, &second).unwrap();
-    assert!(kept.iter().all(|&x| x == 0xEE));
+    assert!(kept.to_vec().iter().all(|&x| x == 0xEE));
     let (k, _l) = open_pair(&pd);
     assert_eq!(k.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
 }
@@ -335,7 +353,9 @@ fn device_whole_chunk_keys_only_when_asked() {
     let pd = Pd::new(&open()).unwrap();
     // SAFETY: only this test's own connections get the chunk key, and they write only into
     // buffers no reference is held to while the writes run (checked after their completion).
-    let heap = unsafe { Heap::builder().bind(&pd).access(Access::ALL_REMOTE).remote_access_to_whole_chunks() }.build().unwrap();
+    let heap = unsafe { Heap::builder().bind(&pd).access(Access::ALL_REMOTE).remote_access_to_whole_chunks() }
+        .build()
+        .unwrap();
     let target = filled(&heap, 4096, 0x01);
     let neighbour = filled(&heap, 4096, 0x02);
     assert_eq!(mralloc::heap::chunk_of(target.as_ptr()), mralloc::heap::chunk_of(neighbour.as_ptr()), "one chunk");
@@ -349,8 +369,9 @@ fn device_whole_chunk_keys_only_when_asked() {
     let next_door = RemoteBuf { addr: neighbour.addr(), len: 4096, rkey: wide.rkey };
     a.write(&src, &next_door).unwrap();
     assert!(neighbour.iter().all(|&x| x == 0xEE));
-    // Buffer::remote still confines on such a heap.
-    let own = target.remote().unwrap();
+    // Buffer::expose still confines on such a heap.
+    let target = target.expose().unwrap();
+    let own = target.remote();
     assert_ne!(own.rkey, wide.rkey);
     let (c, _d) = open_pair(&pd);
     let err = c.write(&src[..1], &RemoteBuf { addr: neighbour.addr(), len: 1, rkey: own.rkey }).unwrap_err();

@@ -13,18 +13,19 @@ fn remote_heap(pd: &Pd) -> Heap {
     Heap::builder().bind(pd).access(Access::ALL_REMOTE).max_chunk(16 << 20).build().expect("bound heap")
 }
 
-/// RDMA-WRITEs `src` into `dst` (with dst's own rkey) and RDMA-READs `dst` back into `back`
-/// (with their own lkeys), verifying both byte by byte.
-fn write_read(lb: &Loopback, src: &Buffer, dst: &Buffer, back: &Buffer, what: &str) {
+/// RDMA-WRITEs `src` into `dst` (exposed with a key of its own) and RDMA-READs `dst` back into
+/// `back` (with their own lkeys), verifying both byte by byte.
+fn write_read(lb: &Loopback, src: &Buffer, dst: Buffer, back: &Buffer, what: &str) {
     let n = src.len();
     assert!(dst.len() >= n && back.len() >= n);
-    let remote = dst.remote().expect("dst remote");
+    let dst = dst.expose().expect("dst exposed");
+    let remote = dst.remote();
     let sge = [src.sge(..).expect("src sge")];
     // SAFETY: src/dst/back outlive the completions polled right after each post, and the CPU
     // does not touch them meanwhile.
     unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, n as u64).unwrap()))]).unwrap() };
     lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: write: {e}"));
-    assert_bytes_eq(&dst[..n], src, &format!("{what}: RDMA WRITE"));
+    assert_bytes_eq(&dst.to_vec()[..n], src, &format!("{what}: RDMA WRITE"));
     let sge = [back.sge(..n).expect("back sge")];
     // SAFETY: as above.
     unsafe { lb.a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, n as u64).unwrap()))]).unwrap() };
@@ -50,7 +51,7 @@ fn device_heap_buffers_are_rdma_writable_and_readable_with_their_own_keys() {
         let dst = heap.alloc(n).unwrap();
         let back = heap.alloc(n).unwrap();
         assert_eq!(heap.keys(dst.as_ptr()), heap.keys(dst.as_ptr().wrapping_add(n - 1)));
-        write_read(&lb, &src, &dst, &back, &format!("{n} bytes"));
+        write_read(&lb, &src, dst, &back, &format!("{n} bytes"));
     }
     // The purge hazard: free, ask jemalloc to purge and decay, reuse — still the NIC's pages.
     let freed: Vec<_> = (0..32).map(|i| filled(&heap, 256 << 10, 100 + i)).collect();
@@ -61,7 +62,7 @@ fn device_heap_buffers_are_rdma_writable_and_readable_with_their_own_keys() {
         let src = filled(&heap, 256 << 10, 200 + i);
         let dst = heap.alloc(256 << 10).unwrap();
         let back = heap.alloc(256 << 10).unwrap();
-        write_read(&lb, &src, &dst, &back, &format!("reused after purge #{i}"));
+        write_read(&lb, &src, dst, &back, &format!("reused after purge #{i}"));
     }
     let st = heap.stats();
     println!("heap stats after the sample: {st:?}");
@@ -82,7 +83,7 @@ fn device_late_bind_registers_existing_chunks() {
     assert!(early.lkey().is_some(), "bind registers chunks made before it");
     let dst = heap.alloc(300_000).unwrap();
     let back = heap.alloc(300_000).unwrap();
-    write_read(&lb, &early, &dst, &back, "late bind");
+    write_read(&lb, &early, dst, &back, "late bind");
     assert_eq!(mralloc::keys_of(early.as_ptr()), early.keys());
 }
 
@@ -132,7 +133,7 @@ fn device_memory_written_after_fork_in_the_parent() {
     // While the child runs, the parent writes the registered memory (copy-on-write would give
     // the parent a new page the NIC does not see; MADV_DONTFORK prevents it).
     src.copy_from_slice(&pattern(12, 1 << 20));
-    write_read(&lb, &src, &dst, &back, "after fork");
+    write_read(&lb, &src, dst, &back, "after fork");
     let mut status = 0;
     // SAFETY: pid is our child.
     let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
@@ -315,7 +316,7 @@ fn device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives() {
         let src = filled(&heap, 8192, 50 + i);
         let dst = heap.alloc(8192).unwrap();
         let back = heap.alloc(8192).unwrap();
-        write_read(&lb, &src, &dst, &back, "after memlock failure");
+        write_read(&lb, &src, dst, &back, "after memlock failure");
     }
     drop(small);
     std::thread::sleep(Duration::from_millis(1));
@@ -347,7 +348,7 @@ fn device_two_mib_aligned_allocation_after_a_refused_grow_is_registered() {
     let other = remote_heap(&lb.pd);
     let src = filled(&other, 4 << 20, 77);
     let back = other.alloc(4 << 20).unwrap();
-    write_read(&lb, &src, &dst, &back, "2 MiB-aligned buffer");
+    write_read(&lb, &src, dst, &back, "2 MiB-aligned buffer");
 }
 
 /// The purge hazard with jemalloc's `process_madvise` purging asked for (off by default; any
@@ -379,7 +380,7 @@ fn device_purged_memory_stays_the_nics_even_with_process_madvise() {
             let src = filled(&heap, 256 << 10, 1000 * round + 500 + i);
             let dst = heap.alloc(256 << 10).unwrap();
             let back = heap.alloc(256 << 10).unwrap();
-            write_read(&lb, &src, &dst, &back, &format!("round {round}: reused after purge #{i}"));
+            write_read(&lb, &src, dst, &back, &format!("round {round}: reused after purge #{i}"));
         }
     }
     println!("purge child: OK");

@@ -83,8 +83,9 @@ fn device_forgotten_sends_writes_and_reads_touch_no_new_owner() {
     let (_pd, heap, a, b) = setup();
     let n = 4096; // a thread-cached size: a freed block is handed out again at once
     reuse_is_immediate(&heap, n);
-    let dst = heap.alloc(3 * n).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(3 * n).unwrap().expose().unwrap();
+    let remote = dst.remote();
+    let landed = |range: std::ops::Range<usize>, byte: u8| dst.to_vec()[range].iter().all(|&x| x == byte);
 
     // WRITE: the NIC reads the forgotten buffer, never a new owner's bytes.
     let src = filled(&heap, n, 0xA1);
@@ -92,14 +93,14 @@ fn device_forgotten_sends_writes_and_reads_touch_no_new_owner() {
     std::mem::forget(a.post_write(src, &remote, 0).unwrap());
     let victim_w = filled(&heap, n, 0x22);
     assert_ne!(victim_w.addr(), src_addr);
-    until(&[&a], "the forgotten WRITE lands", || dst[..n].iter().all(|&x| x == 0xA1));
+    until(&[&a], "the forgotten WRITE lands", || landed(0..n, 0xA1));
 
     // WRITE with immediate: same, and the immediate arrives.
     let src = filled(&heap, n, 0xA2);
     std::mem::forget(a.post_write_with_imm(src, &remote, n as u64, 0x5EED).unwrap());
     let _victim_i = filled(&heap, n, 0x33);
     assert_eq!(b.recv_imm().unwrap(), 0x5EED);
-    assert!(dst[n..2 * n].iter().all(|&x| x == 0xA2), "WRITE with immediate carried the forgotten buffer");
+    assert!(landed(n..2 * n, 0xA2), "WRITE with immediate carried the forgotten buffer");
 
     // SEND: the peer receives the forgotten buffer's bytes.
     let inbox = b.post_recv(heap.alloc(n).unwrap()).unwrap();
@@ -164,13 +165,14 @@ fn device_dropped_operations_do_not_block_and_free_after_completion() {
     // An in-flight 16 MiB write: the drop returns at once, the buffer is freed after the
     // completion, and the data arrived.
     let n = 16 << 20;
-    let dst = heap.alloc(n).unwrap();
+    let dst = heap.alloc(n).unwrap().expose().unwrap();
     let before = heap.stats().live_bytes;
-    let p = a.post_write(filled(&heap, n, 0x99), &dst.remote().unwrap(), 0).unwrap();
+    let p = a.post_write(filled(&heap, n, 0x99), &dst.remote(), 0).unwrap();
     let t = Instant::now();
     drop(p);
     assert!(t.elapsed() < OP_TIMEOUT / 4, "dropping an in-flight write took {:?}", t.elapsed());
     until(&[&a], "the parked write buffer is freed", || heap.stats().live_bytes == before);
+    let dst = dst.revoke().unwrap();
     assert!(dst.iter().all(|&x| x == 0x99), "the dropped write completed");
 
     // Closing a connection with a parked receive frees it (flushed).
@@ -193,8 +195,8 @@ fn device_dropped_operations_do_not_block_and_free_after_completion() {
 fn device_buffers_cross_threads_and_outlive_their_heap_handles() {
     let (_pd, heap, a, b) = setup();
     let n = 1 << 20;
-    let dst = heap.alloc(n).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(n).unwrap().expose().unwrap();
+    let remote = dst.remote();
     let base = heap.stats().live_bytes;
 
     // Allocated on one thread, posted from a second, freed on a third.
@@ -211,7 +213,7 @@ fn device_buffers_cross_threads_and_outlive_their_heap_handles() {
     let done =
         std::thread::scope(|s| s.spawn(|| a.post_write(made, &remote, 0).unwrap().wait().unwrap().0).join()).unwrap();
     std::thread::spawn(move || drop(done)).join().unwrap();
-    assert_bytes_eq(&dst, &pattern(9, n), "written from the second thread");
+    assert_bytes_eq(&dst.to_vec(), &pattern(9, n), "written from the second thread");
     assert_eq!(heap.stats().live_bytes, base, "freed on the third thread");
 
     // A sub-range through an owned slice, and the whole buffer back.

@@ -81,9 +81,9 @@ fn device_stress_two_threads_eight_connections() {
                         let sum = checksum(&src);
                         match rng.below(3) {
                             0 => {
-                                let dst = heap.alloc(n).unwrap();
-                                a.write(&src, &dst.remote().unwrap()).unwrap();
-                                assert_eq!(checksum(&dst), sum, "write {i}");
+                                let dst = heap.alloc(n).unwrap().expose().unwrap();
+                                a.write(&src, &dst.remote()).unwrap();
+                                assert_eq!(checksum(&dst.to_vec()), sum, "write {i}");
                             }
                             1 => {
                                 let mut dst = heap.alloc(n).unwrap();
@@ -196,8 +196,8 @@ fn device_bad_input_is_typed() {
     let (pd, heap) = setup();
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let src = heap.alloc(4096).unwrap();
-    let dst = heap.alloc(4096).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(4096).unwrap().expose().unwrap();
+    let remote = dst.remote();
     // Overflowing remote ranges.
     let wrap = RemoteBuf { addr: u64::MAX - 10, len: 4096, rkey: remote.rkey };
     assert!(matches!(a.write(&src, &wrap), Err(Error::OutOfBounds { .. })));
@@ -205,8 +205,9 @@ fn device_bad_input_is_typed() {
     // A RemoteBuf of another connection's PD: the NIC refuses it, typed.
     let other_pd = Pd::new(pd.context()).unwrap();
     let other = Heap::builder().bind(&other_pd).access(Access::ALL_REMOTE).build().unwrap();
-    let foreign = other.alloc(4096).unwrap();
-    let foreign_remote = foreign.remote().unwrap();
+    // (Exposed, so that the PD is the only thing wrong with a write through its key.)
+    let foreign = other.alloc(4096).unwrap().expose().unwrap();
+    let foreign_remote = foreign.remote();
     let err = a.write(&src, &foreign_remote).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     // Memory of another PD as the local side: refused before posting.
@@ -255,14 +256,14 @@ fn device_link_down_then_up() {
     let opts = Options { op_timeout: Duration::from_secs(5), ..rights(Access::REMOTE_WRITE) };
     let (a, _b) = Connection::pair(&pd, &opts).unwrap();
     let src = heap.alloc(64 << 10).unwrap();
-    let dst = heap.alloc(64 << 10).unwrap();
-    a.write(&src, &dst.remote().unwrap()).unwrap();
+    let dst = heap.alloc(64 << 10).unwrap().expose().unwrap();
+    a.write(&src, &dst.remote()).unwrap();
     let guard = LinkUp;
     assert!(std::process::Command::new("ip").args(["link", "set", "veth0", "down"]).status().unwrap().success());
     let t = Instant::now();
     let mut err = None;
     for _ in 0..1000 {
-        if let Err(e) = a.write(&src, &dst.remote().unwrap()) {
+        if let Err(e) = a.write(&src, &dst.remote()) {
             err = Some(e);
             break;
         }
@@ -290,6 +291,6 @@ fn device_link_down_then_up() {
             Err(e) => panic!("no connection after the link came back: {e}"),
         }
     };
-    c.write(&src, &dst.remote().unwrap()).unwrap();
+    c.write(&src, &dst.remote()).unwrap();
     println!("link up: port ACTIVE and a fresh connection moved 64 KiB after {:?}", t.elapsed());
 }

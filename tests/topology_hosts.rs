@@ -60,7 +60,7 @@ fn device_topology_exchange() {
                     remote_access: Access::REMOTE_WRITE,
                     ..Options::default()
                 };
-                let inbox = heap.alloc(SIZE).unwrap();
+                let inbox = heap.alloc(SIZE).unwrap().expose().unwrap();
                 let offer = inbox.remote_for(pd).unwrap().to_bytes();
                 let conn = if me < l.peer {
                     Listener::bind((l.local_ip.as_str(), port), pd, opts).unwrap().accept_with(&offer).unwrap()
@@ -78,7 +78,7 @@ fn device_topology_exchange() {
                 });
                 assert_eq!(imm as usize, l.peer, "the immediate names the peer");
                 assert_bytes_eq(
-                    &inbox,
+                    &inbox.to_vec(),
                     &pattern((l.peer * 100 + me) as u64, SIZE),
                     &format!("host {me} from host {}", l.peer),
                 );

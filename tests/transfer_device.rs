@@ -28,12 +28,12 @@ fn device_every_operation_at_every_size_and_unaligned_offsets() {
         let want = pattern(i as u64, n);
         let mut src = heap.alloc(n + off).unwrap();
         src[off..].copy_from_slice(&want);
-        let dst = heap.alloc(n + 2 * off).unwrap();
-        let remote = dst.remote().unwrap();
+        let dst = heap.alloc(n + 2 * off).unwrap().expose().unwrap();
+        let remote = dst.remote();
 
         // WRITE from an unaligned slice of heap memory to an unaligned remote offset.
         a.write_at(&src[off..], &remote, off as u64).unwrap();
-        assert_bytes_eq(&dst[off..off + n], &want, &format!("write {n}"));
+        assert_bytes_eq(&dst.to_vec()[off..off + n], &want, &format!("write {n}"));
 
         // READ it back into another unaligned slice.
         let mut back = heap.alloc(n + off).unwrap();
@@ -49,13 +49,14 @@ fn device_every_operation_at_every_size_and_unaligned_offsets() {
         assert_bytes_eq(&inbox, &want, &format!("send/recv {n}"));
 
         // WRITE with immediate: data lands, the immediate arrives at b.
-        let dst2 = heap.alloc(n).unwrap();
+        let dst2 = heap.alloc(n).unwrap().expose().unwrap();
         let waiter = std::thread::scope(|s| {
             let h = s.spawn(|| b.recv_imm());
-            a.write_with_imm(&src[off..], &dst2.remote().unwrap(), 0, 0xC0DE_0000 + i as u32).unwrap();
+            a.write_with_imm(&src[off..], &dst2.remote(), 0, 0xC0DE_0000 + i as u32).unwrap();
             h.join().unwrap()
         });
         assert_eq!(waiter.unwrap(), 0xC0DE_0000 + i as u32);
+        let dst2 = dst2.revoke().unwrap();
         assert_bytes_eq(&dst2, &want, &format!("write_with_imm {n}"));
     }
 }
@@ -85,7 +86,8 @@ fn device_atomics_from_two_threads_sum_exactly() {
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_ATOMIC)).unwrap();
     let mut word = heap.alloc_layout(std::alloc::Layout::from_size_align(8, 8).unwrap()).unwrap();
     word.fill(0);
-    let remote = word.remote().unwrap();
+    let word = word.expose().unwrap();
+    let remote = word.remote();
     const N: u64 = 200;
     let olds: Vec<u64> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
@@ -93,7 +95,7 @@ fn device_atomics_from_two_threads_sum_exactly() {
             .collect();
         hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(u64::from_ne_bytes(word[..8].try_into().unwrap()), 2 * N);
+    assert_eq!(u64::from_ne_bytes(word.to_vec()[..8].try_into().unwrap()), 2 * N);
     let mut sorted = olds.clone();
     sorted.sort();
     assert_eq!(sorted, (0..2 * N).collect::<Vec<_>>(), "every old value seen exactly once");
@@ -115,8 +117,8 @@ fn device_batch_of_1000_writes_with_selective_signaling() {
             s
         })
         .collect();
-    let dst = heap.alloc(1000 * 4096).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(1000 * 4096).unwrap().expose().unwrap();
+    let remote = dst.remote();
     let t = Instant::now();
     let mut batch = a.batch();
     for i in 0..1000 {
@@ -125,6 +127,7 @@ fn device_batch_of_1000_writes_with_selective_signaling() {
     assert_eq!(batch.len(), 1000);
     batch.submit().unwrap();
     println!("batch of 1000 x 4 KiB writes (send depth 64): {:?}", t.elapsed());
+    let dst = dst.revoke().unwrap();
     for i in 0..1000 {
         assert_bytes_eq(&dst[i * 4096..(i + 1) * 4096], &srcs[i % 10], &format!("batch write {i}"));
     }
@@ -188,8 +191,8 @@ fn device_errors_are_typed_and_the_connection_fails_fast() {
     let (pd, heap) = setup();
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let src = heap.alloc(4096).unwrap();
-    let dst = heap.alloc(4096).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(4096).unwrap().expose().unwrap();
+    let remote = dst.remote();
     // Out of range: refused locally, the connection stays usable.
     assert!(matches!(a.write_at(&src, &remote, 1), Err(Error::OutOfBounds { .. })));
     assert!(matches!(a.write_at(&src, &remote, u64::MAX), Err(Error::OutOfBounds { .. })));
@@ -253,11 +256,12 @@ fn device_two_processes_over_tcp_exchange() {
 
 fn server(port: u16) {
     let (pd, heap) = setup();
-    let inbox = heap.alloc(1 << 20).unwrap();
+    let inbox = heap.alloc(1 << 20).unwrap().expose().unwrap();
     // The server's memory is the target of the client's WRITE: it asks for that right.
     let listener = Listener::bind(("127.0.0.1", port), &pd, rights(Access::REMOTE_WRITE)).unwrap();
-    let conn = listener.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+    let conn = listener.accept_with(&inbox.remote().to_bytes()).unwrap();
     let imm = conn.recv_imm().unwrap();
+    let inbox = inbox.revoke().unwrap();
     assert_bytes_eq(&inbox, &pattern(99, 1 << 20), "server inbox");
     let mut ack = heap.alloc(8).unwrap();
     ack.copy_from_slice(b"verified");
@@ -271,9 +275,9 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     if let Ok(port) = std::env::var("MRALLOC_VICTIM") {
         // The victim: offer a buffer, then wait to be killed.
         let (pd, heap) = setup();
-        let inbox = heap.alloc(1 << 20).unwrap();
+        let inbox = heap.alloc(1 << 20).unwrap().expose().unwrap();
         let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, rights(Access::REMOTE_WRITE)).unwrap();
-        let _conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+        let _conn = l.accept_with(&inbox.remote().to_bytes()).unwrap();
         println!("victim: connected");
         std::thread::sleep(Duration::from_secs(600));
         return;
@@ -315,8 +319,8 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     assert!(t.elapsed() < Duration::from_millis(100), "a failed connection refuses posts at once");
     // The survivor's other connections keep working.
     let (x, _y) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
-    let dst = heap.alloc(64 << 10).unwrap();
-    x.write(&data, &dst.remote().unwrap()).unwrap();
+    let dst = heap.alloc(64 << 10).unwrap().expose().unwrap();
+    x.write(&data, &dst.remote()).unwrap();
 }
 
 /// Two processes connected through the RDMA connection manager (server = child process).
@@ -327,7 +331,7 @@ fn device_two_processes_over_rdma_cm() {
         .expect("MRALLOC_CM_ADDR: an IP address of the RDMA device (scripts/softroce sets it)");
     if let Ok(port) = std::env::var("MRALLOC_CM_SERVER") {
         let (pd, heap) = setup();
-        let inbox = heap.alloc(256 << 10).unwrap();
+        let inbox = heap.alloc(256 << 10).unwrap().expose().unwrap();
         let mut l = mralloc::transfer::CmListener::bind(
             (ip.as_str(), port.parse::<u16>().unwrap()),
             &pd,
@@ -335,9 +339,10 @@ fn device_two_processes_over_rdma_cm() {
         )
         .unwrap();
         println!("cm server: listening");
-        let conn = l.accept_with(&inbox.remote().unwrap().to_bytes()).unwrap();
+        let conn = l.accept_with(&inbox.remote().to_bytes()).unwrap();
         assert_eq!(conn.peer_blob(), b"hello over cm");
         let imm = conn.recv_imm().unwrap();
+        let inbox = inbox.revoke().unwrap();
         assert_bytes_eq(&inbox, &pattern(5, 256 << 10), "cm server inbox");
         let mut ack = heap.alloc(2).unwrap();
         ack.copy_from_slice(b"ok");
@@ -426,17 +431,21 @@ fn device_event_and_poller_modes_move_data_without_spinning() {
         // Every kind of operation works in this mode.
         let mut src = heap.alloc(100_000).unwrap();
         src.copy_from_slice(&pattern(31, 100_000));
-        let dst = heap.alloc(100_000).unwrap();
-        a.write(&src, &dst.remote().unwrap()).unwrap();
-        assert_bytes_eq(&dst, &src, name);
+        let dst = heap.alloc(100_000).unwrap().expose().unwrap();
+        a.write(&src, &dst.remote()).unwrap();
+        assert_bytes_eq(&dst.to_vec(), &src, name);
         let mut back = heap.alloc(100_000).unwrap();
-        a.read(&mut back, &dst.remote().unwrap()).unwrap();
+        a.read(&mut back, &dst.remote()).unwrap();
         assert_bytes_eq(&back, &src, name);
         let mut batch = a.batch();
         for i in 0..100 {
-            batch.write(&src[..1000], &dst.remote().unwrap(), i * 1000).unwrap();
+            batch.write(&src[1000..2000], &dst.remote(), i * 1000).unwrap();
         }
         batch.submit().unwrap();
+        let dst = dst.revoke().unwrap();
+        for i in 0..100 {
+            assert_bytes_eq(&dst[i * 1000..(i + 1) * 1000], &src[1000..2000], &format!("{name} batch write {i}"));
+        }
         // A receive that waits 600 ms for its SEND: the waiting thread sleeps.
         let (cpu, got) = std::thread::scope(|s| {
             let h = s.spawn(|| {

@@ -8,8 +8,8 @@
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use std::sync::Mutex;
 use rdma_sys as ffi;
+use std::sync::Mutex;
 
 use crate::heap::pagemap::{PAGEMAP, SLOT};
 

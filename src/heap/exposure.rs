@@ -2,11 +2,16 @@
 //!
 //! A heap's chunks are registered for local access only (unless the heap was built with
 //! [`crate::heap::HeapBuilder::remote_access_to_whole_chunks`]). When a buffer is exposed, it
-//! gets a registration of its own over exactly its bytes, with the heap's remote rights: the
-//! device checks every remote access against that range, so a peer reaches this buffer and
-//! nothing next to it. The registration is removed (`ibv_dereg_mr`, synchronous: when it
-//! returns, the device no longer touches the range) before the buffer's memory goes back to the
-//! heap; if the device refuses, the memory is never reused.
+//! gets a registration of its own over exactly its bytes (read-only for [`Buffer::remote`], the
+//! heap's remote rights for [`Buffer::expose`]): the device checks every remote access against
+//! that range, so a peer reaches this buffer and nothing next to it. The registration is
+//! removed (`ibv_dereg_mr`: when it returns, the device no longer touches the range) before the
+//! buffer's memory goes back to the heap; if the device refuses, the memory is never reused.
+//! (One caveat outside our control: rxe in Linux 6.1 waits a bounded time for a responder still
+//! holding the region in a multi-packet request, then deregisters anyway.)
+//!
+//! [`Buffer::remote`]: crate::heap::Buffer::remote
+//! [`Buffer::expose`]: crate::heap::Buffer::expose
 //!
 //! Why a region and not a type 2 memory window: a window is bound through a queue pair and its
 //! invalidation is a work request whose completion must be waited for, so it cannot be undone

@@ -8,7 +8,11 @@ use crate::verbs::Pd;
 pub struct Keys {
     /// Local key (for scatter/gather entries on this side).
     pub lkey: u32,
-    /// Remote key (for peers; grants only what the heap's access rights allow).
+    /// The chunk registration's remote key. It reaches the **whole chunk**, and only with the
+    /// rights the chunk was registered with: none for a scoped heap (unless built with
+    /// [`crate::heap::HeapBuilder::remote_access_to_whole_chunks`]) or a plain
+    /// [`crate::heap::Global`]. To give a peer one buffer, use [`crate::heap::Buffer::expose`]
+    /// or [`crate::heap::Buffer::remote`].
     pub rkey: u32,
     /// Start of the registered chunk holding the byte.
     pub chunk_base: usize,

@@ -46,9 +46,10 @@ impl HeapBuilder {
     /// Access rights. Default [`Access::LOCAL_WRITE`]: local use only.
     ///
     /// The remote rights (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`) are what
-    /// [`Buffer::remote`] exposes a buffer with — through a registration of that buffer alone,
-    /// so a peer reaches nothing else. Chunks themselves are registered with the local rights
-    /// only ([`Access::LOCAL_WRITE`], and [`Access::MW_BIND`] if asked for, which
+    /// [`Buffer::expose`] gives a buffer's own key ([`Buffer::remote`]: `REMOTE_READ` only) —
+    /// a registration of that buffer alone, so a peer reaches nothing else. Chunks themselves
+    /// are registered with the local rights only ([`Access::LOCAL_WRITE`], added whenever any
+    /// remote right or [`Access::MW_BIND`] is asked for, and `MW_BIND`, which
     /// [`crate::transfer::Connection::grant`] needs), unless
     /// [`HeapBuilder::remote_access_to_whole_chunks`] says otherwise.
     pub fn access(mut self, access: Access) -> Self {
@@ -130,8 +131,11 @@ impl HeapBuilder {
         };
         let chunk_access = if self.whole_chunks {
             self.access.union(Access::LOCAL_WRITE)
+        } else if self.access.is_remote() || self.access.contains(Access::MW_BIND) {
+            // Write grants and local NIC writes (receives, READ targets) need local write.
+            self.access.without_remote().union(Access::LOCAL_WRITE)
         } else {
-            self.access.without_remote()
+            self.access
         };
         let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
         for pd in &self.pds {
@@ -149,7 +153,8 @@ impl HeapBuilder {
             }
         };
         let id = owner.id;
-        let heap = Heap { shared: Shared::create(owner, arena, self.max_chunk, self.access, self.whole_chunks), id, arena };
+        let heap =
+            Heap { shared: Shared::create(owner, arena, self.max_chunk, self.access, self.whole_chunks), id, arena };
         jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
         jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
@@ -174,11 +179,12 @@ impl HeapBuilder {
 /// use mralloc::verbs::{Access, Context, Pd};
 ///
 /// let pd = Pd::new(&Context::open_default()?)?;
-/// let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
+/// let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_READ).build()?;
 /// let mut buf = heap.alloc(64 << 10)?;
 /// buf.fill(7);
 /// println!("lkey {:?} at {:#x}", buf.lkey(), buf.addr());
-/// // A key for this buffer alone (a registration of its own, removed when it is freed):
+/// // A read-only key for this buffer alone (a registration of its own, removed when it is
+/// // freed); `buf.expose()` for one a peer may write:
 /// println!("offer {:?}", buf.remote()?);
 ///
 /// // Buffers move freely; the heap stays registered while they live.

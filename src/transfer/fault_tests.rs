@@ -40,8 +40,8 @@ fn device_partially_accepted_chain_is_flushed_before_the_error() {
     // requests then overflows the real send queue, and the device refuses the chain partway.
     let n = 1024;
     a.opts.send_depth = 4 * n as u32;
-    let dst = heap.alloc(64 * n).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(64 * n).unwrap().expose().unwrap();
+    let remote = dst.remote();
     let mut src = heap.alloc(64).unwrap();
     src.fill(0x5a);
     let mut batch = a.batch();
@@ -60,8 +60,8 @@ fn device_partially_accepted_chain_is_flushed_before_the_error() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_failing_polls_keep_an_owned_buffer_until_the_flush() {
     let (heap, a, _b) = setup();
-    let dst = heap.alloc(1 << 20).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
+    let remote = dst.remote();
     let p = a.post_write(heap.alloc(1 << 20).unwrap(), &remote, 0).unwrap();
     a.core.fail_polls.store(3, Ordering::Relaxed);
     let rej = p.wait().unwrap_err();
@@ -75,8 +75,8 @@ fn device_failing_polls_keep_an_owned_buffer_until_the_flush() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_failing_polls_keep_a_borrow_until_the_flush() {
     let (heap, a, _b) = setup();
-    let dst = heap.alloc(1 << 20).unwrap();
-    let remote = dst.remote().unwrap();
+    let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
+    let remote = dst.remote();
     let src = heap.alloc(1 << 20).unwrap();
     a.core.fail_polls.store(2, Ordering::Relaxed);
     let err = a.write(&src, &remote).unwrap_err();

@@ -18,7 +18,9 @@ use crate::verbs::{Access, Mw, SendFlags, SendOp, Sge};
 /// - forgetting a grant leaks the buffer: the peer may keep access to it, never to memory that
 ///   was freed or reused.
 ///
-/// The buffer must come from a heap built with [`Access::MW_BIND`] (and the rights to grant).
+/// The buffer must come from a heap built with [`Access::MW_BIND`]. The grant's rights are the
+/// ones asked of [`Connection::grant`] (remote read and/or write), whatever remote rights the
+/// heap was built with: the window, not the chunk's registration, carries them.
 ///
 /// Range checking is the device's: hardware checks every access against the window's own
 /// range, but Soft-RoCE (rxe, Linux 6.1) checks only against the region the window is bound
@@ -122,7 +124,8 @@ impl Connection {
         let prepared = self.check().and_then(|()| {
             crate::transfer::ops::nonempty(len, "grant")?;
             let (mr, _) = mr_of(ptr, &self.pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
-            if access.contains(Access::LOCAL_WRITE) || !access.is_remote() {
+            let read_write = Access::REMOTE_READ | Access::REMOTE_WRITE;
+            if access.bits() & !read_write.bits() != 0 || !access.is_remote() {
                 return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
             }
             Ok((Mw::new(&self.pd)?, mr))

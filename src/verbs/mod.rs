@@ -27,8 +27,9 @@ pub use endpoint::{Endpoint, Gid, Mtu};
 pub(crate) use mr::{release as release_registered, LEAKED_MAPPINGS};
 pub use mr::{Access, Mr, RegisteredBuf};
 
-/// How many registered mappings (heap chunks, registered buffers, mapped files) this process
-/// leaked because the device refused to deregister them (`ibv_dereg_mr` failed, e.g. while a
+/// How many registered mappings (heap chunks, registered buffers, mapped files — and heap
+/// buffers whose own key could not be revoked) this process leaked because the device refused
+/// to deregister them (`ibv_dereg_mr` failed, e.g. while a
 /// memory window was bound): they stay mapped and pinned rather than be reused under the NIC.
 pub fn leaked_mappings() -> u64 {
     LEAKED_MAPPINGS.load(std::sync::atomic::Ordering::Relaxed)
