@@ -168,7 +168,7 @@ pub enum Error {
     RevocationFailed,
     /// A chunk-wide rkey was asked of a heap whose chunks are registered for local access only.
     #[error(
-        "the heap's chunks have no remote rights: Buffer::remote exposes one buffer; chunk-wide keys need \
+        "the heap's chunks have no remote rights: Buffer::expose exposes one buffer; chunk-wide keys need \
          HeapBuilder::remote_access_to_whole_chunks"
     )]
     NoWholeChunkAccess,

@@ -77,6 +77,17 @@ impl Buffer {
         unsafe { self.shared.as_ref() }
     }
 
+    /// The start pointer, without going through `Deref` (no reference to the bytes is made:
+    /// for memory a peer may be writing).
+    pub(crate) fn raw(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// The length, without going through `Deref`.
+    pub(crate) fn size(&self) -> usize {
+        self.layout.size()
+    }
+
     /// Start address, as the NIC sees it.
     pub fn addr(&self) -> u64 {
         self.ptr.as_ptr() as u64
@@ -162,8 +173,8 @@ impl Buffer {
         // frees them before `Slot::revoke` succeeded; the heap's chunks stay mapped while the
         // buffer lives. Callers give write/atomic rights only to an `Exposed`, which hands out
         // no reference to the bytes.
-        let rkey = unsafe { self.exposure.rkey(pd, self.ptr.as_ptr(), self.len(), rights)? };
-        Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey })
+        let rkey = unsafe { self.exposure.rkey(pd, self.ptr.as_ptr(), self.size(), rights)? };
+        Ok(RemoteBuf { addr: self.addr(), len: self.size() as u64, rkey })
     }
 
     /// Removes the keys [`Buffer::remote`] handed out: once this returns `Ok`, every remote
@@ -246,7 +257,7 @@ impl Drop for Buffer {
         if let Err(e) = self.exposure.revoke() {
             // A peer may still reach these bytes: they must never be reused. The heap stays
             // alive (this allocation is never freed), so its chunks stay mapped.
-            tracing::error!("{e}: leaking an exposed buffer of {} bytes at {:#x}", self.len(), self.addr());
+            tracing::error!("{e}: leaking an exposed buffer of {} bytes at {:#x}", self.size(), self.addr());
             crate::verbs::LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return;
         }

@@ -4,6 +4,7 @@ use crate::error::{Error, Result};
 use crate::heap::buffer::{range_of, Buffer};
 use crate::remote::RemoteBuf;
 use crate::verbs::Pd;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 impl Buffer {
     /// Hands the buffer to the network: the returned [`Exposed`] carries a key of its own
@@ -34,7 +35,7 @@ impl Buffer {
 ///
 /// A peer with write or atomic rights can change the bytes at any moment, so no Rust
 /// reference to them may exist meanwhile: an `Exposed` gives none. It copies in and out with
-/// volatile accesses ([`Exposed::read_into`], [`Exposed::write_from`]) and gives the
+/// atomic byte accesses ([`Exposed::read_into`], [`Exposed::write_from`]) and gives the
 /// [`Buffer`] back with [`Exposed::revoke`], once the peer's key is dead. Dropping it revokes
 /// the key and frees the buffer; forgetting it leaks the buffer (the key stays valid, but the
 /// memory is never reused).
@@ -98,33 +99,42 @@ impl Exposed {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.buf.size()
     }
 
     /// Whether the buffer is empty (never: heaps refuse empty allocations).
     pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
+        self.buf.size() == 0
     }
 
-    /// The first byte's address, for volatile or atomic access of the caller's own.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.buf.as_ptr()
+    /// The first byte, for volatile or atomic access of the caller's own (reads and writes;
+    /// the pointer is not derived from a reference).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.buf.raw().as_ptr()
     }
 
-    /// Copies `out.len()` bytes starting at `offset` out of the buffer, with volatile reads: a
-    /// snapshot that may interleave with the peer's writes.
+    /// Copies `out.len()` bytes starting at `offset` out of the buffer, with relaxed atomic
+    /// byte loads: a snapshot that may interleave with the peer's (and other threads')
+    /// writes.
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] if the range does not fit.
     pub fn read_into(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         let (s, _) = range_of(offset..offset.saturating_add(out.len()), self.len())?;
-        let base = self.buf.as_ptr();
         for (i, o) in out.iter_mut().enumerate() {
-            // SAFETY: s + i < len: inside the live allocation; a volatile read of memory the
-            // NIC may write concurrently creates no reference to it.
-            *o = unsafe { std::ptr::read_volatile(base.add(s + i)) };
+            *o = self.byte(s + i).load(Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Byte `i` (in bounds) as an atomic: accesses from several threads through `&self` are
+    /// then defined, and no `&[u8]` to memory the NIC may write is ever made.
+    fn byte(&self, i: usize) -> &AtomicU8 {
+        debug_assert!(i < self.len());
+        // SAFETY: i < len: inside the live allocation, which outlives &self; the pointer is
+        // not derived from a reference; AtomicU8 has u8's size and alignment; every access to
+        // these bytes while exposed is atomic (here) or the NIC's.
+        unsafe { AtomicU8::from_ptr(self.as_ptr().add(i)) }
     }
 
     /// The whole buffer, copied out with volatile reads ([`Exposed::read_into`]).
@@ -134,17 +144,15 @@ impl Exposed {
         v
     }
 
-    /// Copies `src` into the buffer at `offset`, with volatile writes (a peer reading
-    /// meanwhile may see part of it).
+    /// Copies `src` into the buffer at `offset`, with relaxed atomic byte stores (a peer
+    /// reading meanwhile may see part of it).
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] if the range does not fit.
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
         let (s, _) = range_of(offset..offset.saturating_add(src.len()), self.len())?;
-        let base = self.buf.as_ptr().cast_mut();
         for (i, &b) in src.iter().enumerate() {
-            // SAFETY: as in read_into; the buffer is ours (owned), only the NIC shares it.
-            unsafe { std::ptr::write_volatile(base.add(s + i), b) };
+            self.byte(s + i).store(b, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -26,7 +26,7 @@ use crate::verbs::{Access, Mw, SendFlags, SendOp, Sge};
 /// range, but Soft-RoCE (rxe, Linux 6.1) checks only against the region the window is bound
 /// to — a whole heap chunk — so there a peer holding the window's rkey can reach the rest of
 /// that chunk until the grant is revoked. Where that matters on rxe, expose the buffer with
-/// [`crate::heap::Buffer::remote`] (a registration of its own, confined everywhere) instead.
+/// [`crate::heap::Buffer::expose`] (a registration of its own, confined everywhere) instead.
 pub struct Grant<'c, B: IoBufMut> {
     conn: &'c Connection,
     mw: Option<Mw>,
