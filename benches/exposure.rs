@@ -15,7 +15,11 @@
 //! EXPOSE <method> <size> <median µs> <min µs> <max µs>
 //! ```
 
+mod common;
+
 use std::time::Instant;
+
+use common::median;
 
 use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Options};
@@ -23,11 +27,6 @@ use mralloc::verbs::{Access, Pd};
 
 const SIZES: [usize; 4] = [64, 4096, 65536, 1 << 20];
 const METHODS: [&str; 4] = ["buffer", "grant", "whole_chunk", "write"];
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
-    v[v.len() / 2]
-}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();

@@ -8,7 +8,11 @@
 //! Prints `MRALLOC <test> <value>` (bandwidth in MiB/s, latency in µs: typical = median, one
 //! way for the ping-pong tests as perftest reports them).
 
+mod common;
+
 use std::time::Instant;
+
+use common::median;
 
 use mralloc::heap::{Exposed, Heap};
 use mralloc::transfer::{Connection, Options};
@@ -35,11 +39,6 @@ fn args() -> Args {
         }
     }
     a
-}
-
-fn median_us(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 fn main() -> mralloc::Result<()> {
@@ -151,7 +150,7 @@ fn main() -> mralloc::Result<()> {
                 }
                 pong.join().expect("pong thread")
             })?;
-            println!("MRALLOC write_lat {:.2}", median_us(samples));
+            println!("MRALLOC write_lat {:.2}", median(&mut samples));
         }
         "read_lat" => {
             let mut back = heap.alloc(n)?;
@@ -161,7 +160,7 @@ fn main() -> mralloc::Result<()> {
                 x.read(&mut back, &remote)?;
                 samples.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            println!("MRALLOC read_lat {:.2}", median_us(samples));
+            println!("MRALLOC read_lat {:.2}", median(&mut samples));
         }
         "send_lat" => {
             // Ping-pong with SENDs, as ib_send_lat: the next receive is always pre-posted.
@@ -193,7 +192,7 @@ fn main() -> mralloc::Result<()> {
                 }
                 pong.join().expect("pong thread")
             })?;
-            println!("MRALLOC send_lat {:.2}", median_us(samples));
+            println!("MRALLOC send_lat {:.2}", median(&mut samples));
         }
         other => println!("transfer: unknown test {other}"),
     }

@@ -1,4 +1,4 @@
-//! What the allocation benchmarks share: sizes, labels, criterion settings.
+//! What the benchmarks share: sizes, labels, criterion settings (allocation), medians.
 #![allow(dead_code)]
 
 use std::time::Duration;
@@ -23,4 +23,11 @@ pub fn config() -> Criterion {
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(1200))
         .sample_size(20)
+}
+
+/// The median of `v` (sorted in place; the upper middle for an even count). Panics on an empty
+/// slice or a NaN.
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    v[v.len() / 2]
 }

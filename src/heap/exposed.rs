@@ -18,13 +18,8 @@ impl Buffer {
     /// [`Error::NotRegistered`] if it is bound to no PD, [`Error::Verbs`] if the device refuses
     /// the registration.
     pub fn expose(self) -> std::result::Result<Exposed, ExposeError> {
-        let rights = self.heap_remote_rights();
-        let r = if rights.is_remote() {
-            self.primary_pd().and_then(|pd| self.key_with(&pd, rights))
-        } else {
-            Err(Error::NoRemoteAccess)
-        };
-        match r {
+        // `primary_pd` refuses a heap without remote rights (NoRemoteAccess) first.
+        match self.primary_pd().and_then(|pd| self.key_with(&pd, self.heap_remote_rights())) {
             Ok(remote) => Ok(Exposed { buf: self, remote }),
             Err(error) => Err(ExposeError { error, buf: self }),
         }
@@ -137,7 +132,7 @@ impl Exposed {
         unsafe { AtomicU8::from_ptr(self.as_ptr().add(i)) }
     }
 
-    /// The whole buffer, copied out with volatile reads ([`Exposed::read_into`]).
+    /// The whole buffer, copied out with atomic byte loads ([`Exposed::read_into`]).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len()];
         self.read_into(0, &mut v).expect("the whole buffer is in bounds");
@@ -166,11 +161,9 @@ impl Exposed {
     /// never reused) instead of returned.
     pub fn revoke(self) -> Result<Buffer> {
         let mut buf = self.buf;
-        match buf.revoke_remote() {
-            Ok(()) => Ok(buf),
-            // Dropping `buf` retries and, as the registration stays, leaks the memory.
-            Err(e) => Err(e),
-        }
+        // On an error, dropping `buf` retries and, as the registration stays, leaks the memory.
+        buf.revoke_remote()?;
+        Ok(buf)
     }
 }
 

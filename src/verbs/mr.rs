@@ -49,19 +49,22 @@ impl Access {
         Access(self.0 | other.0)
     }
 
+    /// The remote rights' bits (write, read, atomic).
+    const REMOTE_BITS: u32 = Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0;
+
     /// Whether any remote right is included.
     pub const fn is_remote(self) -> bool {
-        self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0) != 0
+        self.0 & Access::REMOTE_BITS != 0
     }
 
     /// Only the remote rights of `self` (write, read, atomic): what a queue pair can be given.
     pub const fn remote_only(self) -> Access {
-        Access(self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0))
+        Access(self.0 & Access::REMOTE_BITS)
     }
 
     /// `self` without its remote rights (local write, window binding).
     pub const fn without_remote(self) -> Access {
-        Access(self.0 & !(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0))
+        Access(self.0 & !Access::REMOTE_BITS)
     }
 }
 
