@@ -1,11 +1,21 @@
 //! Registration cost on a real device (run in the VM by `scripts/bench-alloc`, in one boot):
 //! a `Heap` bound to the device against the naive way — malloc + `ibv_reg_mr` + `ibv_dereg_mr` +
-//! free per buffer — at 4 KiB and 64 KiB, and the cost of the first touch of a new chunk.
-//! Prints `RATIO` lines; numbers are measured, never typed in.
+//! free per buffer — at 4 KiB and 64 KiB; `keys_of` on a bound heap against an unbound one; and
+//! the cost of the first touch of a new chunk.
+//!
+//! ```text
+//! registered [--rounds N]
+//! ```
+//! Each comparison runs N rounds (default 5), the two sides back to back and in alternating
+//! order; prints `RATIO <name> <median> [<min>-<max>]` over the per-round ratios and `FIGURE`
+//! lines the same way. Numbers are measured, never typed in.
+
+mod common;
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use common::median;
 use mralloc::heap::Heap;
 use mralloc::verbs::{Access, Context, Mr, Pd};
 
@@ -18,7 +28,40 @@ fn per_op(iters: u32, mut f: impl FnMut()) -> Duration {
     t.elapsed() / iters
 }
 
+/// `median [min-max]` of `v`.
+fn spread(mut v: Vec<f64>) -> String {
+    let m = median(&mut v);
+    format!("{m:.3} [{:.3}-{:.3}]", v[0], v[v.len() - 1])
+}
+
+/// Runs `a` and `b` back to back `rounds` times, alternating which goes first; returns the
+/// per-round values of both.
+fn interleaved(rounds: usize, mut a: impl FnMut() -> f64, mut b: impl FnMut() -> f64) -> (Vec<f64>, Vec<f64>) {
+    let (mut va, mut vb) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        if r % 2 == 0 {
+            va.push(a());
+            vb.push(b());
+        } else {
+            vb.push(b());
+            va.push(a());
+        }
+    }
+    (va, vb)
+}
+
+fn ratios(num: &[f64], den: &[f64]) -> Vec<f64> {
+    num.iter().zip(den).map(|(n, d)| n / d).collect()
+}
+
 fn main() -> mralloc::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut rounds = 5usize;
+    while let Some(a) = args.next() {
+        if a == "--rounds" {
+            rounds = args.next().and_then(|v| v.parse().ok()).filter(|&n| n > 0).expect("--rounds N (N > 0)");
+        }
+    }
     if std::env::args().any(|a| a == "--bench" || a == "--list") && std::env::var("MRALLOC_DEVICE").is_err() {
         // `cargo bench` on a host without a device: nothing to measure here (see scripts/bench-alloc).
         println!("registered: needs an RDMA device; run scripts/bench-alloc");
@@ -27,56 +70,86 @@ fn main() -> mralloc::Result<()> {
     let ctx = Context::open_default()?;
     let pd = Pd::new(&ctx)?;
     let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
-    println!("device {}", ctx.name());
+    println!("device {}, {rounds} rounds", ctx.name());
     for (n, label) in [(4096usize, "4KiB"), (65536, "64KiB")] {
         // Raw allocation through the Allocator API (like malloc below: no zero-fill), one byte
         // written, keys looked up.
         let layout = std::alloc::Layout::from_size_align(n, 8).unwrap();
-        let heap_t = per_op(2000, || {
-            use allocator_api2::alloc::Allocator;
-            let p = heap.allocate(layout).unwrap().cast::<u8>();
-            // SAFETY: p is a live n-byte allocation; freed right after with the same layout.
-            unsafe {
-                *p.as_ptr() = 1;
-                black_box(mralloc::keys_of(p.as_ptr()).map(|k| k.lkey));
-                heap.deallocate(p, layout);
-            }
-        });
-        let naive_t = per_op(200, || {
-            // SAFETY: malloc'd memory, registered, deregistered, then freed in that order.
-            unsafe {
-                let p = libc::malloc(n) as *mut u8;
-                *p = 1;
-                let mr = Mr::register(&pd, p, n, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
-                black_box(mr.lkey());
-                drop(mr);
-                libc::free(p.cast());
-            }
-        });
-        println!("{label}: heap alloc+free {heap_t:?}/op; malloc+reg_mr+dereg_mr+free {naive_t:?}/op");
-        println!("RATIO naive_reg_vs_heap_{label} {:.1}", naive_t.as_secs_f64() / heap_t.as_secs_f64());
+        let heap_op = || {
+            per_op(2000, || {
+                use allocator_api2::alloc::Allocator;
+                let p = heap.allocate(layout).unwrap().cast::<u8>();
+                // SAFETY: p is a live n-byte allocation; freed right after with the same layout.
+                unsafe {
+                    *p.as_ptr() = 1;
+                    black_box(mralloc::keys_of(p.as_ptr()).map(|k| k.lkey));
+                    heap.deallocate(p, layout);
+                }
+            })
+            .as_secs_f64()
+                * 1e9
+        };
+        let naive_op = || {
+            per_op(200, || {
+                // SAFETY: malloc'd memory, registered, deregistered, then freed in that order.
+                unsafe {
+                    let p = libc::malloc(n) as *mut u8;
+                    *p = 1;
+                    let mr = Mr::register(&pd, p, n, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+                    black_box(mr.lkey());
+                    drop(mr);
+                    libc::free(p.cast());
+                }
+            })
+            .as_secs_f64()
+                * 1e9
+        };
+        let (naive, heap_ns) = interleaved(rounds, naive_op, heap_op);
+        println!(
+            "{label}: heap alloc+free ns/op {}; malloc+reg_mr+dereg_mr+free ns/op {}",
+            spread(heap_ns.clone()),
+            spread(naive.clone())
+        );
+        println!("RATIO naive_reg_vs_heap_{label} {}", spread(ratios(&naive, &heap_ns)));
     }
+    // keys_of on a bound heap (page map -> chunk record -> keys) against an unbound one (returns
+    // after the chunk lookup finds no registration), in this boot.
+    let unbound = Heap::builder().build()?;
+    let bound_bufs: Vec<_> = (0..256).map(|i| heap.alloc(64 + i * 101).unwrap()).collect();
+    let unbound_bufs: Vec<_> = (0..256).map(|i| unbound.alloc(64 + i * 101).unwrap()).collect();
+    let lookup = |bufs: &[mralloc::heap::Buffer]| {
+        let mut i = 0;
+        per_op(200_000, || {
+            i = (i + 1) & 255;
+            black_box(mralloc::keys_of(black_box(bufs[i].as_ptr())));
+        })
+        .as_secs_f64()
+            * 1e9
+    };
+    assert!(mralloc::keys_of(bound_bufs[0].as_ptr()).is_some() && mralloc::keys_of(unbound_bufs[0].as_ptr()).is_none());
+    let (b, u) = interleaved(rounds, || lookup(&bound_bufs), || lookup(&unbound_bufs));
+    println!("FIGURE keys_of_bound_vm_ns {}", spread(b.clone()));
+    println!("FIGURE keys_of_unbound_vm_ns {}", spread(u.clone()));
+    println!("RATIO keys_of_bound_vs_unbound_vm {}", spread(ratios(&b, &u)));
     // First touch of a new chunk: a fresh heap, one allocation that needs its own chunk
     // (map + mbind + advise + ibv_reg_mr of untouched pages).
     for mib in [2usize, 16, 64] {
-        let h = Heap::builder().bind(&pd).max_chunk(mib << 20).build()?;
-        let t = Instant::now();
-        let b = h.alloc((mib << 20) - 4096)?;
-        let first = t.elapsed();
-        let st = h.stats();
-        println!(
-            "first touch of a new {mib} MiB chunk: {first:?} ({:?} of it in ibv_reg_mr, {} reg calls)",
-            st.reg_mr_time, st.reg_mr_calls
-        );
-        println!("FIGURE first_touch_chunk_{mib}MiB_ms {:.2}", first.as_secs_f64() * 1e3);
-        drop(b);
+        let mut ms = Vec::new();
+        for _ in 0..rounds {
+            let h = Heap::builder().bind(&pd).max_chunk(mib << 20).build()?;
+            let t = Instant::now();
+            let b = h.alloc((mib << 20) - 4096)?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+            let st = h.stats();
+            println!(
+                "first touch of a new {mib} MiB chunk: {:.2} ms ({:?} of it in ibv_reg_mr, {} reg calls)",
+                ms[ms.len() - 1],
+                st.reg_mr_time,
+                st.reg_mr_calls
+            );
+            drop(b);
+        }
+        println!("FIGURE first_touch_chunk_{mib}MiB_ms {}", spread(ms));
     }
-    let bufs: Vec<_> = (0..256).map(|i| heap.alloc(64 + i * 101).unwrap()).collect();
-    let mut i = 0;
-    let lookup = per_op(200_000, || {
-        i = (i + 1) & 255;
-        black_box(mralloc::keys_of(black_box(bufs[i].as_ptr())));
-    });
-    println!("FIGURE keys_of_bound_vm_ns {:.1}", lookup.as_secs_f64() * 1e9);
     Ok(())
 }

@@ -3,16 +3,21 @@
 //! one device, as perftest's client and server on one device).
 //!
 //! ```text
-//! transfer <write_bw|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N] [--depth N]
+//! transfer <write_bw|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N]
+//!          [--depth N] [--inline BYTES]
 //! ```
-//! Prints `MRALLOC <test> <value>` (bandwidth in MiB/s, latency in µs: typical = median, one
-//! way for the ping-pong tests as perftest reports them).
+//! Prints `MRALLOC <test> <MiB/s>` for bandwidth and `MRALLOC <test> <typical µs> <p99 µs>` for
+//! latency. Latency is computed as perftest's `print_report_lat`: the samples are the intervals
+//! between consecutive posts of the timed side (everything the loop does is inside one), the two
+//! largest are dropped, typical is their median and ping-pong tests report half the round trip.
+//! `--inline` (default 0, what perftest uses on devices it does not recognize, rxe among them)
+//! is the most bytes a SEND or WRITE carries inline.
 
 mod common;
 
 use std::time::Instant;
 
-use common::median;
+use common::perftest_latency;
 
 use mralloc::heap::{Exposed, Heap};
 use mralloc::transfer::{Connection, Options};
@@ -23,16 +28,18 @@ struct Args {
     size: usize,
     iters: usize,
     depth: u32,
+    inline: u32,
 }
 
 fn args() -> Args {
-    let mut a = Args { test: String::new(), size: 65536, iters: 1000, depth: 128 };
+    let mut a = Args { test: String::new(), size: 65536, iters: 1000, depth: 128, inline: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
             "--size" => a.size = it.next().and_then(|v| v.parse().ok()).expect("--size BYTES"),
             "--iters" => a.iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
             "--depth" => a.depth = it.next().and_then(|v| v.parse().ok()).expect("--depth N"),
+            "--inline" => a.inline = it.next().and_then(|v| v.parse().ok()).expect("--inline BYTES"),
             "--bench" => {}
             t if !t.starts_with('-') && a.test.is_empty() => a.test = t.to_string(),
             _ => {}
@@ -54,6 +61,7 @@ fn main() -> mralloc::Result<()> {
         send_depth: a.depth,
         recv_depth: a.depth.max(512),
         remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        max_inline: a.inline,
         ..Options::default()
     };
     let (x, y) = Connection::pair(&pd, &opts)?;
@@ -114,7 +122,8 @@ fn main() -> mralloc::Result<()> {
         }
         "write_lat" => {
             // Ping-pong through memory, as ib_write_lat: post the write, spin on the own inbox
-            // for the peer's, then reap the (long since arrived) send completion.
+            // for the peer's, then reap the own send completion; the sample runs from one post
+            // to the next.
             let inbox_x = heap.alloc(n)?.expose()?;
             let inbox_y = heap.alloc(n)?.expose()?;
             let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
@@ -125,7 +134,7 @@ fn main() -> mralloc::Result<()> {
                     std::hint::spin_loop();
                 }
             };
-            let mut samples = Vec::with_capacity(a.iters);
+            let mut posted = Vec::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
                     let mut out = heap.alloc(n)?;
@@ -142,29 +151,30 @@ fn main() -> mralloc::Result<()> {
                 for i in 0..a.iters {
                     let tag = (i % 251 + 1) as u8;
                     out[n - 1] = tag;
-                    let t = Instant::now();
+                    posted.push(Instant::now());
                     let p = x.post_write(out, &ry, 0)?;
                     spin(&inbox_x, tag);
-                    samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                     out = p.wait()?.0;
                 }
                 pong.join().expect("pong thread")
             })?;
-            println!("MRALLOC write_lat {:.2}", median(&mut samples));
+            let (typical, p99) = perftest_latency(&posted, 2.0);
+            println!("MRALLOC write_lat {typical:.2} {p99:.2}");
         }
         "read_lat" => {
             let mut back = heap.alloc(n)?;
-            let mut samples = Vec::with_capacity(a.iters);
+            let mut posted = Vec::with_capacity(a.iters);
             for _ in 0..a.iters {
-                let t = Instant::now();
+                posted.push(Instant::now());
                 x.read(&mut back, &remote)?;
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            println!("MRALLOC read_lat {:.2}", median(&mut samples));
+            let (typical, p99) = perftest_latency(&posted, 1.0);
+            println!("MRALLOC read_lat {typical:.2} {p99:.2}");
         }
         "send_lat" => {
-            // Ping-pong with SENDs, as ib_send_lat: the next receive is always pre-posted.
-            let mut samples = Vec::with_capacity(a.iters);
+            // Ping-pong with SENDs, as ib_send_lat: the next receive is always pre-posted; the
+            // sample runs from one post to the next (receive, re-post, reap the own send).
+            let mut posted = Vec::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
                     let mut next = Some(y.post_recv(heap.alloc(n)?)?);
@@ -181,10 +191,9 @@ fn main() -> mralloc::Result<()> {
                 let mut next = Some(x.post_recv(heap.alloc(n)?)?);
                 let mut out = heap.alloc(n)?;
                 for i in 0..a.iters {
-                    let t = Instant::now();
+                    posted.push(Instant::now());
                     let sent = x.post_send(out)?;
                     let (inbox, _) = next.take().expect("a posted receive").wait()?;
-                    samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                     if i + 1 < a.iters {
                         next = Some(x.post_recv(inbox)?);
                     }
@@ -192,9 +201,13 @@ fn main() -> mralloc::Result<()> {
                 }
                 pong.join().expect("pong thread")
             })?;
-            println!("MRALLOC send_lat {:.2}", median(&mut samples));
+            let (typical, p99) = perftest_latency(&posted, 2.0);
+            println!("MRALLOC send_lat {typical:.2} {p99:.2}");
         }
-        other => println!("transfer: unknown test {other}"),
+        other => {
+            eprintln!("transfer: unknown test {other}");
+            std::process::exit(2);
+        }
     }
     Ok(())
 }

@@ -17,9 +17,20 @@ ensure_debs() {
 # What building mralloc needs (rdma-sys: pkg-config + bindgen over libibverbs/librdmacm).
 BUILD_DEBS=(pkgconf libibverbs-dev librdmacm-dev libclang-dev)
 
-# Mean time in ns of criterion benchmark group/function/param, or "nan" when it is missing.
-criterion_mean() {
+# Median time in ns of criterion benchmark group/function/param from the last run; fails (prints
+# nothing) when that benchmark has no estimate. Callers clear target/criterion before the run, so
+# a number is never an older run's.
+criterion_median() {
   local f="target/criterion/$1/new/estimates.json"
-  [ -f "$f" ] || { echo "criterion: missing $f" >&2; echo nan; return; }
-  grep -o '"mean":{[^}]*}[^}]*}' "$f" | grep -o '"point_estimate":[0-9.e+-]*' | head -1 | cut -d: -f2
+  [ -f "$f" ] || { echo "criterion: missing $f" >&2; return 1; }
+  grep -o '"median":{[^}]*}[^}]*}' "$f" | grep -o '"point_estimate":[0-9.e+-]*' | head -1 | cut -d: -f2
+}
+
+# Reads numbers (one per line) on stdin; prints "median min max" (median of an even count: the
+# mean of the two middle values). Fails when there is no number.
+spread() {
+  sort -g | awk '{ r[++m] = $1 } END {
+    if (m == 0) exit 1
+    med = (m % 2) ? r[(m + 1) / 2] : (r[m / 2] + r[m / 2 + 1]) / 2
+    printf "%.4g %.4g %.4g\n", med, r[1], r[m] }'
 }

@@ -31,3 +31,19 @@ pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     v[v.len() / 2]
 }
+
+/// Latency statistics computed as perftest's `print_report_lat` does, from the instants at which
+/// each iteration's first work request was posted: one sample per interval between consecutive
+/// posts (so a sample includes everything the loop does: the wait for the peer, reaping the own
+/// completion, re-posting the receive), sorted, the two largest dropped, each divided by
+/// `rtt_factor` (2 for ping-pong tests, 1 for READ). Returns (typical = perftest's median, p99)
+/// in µs. Panics with fewer than 4 posts.
+pub fn perftest_latency(posted: &[std::time::Instant], rtt_factor: f64) -> (f64, f64) {
+    assert!(posted.len() >= 4, "need at least 4 iterations");
+    let mut delta: Vec<f64> = posted.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / rtt_factor).collect();
+    delta.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    let n = delta.len() - 2; // LAT_MEASURE_TAIL
+    let typical = if (n - 1) % 2 == 1 { (delta[n / 2] + delta[n / 2 - 1]) / 2.0 } else { delta[n / 2] };
+    let p99 = delta[((n as f64) * 0.99).ceil() as usize];
+    (typical, p99)
+}
