@@ -16,7 +16,7 @@ use tikv_jemallocator::Jemalloc;
 
 mod common;
 
-use common::{config, label, SIZES};
+use common::{config, label, order, SIZES};
 
 /// One alloc+free pair through a GlobalAlloc-like pair of closures.
 fn pairs(c: &mut Criterion, heap: &Heap) {
@@ -26,27 +26,32 @@ fn pairs(c: &mut Criterion, heap: &Heap) {
         let layout = Layout::from_size_align(n, 8).unwrap();
         // Raw allocate/deallocate through the Allocator API, like the GlobalAlloc baselines
         // (Heap::alloc also zero-fills its Buffer).
-        g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
-            b.iter(|| unsafe {
-                let p = heap.allocate(black_box(layout)).unwrap();
-                black_box(p);
-                heap.deallocate(p.cast(), layout);
-            })
-        });
-        g.bench_function(BenchmarkId::new("jemalloc", label(n)), |b| {
-            b.iter(|| unsafe {
-                let p = Jemalloc.alloc(black_box(layout));
-                black_box(p);
-                Jemalloc.dealloc(p, layout);
-            })
-        });
-        g.bench_function(BenchmarkId::new("glibc", label(n)), |b| {
-            b.iter(|| unsafe {
-                let p = System.alloc(black_box(layout));
-                black_box(p);
-                System.dealloc(p, layout);
-            })
-        });
+        for who in order(vec!["heap", "jemalloc", "glibc"]) {
+            let id = BenchmarkId::new(who, label(n));
+            match who {
+                "heap" => g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        let p = heap.allocate(black_box(layout)).unwrap();
+                        black_box(p);
+                        heap.deallocate(p.cast(), layout);
+                    })
+                }),
+                "jemalloc" => g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        let p = Jemalloc.alloc(black_box(layout));
+                        black_box(p);
+                        Jemalloc.dealloc(p, layout);
+                    })
+                }),
+                _ => g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        let p = System.alloc(black_box(layout));
+                        black_box(p);
+                        System.dealloc(p, layout);
+                    })
+                }),
+            };
+        }
     }
     g.finish();
 }
@@ -57,29 +62,34 @@ fn batches(c: &mut Criterion, heap: &Heap) {
     let mut g = c.benchmark_group("batch1000");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
-        g.bench_function(BenchmarkId::new("heap", label(n)), |b| {
+        for who in order(vec!["heap", "jemalloc", "glibc"]) {
+            let id = BenchmarkId::new(who, label(n));
             let mut v = Vec::with_capacity(1000);
-            b.iter(|| unsafe {
-                for _ in 0..1000 {
-                    v.push(heap.allocate(layout).unwrap());
-                }
-                for p in v.drain(..) {
-                    heap.deallocate(p.cast(), layout);
-                }
-            })
-        });
-        for (name, a) in [("jemalloc", &Jemalloc as &dyn GlobalAlloc), ("glibc", &System)] {
-            g.bench_function(BenchmarkId::new(name, label(n)), |b| {
+            if who == "heap" {
+                g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        for _ in 0..1000 {
+                            v.push(heap.allocate(layout).unwrap());
+                        }
+                        for p in v.drain(..) {
+                            heap.deallocate(p.cast(), layout);
+                        }
+                    })
+                });
+            } else {
+                let a: &dyn GlobalAlloc = if who == "jemalloc" { &Jemalloc } else { &System };
                 let mut v = Vec::with_capacity(1000);
-                b.iter(|| unsafe {
-                    for _ in 0..1000 {
-                        v.push(a.alloc(layout));
-                    }
-                    for p in v.drain(..) {
-                        a.dealloc(p, layout);
-                    }
-                })
-            });
+                g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        for _ in 0..1000 {
+                            v.push(a.alloc(layout));
+                        }
+                        for p in v.drain(..) {
+                            a.dealloc(p, layout);
+                        }
+                    })
+                });
+            }
         }
     }
     g.finish();

@@ -1,7 +1,8 @@
 //! `mralloc::heap::Global` as the process allocator: alloc+free pairs and batches of 1000 through
-//! `std::alloc`, at the same sizes as benches/alloc.rs (whose `jemalloc` rows are the baseline).
+//! `std::alloc`, at the same sizes as benches/alloc.rs, each next to plain jemalloc
+//! (tikv-jemallocator) in the same process: the baseline of the `global_vs_jemalloc` ratios.
 
-use std::alloc::{alloc, dealloc, Layout};
+use std::alloc::{GlobalAlloc, Layout};
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -11,36 +12,66 @@ static A: mralloc::heap::Global = mralloc::heap::Global::new();
 
 mod common;
 
-use common::{config, label, SIZES};
+use common::{config, label, order, SIZES};
+use tikv_jemallocator::Jemalloc;
+
+/// The process allocator through `std::alloc` (what `Vec` and `Box` use).
+struct System2;
+
+// SAFETY: forwards to the process allocator (`Global` here), which upholds the contract.
+unsafe impl GlobalAlloc for System2 {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { std::alloc::alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
+        unsafe { std::alloc::dealloc(ptr, layout) }
+    }
+}
+
+/// One alloc+free pair, and a batch of 1000 allocations then 1000 frees, through `a`.
+fn pair(a: &dyn GlobalAlloc, layout: Layout) {
+    // SAFETY: a fresh allocation of `layout`, freed once with it.
+    unsafe {
+        let p = a.alloc(black_box(layout));
+        black_box(p);
+        a.dealloc(p, layout);
+    }
+}
+
+fn batch(a: &dyn GlobalAlloc, layout: Layout, v: &mut Vec<*mut u8>) {
+    // SAFETY: as in `pair`, 1000 times.
+    unsafe {
+        for _ in 0..1000 {
+            v.push(a.alloc(layout));
+        }
+        for p in v.drain(..) {
+            a.dealloc(p, layout);
+        }
+    }
+}
 
 fn all(c: &mut Criterion) {
     assert!(A.is_ready());
+    // Global (through std::alloc, as a program uses it) and plain jemalloc in the same process,
+    // back to back per size; scripts/bench-alloc alternates their order between rounds.
+    let who: Vec<(&str, &dyn GlobalAlloc)> = order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc)]);
     let mut g = c.benchmark_group("pair");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
-        g.bench_function(BenchmarkId::new("global", label(n)), |b| {
-            b.iter(|| unsafe {
-                let p = alloc(black_box(layout));
-                black_box(p);
-                dealloc(p, layout);
-            })
-        });
+        for &(name, a) in &who {
+            g.bench_function(BenchmarkId::new(name, label(n)), |b| b.iter(|| pair(a, layout)));
+        }
     }
     g.finish();
     let mut g = c.benchmark_group("batch1000");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
-        g.bench_function(BenchmarkId::new("global", label(n)), |b| {
+        for &(name, a) in &who {
             let mut v = Vec::with_capacity(1000);
-            b.iter(|| unsafe {
-                for _ in 0..1000 {
-                    v.push(alloc(layout));
-                }
-                for p in v.drain(..) {
-                    dealloc(p, layout);
-                }
-            })
-        });
+            g.bench_function(BenchmarkId::new(name, label(n)), |b| b.iter(|| batch(a, layout, &mut v)));
+        }
     }
     g.finish();
     // The lookup against the global heap (every pointer of the process is in a chunk).

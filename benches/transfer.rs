@@ -6,8 +6,8 @@
 //! transfer <write_bw|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N]
 //!          [--depth N] [--inline BYTES]
 //! ```
-//! Prints `MRALLOC <test> <MiB/s>` for bandwidth and `MRALLOC <test> <typical µs> <p99 µs>` for
-//! latency. Latency is computed as perftest's `print_report_lat`: the samples are the intervals
+//! Prints `MRALLOC <test> <MiB/s>` for bandwidth and `MRALLOC <test> <typical µs> <p99 µs>
+//! <inline bytes used>` for latency. Latency is computed as perftest's `print_report_lat`: the samples are the intervals
 //! between consecutive posts of the timed side (everything the loop does is inside one), the two
 //! largest are dropped, typical is their median and ping-pong tests report half the round trip.
 //! `--inline` (default 0, what perftest uses on devices it does not recognize, rxe among them)
@@ -19,8 +19,10 @@ use std::time::Instant;
 
 use common::perftest_latency;
 
-use mralloc::heap::{Exposed, Heap};
-use mralloc::transfer::{Connection, Options};
+use std::collections::VecDeque;
+
+use mralloc::heap::{Buffer, Exposed, Heap};
+use mralloc::transfer::{Connection, Options, Pending};
 use mralloc::verbs::{Access, Pd};
 
 struct Args {
@@ -46,6 +48,20 @@ fn args() -> Args {
         }
     }
     a
+}
+
+/// `k` receives of `n`-byte heap buffers posted on `c`, oldest first.
+fn prepost<'c>(c: &'c Connection, heap: &Heap, n: usize, k: usize) -> mralloc::Result<VecDeque<Pending<'c, Buffer>>> {
+    (0..k).map(|_| c.post_recv(heap.alloc(n)?).map_err(|r| r.error)).collect()
+}
+
+/// The inline size the payload-carrying posts used: `--inline` when the message fits, else 0.
+fn inline_used(a: &Args) -> u32 {
+    if a.size <= a.inline as usize {
+        a.inline
+    } else {
+        0
+    }
 }
 
 fn main() -> mralloc::Result<()> {
@@ -91,16 +107,19 @@ fn main() -> mralloc::Result<()> {
             println!("MRALLOC {} {:.2}", a.test, mib(n * a.iters, t.elapsed().as_secs_f64()));
         }
         "send_bw" => {
-            let t = Instant::now();
+            // As ib_send_bw: the receiver's window of receives is posted before the clock starts.
+            let ready = std::sync::Barrier::new(2);
+            let mut t = Instant::now();
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let recv = s.spawn(|| -> mralloc::Result<()> {
-                    let mut pend = std::collections::VecDeque::new();
+                    let mut pend = VecDeque::new();
                     let window = (opts.recv_depth as usize).min(a.iters);
                     let mut posted = 0;
                     while posted < window {
                         pend.push_back(y.post_recv(heap.alloc(n)?)?);
                         posted += 1;
                     }
+                    ready.wait();
                     for _ in 0..a.iters {
                         let p = pend.pop_front().expect("a posted receive");
                         let (buf, _) = p.wait()?;
@@ -111,6 +130,8 @@ fn main() -> mralloc::Result<()> {
                     }
                     Ok(())
                 });
+                ready.wait();
+                t = Instant::now();
                 let mut b = x.batch();
                 for _ in 0..a.iters {
                     b.send(&src)?;
@@ -159,7 +180,7 @@ fn main() -> mralloc::Result<()> {
                 pong.join().expect("pong thread")
             })?;
             let (typical, p99) = perftest_latency(&posted, 2.0);
-            println!("MRALLOC write_lat {typical:.2} {p99:.2}");
+            println!("MRALLOC write_lat {typical:.2} {p99:.2} {}", inline_used(&a));
         }
         "read_lat" => {
             let mut back = heap.alloc(n)?;
@@ -169,40 +190,51 @@ fn main() -> mralloc::Result<()> {
                 x.read(&mut back, &remote)?;
             }
             let (typical, p99) = perftest_latency(&posted, 1.0);
-            println!("MRALLOC read_lat {typical:.2} {p99:.2}");
+            println!("MRALLOC read_lat {typical:.2} {p99:.2} 0");
         }
         "send_lat" => {
-            // Ping-pong with SENDs, as ib_send_lat: the next receive is always pre-posted; the
-            // sample runs from one post to the next (receive, re-post, reap the own send).
+            // Ping-pong with SENDs, as ib_send_lat: min(512, iters) receives pre-posted on both
+            // sides (before the first SEND), one re-posted after each arrival only while more are
+            // still to come; the sample runs from one post to the next (receive, re-post, reap
+            // the own send).
+            let rx_depth = a.iters.min(512);
+            let ready = std::sync::Barrier::new(2);
+            let pre = |c| prepost(c, &heap, n, rx_depth);
             let mut posted = Vec::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
-                    let mut next = Some(y.post_recv(heap.alloc(n)?)?);
+                    let mut rx = pre(&y)?;
+                    let mut reposted = rx_depth;
                     let mut out = heap.alloc(n)?;
-                    for i in 0..a.iters {
-                        let (inbox, _) = next.take().expect("a posted receive").wait()?;
-                        if i + 1 < a.iters {
-                            next = Some(y.post_recv(inbox)?);
+                    ready.wait();
+                    for _ in 0..a.iters {
+                        let (inbox, _) = rx.pop_front().expect("a posted receive").wait()?;
+                        if reposted < a.iters {
+                            rx.push_back(y.post_recv(inbox)?);
+                            reposted += 1;
                         }
                         out = y.post_send(out)?.wait()?.0;
                     }
                     Ok(())
                 });
-                let mut next = Some(x.post_recv(heap.alloc(n)?)?);
+                let mut rx = pre(&x)?;
+                let mut reposted = rx_depth;
                 let mut out = heap.alloc(n)?;
-                for i in 0..a.iters {
+                ready.wait();
+                for _ in 0..a.iters {
                     posted.push(Instant::now());
                     let sent = x.post_send(out)?;
-                    let (inbox, _) = next.take().expect("a posted receive").wait()?;
-                    if i + 1 < a.iters {
-                        next = Some(x.post_recv(inbox)?);
+                    let (inbox, _) = rx.pop_front().expect("a posted receive").wait()?;
+                    if reposted < a.iters {
+                        rx.push_back(x.post_recv(inbox)?);
+                        reposted += 1;
                     }
                     out = sent.wait()?.0;
                 }
                 pong.join().expect("pong thread")
             })?;
             let (typical, p99) = perftest_latency(&posted, 2.0);
-            println!("MRALLOC send_lat {typical:.2} {p99:.2}");
+            println!("MRALLOC send_lat {typical:.2} {p99:.2} {}", inline_used(&a));
         }
         other => {
             eprintln!("transfer: unknown test {other}");

@@ -32,5 +32,5 @@ spread() {
   sort -g | awk '{ r[++m] = $1 } END {
     if (m == 0) exit 1
     med = (m % 2) ? r[(m + 1) / 2] : (r[m / 2] + r[m / 2 + 1]) / 2
-    printf "%.4g %.4g %.4g\n", med, r[1], r[m] }'
+    printf "%.6g %.6g %.6g\n", med, r[1], r[m] }'
 }

@@ -162,6 +162,51 @@ fn device_churn_keeps_registered_bytes_bounded() {
     assert!(registered <= bound, "registered {registered} > 2 x peak {peak} + max chunk");
 }
 
+/// The device side of the model: late binds to more PDs between operations, and the NIC reads
+/// every zero-filled buffer (reused memory included) by DMA.
+struct DeviceEnv<'a> {
+    lb: &'a Loopback,
+    heap: &'a Heap,
+    nic: std::sync::Mutex<()>,
+    extra_pds: std::sync::Mutex<Vec<Pd>>,
+}
+
+impl model::Env for DeviceEnv<'_> {
+    fn maintain(&self, heap: &Heap, which: u8) {
+        match which % 3 {
+            0 => heap.purge().expect("purge"),
+            1 => heap.decay().expect("decay"),
+            _ => {
+                let mut pds = self.extra_pds.lock().unwrap();
+                if pds.len() < 2 {
+                    let pd = Pd::new(&self.lb.ctx).unwrap();
+                    heap.bind(&pd).expect("late bind while the other thread allocates");
+                    pds.push(pd);
+                }
+            }
+        }
+    }
+
+    fn check_zeroed(&self, buf: &Buffer) {
+        let n = buf.len();
+        let keys = buf.keys().expect("bound heap gives keys");
+        let mut back = self.heap.alloc(n).unwrap();
+        back.fill(0xFF);
+        let back = back.expose().unwrap();
+        let sge = [mralloc::verbs::Sge::new(buf.as_ptr() as u64, n as u32, keys.lkey)];
+        let remote = back.remote().at(0, n as u64).unwrap();
+        {
+            let _one_at_a_time = self.nic.lock().unwrap();
+            // SAFETY: `buf` and `back` live until the completion below is polled.
+            unsafe { self.lb.a.post_send(&[SendWr::new(5, &sge, SendOp::Write(remote))]).unwrap() };
+            self.lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+        }
+        let got = back.to_vec();
+        let dirty = got.iter().filter(|&&x| x != 0).count();
+        assert_eq!(dirty, 0, "the NIC read {dirty} non-zero bytes of a fresh {n}-byte buffer");
+    }
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_bound_heap_matches_model() {
@@ -169,14 +214,22 @@ fn device_bound_heap_matches_model() {
     use proptest::test_runner::{Config, TestRunner};
     let lb = loopback();
     let heap = remote_heap(&lb.pd);
+    // One environment for all cases: the heap outlives them, and so do its late binds (two at
+    // most, across the run).
+    let env = DeviceEnv {
+        lb: &lb,
+        heap: &heap,
+        nic: std::sync::Mutex::new(()),
+        extra_pds: std::sync::Mutex::new(Vec::new()),
+    };
     let mut runner = TestRunner::new(Config { cases: 4, ..Config::default() });
     let strategy =
         (proptest::collection::vec(model::op(2 << 20), 1..25), proptest::collection::vec(model::op(2 << 20), 1..25));
     runner
         .run(&strategy, |(a, b)| {
             let (la, lb_) = std::thread::scope(|s| {
-                let ta = s.spawn(|| model::SendLive(model::run_model(&heap, &a, 1)));
-                let tb = s.spawn(|| model::SendLive(model::run_model(&heap, &b, 2)));
+                let ta = s.spawn(|| model::SendLive(model::run_model(&heap, &a, 1, &env)));
+                let tb = s.spawn(|| model::SendLive(model::run_model(&heap, &b, 2, &env)));
                 (ta.join().unwrap().0, tb.join().unwrap().0)
             });
             let live: usize = la.iter().chain(&lb_).map(|l| l.layout.size()).sum();
@@ -221,12 +274,59 @@ fn device_numa_binding_is_visible_to_move_pages() {
             let pages: Vec<*const u8> = (0..n).step_by(4096).map(|o| b.as_ptr().wrapping_add(o)).collect();
             let got = nodes_of_pages(&pages).unwrap();
             assert!(got.iter().all(|&g| g == node as i32), "{n}-byte buffer on node {node}: pages on {got:?}");
+            assert_eq!(policy_of(b.as_ptr()), MPOL_BIND, "{n}-byte buffer's mapping is bound");
         }
         println!("NumaPolicy::Node({node}): every sampled page on node {node}");
     }
-    // DeviceLocal on a device without a NUMA node: no binding, no error.
+    // DeviceLocal (the default) follows the device's node; a device without one (rxe over
+    // virtio in the VM) means no binding at all, and no error.
+    let device_node = pd.context().numa_node();
+    if std::env::var("MRALLOC_IN_VM").is_ok() {
+        assert_eq!(device_node, None, "the VM's rxe0 sits on a virtio NIC without a NUMA node");
+    }
     let heap = Heap::builder().bind(&pd).build().unwrap();
-    assert_eq!(heap.numa_node(), pd.context().numa_node());
+    assert_eq!(heap.numa_node(), device_node);
+    let mut b = heap.alloc(3 << 20).unwrap();
+    b.fill(1);
+    let want = if device_node.is_some() { MPOL_BIND } else { MPOL_DEFAULT };
+    assert_eq!(policy_of(b.as_ptr()), want, "DeviceLocal with device node {device_node:?}");
+}
+
+const MPOL_DEFAULT: i32 = 0;
+const MPOL_BIND: i32 = 2;
+
+/// The memory policy mode of the mapping holding `addr` (`get_mempolicy` with `MPOL_F_ADDR`).
+fn policy_of(addr: *const u8) -> i32 {
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut mode: libc::c_int = -1;
+    // SAFETY: get_mempolicy writes one int to `mode`; a NULL node mask with maxnode 0 is allowed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut mode as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            addr,
+            MPOL_F_ADDR,
+        )
+    };
+    assert_eq!(r, 0, "get_mempolicy: {}", std::io::Error::last_os_error());
+    mode
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_heaps_do_not_claim_each_others_memory() {
+    let pd = Pd::new(&open()).unwrap();
+    let a = Heap::builder().bind(&pd).build().unwrap();
+    let b = Heap::builder().bind(&pd).build().unwrap();
+    let x = a.alloc(100).unwrap();
+    let keys = a.keys(x.as_ptr()).expect("the owning heap gives keys");
+    assert_eq!(mralloc::keys_of(x.as_ptr()), Some(keys));
+    assert!(b.keys(x.as_ptr()).is_none(), "another heap on the same PD claims nothing");
+    assert!(b.keys_for(x.as_ptr(), &pd).is_none(), "not for an explicit PD either");
+    let y = b.alloc(100).unwrap();
+    assert!(a.keys(y.as_ptr()).is_none() && b.keys(y.as_ptr()).is_some());
 }
 
 /// Drops CAP_IPC_LOCK from this process (root ignores RLIMIT_MEMLOCK otherwise).

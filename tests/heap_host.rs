@@ -4,7 +4,7 @@
 mod common;
 
 use allocator_api2::alloc::Allocator;
-use common::model::{op, run_model, SendLive};
+use common::model::{op, run_model, Host, SendLive};
 use mralloc::heap::{chunk_of, Heap};
 use mralloc::Error;
 use proptest::prelude::*;
@@ -16,8 +16,8 @@ proptest! {
     fn heap_matches_model_from_two_threads(a in proptest::collection::vec(op(16 << 20), 1..60), b in proptest::collection::vec(op(16 << 20), 1..60)) {
         let heap = Heap::builder().build().unwrap();
         let (la, lb) = std::thread::scope(|s| {
-            let ta = s.spawn(|| SendLive(run_model(&heap, &a, 1)));
-            let tb = s.spawn(|| SendLive(run_model(&heap, &b, 2)));
+            let ta = s.spawn(|| SendLive(run_model(&heap, &a, 1, &Host)));
+            let tb = s.spawn(|| SendLive(run_model(&heap, &b, 2, &Host)));
             (ta.join().unwrap().0, tb.join().unwrap().0)
         });
         let model_live: usize = la.iter().chain(&lb).map(|l| l.layout.size()).sum();
@@ -73,6 +73,29 @@ proptest! {
 fn shared_heap() -> &'static Heap {
     static HEAP: std::sync::OnceLock<Heap> = std::sync::OnceLock::new();
     HEAP.get_or_init(|| Heap::builder().build().unwrap())
+}
+
+/// `Heap::alloc` zero-fills memory it reuses: a block written, freed and handed out again (the
+/// same address, from the thread cache) reads as zeros. (The model test mixes this with purge
+/// and decay; the device model also has the NIC read such memory.)
+#[test]
+fn alloc_zero_fills_reused_dirty_memory() {
+    let heap = Heap::builder().build().unwrap();
+    for size in [1usize, 64, 4000, 64 << 10, 1 << 20] {
+        let layout = std::alloc::Layout::from_size_align(size, 1).unwrap();
+        let p = heap.allocate(layout).unwrap().cast::<u8>();
+        // SAFETY: a fresh allocation of `size` bytes, freed once with its layout.
+        unsafe {
+            std::ptr::write_bytes(p.as_ptr(), 0xA5, size);
+            heap.deallocate(p, layout);
+        }
+        let b = heap.alloc(size).unwrap();
+        let reused = std::ptr::eq(b.as_ptr(), p.as_ptr());
+        println!("{size} B: freed block reused: {reused}");
+        // Small sizes come back from the thread cache (LIFO): the same block, always.
+        assert!(reused || size > 4000, "{size}: the freed block is reused");
+        assert!(b.iter().all(|&x| x == 0), "{size}: reused memory handed out dirty");
+    }
 }
 
 #[test]
@@ -177,13 +200,15 @@ fn dropping_the_heap_releases_its_chunks() {
     assert!(chunk_of(addr as *const u8).is_none(), "chunk still recorded after the heap was dropped");
 }
 
+/// Two heaps get arenas (and so chunks) of their own. That neither hands out keys for the
+/// other's memory needs registered chunks: `device_heaps_do_not_claim_each_others_memory`.
 #[test]
-fn heaps_do_not_claim_each_others_memory() {
+fn heaps_get_arenas_and_chunks_of_their_own() {
     let a = Heap::builder().build().unwrap();
     let b = Heap::builder().build().unwrap();
-    let x = a.alloc(100).unwrap();
-    assert!(b.keys(x.as_ptr()).is_none());
     assert_ne!(a.arena_index(), b.arena_index());
+    let (x, y) = (a.alloc(100).unwrap(), b.alloc(100).unwrap());
+    assert_ne!(chunk_of(x.as_ptr()).unwrap(), chunk_of(y.as_ptr()).unwrap(), "one chunk serves one heap");
 }
 
 /// Churn: random sizes 64 B-3 MiB, at most 64 live, 20 000 operations. Mapped bytes (what a bound
@@ -217,21 +242,78 @@ fn allocator_api2_vec_grows_in_the_heap() {
 
 #[test]
 fn fork_with_a_live_heap_leaves_the_child_working() {
-    // jemalloc's fork handlers touch every arena's metadata in the child: metadata chunks must
-    // not be excluded from fork (regression: the child died of SIGSEGV).
+    // A scoped heap's data chunks are excluded from fork() children (MADV_DONTFORK: registered
+    // memory is neither shared copy-on-write nor copied); its metadata is not, because
+    // jemalloc's fork handlers touch every arena's metadata in the child (regression: the child
+    // died of SIGSEGV). So in the child: the heap's metadata answers, its data pages are absent,
+    // and a heap created there allocates, writes and frees. The fork happens in a re-exec of this
+    // binary running only this test, so no other test's thread can hold a lock at the fork.
+    const NAME: &str = "fork_with_a_live_heap_leaves_the_child_working";
+    if std::env::var_os("MRALLOC_FORK_CHILD").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("MRALLOC_FORK_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        for line in text.lines() {
+            println!("  fork| {line}");
+        }
+        assert!(out.status.success(), "the forking process failed");
+        assert!(text.contains("fork: the child"), "the fork test did not run in the re-exec");
+        return;
+    }
     let heap = Heap::builder().build().unwrap();
-    let b = heap.alloc(1 << 20).unwrap();
-    // SAFETY: the child only calls async-signal-safe functions and _exits.
+    let mut b = heap.alloc(1 << 20).unwrap();
+    b.fill(0x11);
+    let live = heap.stats().live_bytes;
+    // SAFETY: this process runs one test thread (the main thread only waits for it); the child
+    // runs Rust code in the only thread it has, then _exits without unwinding into libtest.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
-        // SAFETY: as above.
-        unsafe { libc::_exit(0) };
+        let check = std::panic::AssertUnwindSafe(|| child_after_fork(&heap, b.as_ptr(), live));
+        let code = std::panic::catch_unwind(check).unwrap_or(99);
+        // SAFETY: leaves the child without running the parent's atexit handlers or destructors.
+        unsafe { libc::_exit(code) };
     }
     let mut status = 0;
     // SAFETY: pid is our child.
     assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    assert_eq!(libc::WEXITSTATUS(status), 0, "child check {} failed (see child_after_fork)", libc::WEXITSTATUS(status));
+    assert!(b.iter().all(|&x| x == 0x11), "the parent's buffer is intact");
     assert!(heap.stats().metadata_bytes > 0);
-    drop(b);
+    let big = heap.alloc(40 << 20).unwrap();
+    assert!(chunk_of(big.as_ptr()).is_some(), "the parent's heap still grows");
+    println!("fork: the child saw the heap's metadata, not its data, and used a heap of its own");
+}
+
+/// What the forked child checks; 0 when all held, else the number of the check that failed.
+fn child_after_fork(heap: &Heap, data: *const u8, live: u64) -> i32 {
+    // 1. The heap's metadata came along: its statistics answer, unchanged.
+    if heap.stats().live_bytes != live {
+        return 1;
+    }
+    // 2. Its data chunk did not: the page is not mapped in the child (mincore says ENOMEM).
+    let mut vec = [0u8; 1];
+    let page = (data as usize & !4095) as *mut libc::c_void;
+    // SAFETY: mincore only inspects the mapping and writes one byte to `vec`.
+    let r = unsafe { libc::mincore(page, 4096, vec.as_mut_ptr()) };
+    if r != -1 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOMEM) {
+        return 2;
+    }
+    // 3. A heap made in the child works: a new arena, new chunks through the hooks.
+    let fresh = Heap::builder().build().unwrap();
+    let mut big = fresh.alloc(40 << 20).unwrap();
+    big.fill(0x33);
+    let small = fresh.alloc(4096).unwrap();
+    if !big.iter().all(|&x| x == 0x33) || !small.iter().all(|&x| x == 0) || chunk_of(big.as_ptr()).is_none() {
+        return 3;
+    }
+    drop((small, big));
+    if fresh.stats().live_bytes != 0 {
+        return 4;
+    }
+    0
 }

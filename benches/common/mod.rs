@@ -17,19 +17,35 @@ pub fn label(n: usize) -> String {
     }
 }
 
-/// Short runs: the whole suite stays around a minute on 2 cores.
+/// `v` as given, or reversed when `MRALLOC_BENCH_REVERSE` is set (scripts/bench-alloc alternates
+/// the order in which mralloc and its baselines run between rounds).
+pub fn order<T>(mut v: Vec<T>) -> Vec<T> {
+    if std::env::var_os("MRALLOC_BENCH_REVERSE").is_some() {
+        v.reverse();
+    }
+    v
+}
+
+/// Short runs: the whole suite stays around a minute on 2 cores. No plots: criterion would run
+/// gnuplot in the background while the next benchmark measures.
 pub fn config() -> Criterion {
     Criterion::default()
+        .without_plots()
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(1200))
         .sample_size(20)
 }
 
-/// The median of `v` (sorted in place; the upper middle for an even count). Panics on an empty
-/// slice or a NaN.
+/// The median of `v` (sorted in place; the mean of the two middle values for an even count, as
+/// scripts/lib.sh `spread`). Panics on an empty slice or a NaN.
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
-    v[v.len() / 2]
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 /// Latency statistics computed as perftest's `print_report_lat` does, from the instants at which

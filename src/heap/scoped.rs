@@ -174,6 +174,11 @@ impl HeapBuilder {
 /// is deregistered and unmapped: at once if the handle goes last, otherwise within a few
 /// milliseconds of the last buffer's drop (a small reaper thread exists only meanwhile).
 ///
+/// `fork()`: the heap's data chunks are excluded from children (`MADV_DONTFORK`, what
+/// `ibv_fork_init` does for registered memory: the parent keeps its pinned pages and nothing is
+/// copied). A child must not touch the heap's buffers or allocate from it; it may exec, use
+/// other allocators, or build a heap of its own.
+///
 /// ```no_run
 /// use mralloc::heap::Heap;
 /// use mralloc::verbs::{Access, Context, Pd};

@@ -374,11 +374,22 @@ mod tests {
             if matches!(m.kind, Kind::Hello | Kind::Welcome) {
                 m.blob = blob;
             }
-            let mut b = m.encode().unwrap();
+            let orig = m.encode().unwrap();
+            prop_assert_eq!(&Message::decode(&orig).unwrap(), &m, "encode/decode round trip");
+            let mut b = orig.clone();
             let i = pos % b.len();
             b[i] = val;
-            if let Ok(m) = Message::decode(&b) {
-                prop_assert!(m.blob.len() <= MAX_BLOB);
+            match Message::decode(&b) {
+                Ok(d) => {
+                    prop_assert!(d.blob.len() <= MAX_BLOB);
+                    // What the parser accepts is what the encoder writes: no second spelling of
+                    // a message, and an unchanged byte gives the original back.
+                    prop_assert_eq!(d.encode().unwrap(), b.clone(), "accepted bytes re-encode the same");
+                    if val == orig[i] {
+                        prop_assert_eq!(d, m);
+                    }
+                }
+                Err(e) => prop_assert!(val != orig[i], "the original bytes were refused: {}", e),
             }
         }
     }

@@ -34,7 +34,7 @@ impl Connection {
         self.post_and_wait_borrowed(op, &[sge], &[what], flags)
     }
 
-    fn inline_flag(&self, len: usize) -> SendFlags {
+    pub(crate) fn inline_flag(&self, len: usize) -> SendFlags {
         if len <= self.opts.max_inline as usize {
             SendFlags::INLINE
         } else {

@@ -119,9 +119,17 @@ impl Connection {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
+        // Payload-carrying operations go inline when small enough (Options::max_inline), as the
+        // blocking ones do: the bytes are copied into the work request at post time.
+        let flags = match w {
+            SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..) => {
+                self.inline_flag(sge.len() as usize)
+            }
+            _ => SendFlags::NONE,
+        };
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
-        match unsafe { self.post_chain(op, &[sge], &[w], SendFlags::NONE) } {
+        match unsafe { self.post_chain(op, &[sge], &[w], flags) } {
             Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: true, buf: Some(buf) }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);

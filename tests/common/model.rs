@@ -5,18 +5,46 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 
 use allocator_api2::alloc::Allocator;
-use mralloc::heap::{chunk_of, Heap};
+use mralloc::heap::{chunk_of, Buffer, Heap};
 use proptest::prelude::*;
 
 use super::pattern;
 
 #[derive(Debug, Clone)]
 pub enum Op {
-    Alloc { size: usize, align_log2: u32 },
+    Alloc {
+        size: usize,
+        align_log2: u32,
+    },
     Free(usize),
     Resize(usize, usize),
     Write(usize),
+    /// Dirty a block, free it, then `Heap::alloc` the same size: the bytes must read as zeros
+    /// (the block handed out is most often the one just freed).
+    Zeroed(usize),
+    /// Heap-level maintenance between operations ([`Env::maintain`]).
+    Maintain(u8),
 }
+
+/// What a model run does beyond the allocator calls: host and device differ.
+pub trait Env: Sync {
+    /// Purge (0) or decay (1) the heap; a device environment adds late binds.
+    fn maintain(&self, heap: &Heap, which: u8) {
+        if which % 2 == 0 {
+            heap.purge().expect("purge");
+        } else {
+            heap.decay().expect("decay");
+        }
+    }
+
+    /// Checks a fresh zero-filled buffer beyond the CPU's view (a device reads it by DMA).
+    fn check_zeroed(&self, _buf: &Buffer) {}
+}
+
+/// The host environment: purge and decay, CPU checks only.
+pub struct Host;
+
+impl Env for Host {}
 
 /// Operations with allocation sizes up to `max` bytes.
 pub fn op(max: usize) -> impl Strategy<Value = Op> {
@@ -26,6 +54,8 @@ pub fn op(max: usize) -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(Op::Free),
         2 => (any::<usize>(), 1usize..(2 << 20)).prop_map(|(i, n)| Op::Resize(i, n)),
         2 => any::<usize>().prop_map(Op::Write),
+        2 => prop_oneof![3 => 1usize..4096, 1 => 4096usize..(256 << 10)].prop_map(Op::Zeroed),
+        1 => any::<u8>().prop_map(Op::Maintain),
     ]
 }
 
@@ -37,7 +67,7 @@ pub struct Live {
 
 /// Runs `ops` against `heap` and a model; checks every invariant after each step. Returns the
 /// live bytes left (the caller frees nothing: it checks them against the stats, then frees).
-pub fn run_model(heap: &Heap, ops: &[Op], salt: u64) -> Vec<Live> {
+pub fn run_model(heap: &Heap, ops: &[Op], salt: u64, env: &dyn Env) -> Vec<Live> {
     let alloc = heap;
     let mut live: Vec<Live> = Vec::new();
     let check = |l: &Live| {
@@ -107,6 +137,26 @@ pub fn run_model(heap: &Heap, ops: &[Op], salt: u64) -> Vec<Live> {
                 };
                 l.seed = seed;
             }
+            Op::Zeroed(size) => {
+                let layout = Layout::from_size_align(size, 1).unwrap();
+                let p = alloc.allocate(layout).expect("allocation").cast::<u8>();
+                // SAFETY: p is a fresh allocation of `size` bytes, freed once with its layout.
+                unsafe {
+                    std::ptr::write_bytes(p.as_ptr(), 0xA5, size);
+                    alloc.deallocate(p, layout);
+                }
+                let mut buf = heap.alloc(size).expect("zero-filled allocation");
+                let dirty = buf.iter().filter(|&&x| x != 0).count();
+                assert_eq!(
+                    dirty,
+                    0,
+                    "Heap::alloc({size}) handed out {dirty} non-zero bytes (reused block: {})",
+                    buf.as_ptr() == p.as_ptr()
+                );
+                env.check_zeroed(&buf);
+                buf.fill(0x5A); // freed dirty: the next zero-filled allocation may get it
+            }
+            Op::Maintain(which) => env.maintain(heap, which),
             _ => {}
         }
     }
