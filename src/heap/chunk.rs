@@ -301,6 +301,50 @@ mod tests {
         assert_eq!(map(SLOT, 3 * SLOT), Err(libc::EINVAL));
     }
 
+    /// A chunk as high in the address space as this kernel maps (tried from the top of 57-, 52-
+    /// and 48-bit spaces down to 47 bits, with `MAP_FIXED_NOREPLACE`: on a 5-level-paging
+    /// x86_64 or a 52-bit aarch64 kernel the chunk lies above 2^47, where the old 47-bit page map
+    /// failed with "the chunk table is full") is published and found at both ends.
+    #[test]
+    fn a_chunk_high_in_the_address_space_is_published() {
+        let len = 2 * SLOT;
+        let mut placed = None;
+        'bits: for bits in [57u32, 52, 48, 47] {
+            for k in 1..64usize {
+                let hint = (1usize << bits) - k * (1usize << 34); // 16 GiB steps below the top
+                                                                  // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; a fresh
+                                                                  // anonymous mapping or MAP_FAILED comes back.
+                let p = unsafe {
+                    libc::mmap(
+                        hint as *mut libc::c_void,
+                        len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    continue;
+                }
+                if p as usize == hint {
+                    placed = Some((hint, bits));
+                    break 'bits;
+                }
+                unmap(p as usize, len); // a kernel that ignored the flag: not where we asked
+            }
+        }
+        let (base, bits) = placed.expect("no address below 2^47 could be mapped");
+        println!("chunk mapped at {base:#x} (top of the {bits}-bit space this kernel allows)");
+        let owner = u64::MAX - 9;
+        let i = publish(owner, base, len, false).expect("a high chunk is published");
+        assert_eq!(find(base).map(|(j, _)| j), Some(i));
+        assert_eq!(find(base + len - 1).map(|(j, _)| j), Some(i));
+        release(i);
+        assert!(find(base).is_none());
+        unmap(base, len);
+    }
+
     /// Lookups (`mr_of` / `keys_of_for`) run concurrently with heap teardown, which frees the
     /// `ibv_mr` structs: they must decide from the record alone. A record whose MR pointer is
     /// not even mapped memory answers without faulting (the old code read `(*mr).pd`).
