@@ -222,7 +222,9 @@ fn device_bound_heap_matches_model() {
         nic: std::sync::Mutex::new(()),
         extra_pds: std::sync::Mutex::new(Vec::new()),
     };
-    let mut runner = TestRunner::new(Config { cases: 4, ..Config::default() });
+    // No shrinking: the heap is shared by the cases, so a failed case's leftovers would make
+    // every shrink step fail on live bytes instead of on the real failure.
+    let mut runner = TestRunner::new(Config { cases: 4, max_shrink_iters: 0, ..Config::default() });
     let strategy =
         (proptest::collection::vec(model::op(2 << 20), 1..25), proptest::collection::vec(model::op(2 << 20), 1..25));
     runner

@@ -233,9 +233,10 @@ fn device_errors_are_typed_and_the_connection_fails_fast() {
     let bad = RemoteBuf { rkey: remote.rkey ^ 0x77_0000, ..remote };
     let err = a.write(&src, &bad).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
-    // Later posts fail with the original error itself (same work request id, same status):
-    // nothing new was posted, so no completion or operation timeout was waited for (a new post
-    // on the failed QP would complete as WR_FLUSH_ERR with a new id, or time out).
+    // Later posts fail with the original error itself (same work request id, same status),
+    // without a timeout. (A post on the failed QP would also report the recorded failure once
+    // flushed; the owned post below shows the refusal happens before posting: the buffer comes
+    // back.)
     let again = a.write(&src, &remote).unwrap_err();
     assert_eq!(again.wc_status(), Some(WcStatus::RemAccessErr), "later posts report the original error: {again}");
     assert_same_failure(&err, &again);

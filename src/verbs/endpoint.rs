@@ -149,6 +149,10 @@ impl Endpoint {
         if qpn > 0xff_ffff || psn > 0xff_ffff {
             return bad(format!("QPN {qpn:#x} or PSN {psn:#x} exceeds 24 bits"));
         }
+        // One spelling per endpoint: the reserved bytes are written as zeros and read as such.
+        if b[14..16] != [0, 0] {
+            return bad(format!("reserved bytes {:02x}{:02x} are not zero", b[14], b[15]));
+        }
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[16..32]);
         Ok(Endpoint { qpn, psn, lid: u16::from_be_bytes([b[12], b[13]]), mtu, gid: Gid::from_bytes(gid) })
