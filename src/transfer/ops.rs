@@ -30,12 +30,18 @@ pub(crate) fn nonempty(len: usize, op: &str) -> Result<()> {
 }
 
 impl Connection {
-    pub(crate) fn one(&self, op: &'static str, sge: Sge, what: SendOp, flags: SendFlags) -> Result<Completed> {
+    pub(crate) fn one(&self, op: &'static str, sge: Sge, what: SendOp) -> Result<Completed> {
+        let flags = self.inline_flag(&what, sge.len() as usize);
         self.post_and_wait_borrowed(op, &[sge], &[what], flags)
     }
 
-    pub(crate) fn inline_flag(&self, len: usize) -> SendFlags {
-        if len <= self.opts.max_inline as usize {
+    /// `INLINE` for an operation that carries a payload (SEND, WRITE, with or without immediate)
+    /// of at most [`Options::max_inline`](crate::transfer::Options::max_inline) bytes: the bytes
+    /// are copied into the work request at post time. Every single-request post decides here.
+    pub(crate) fn inline_flag(&self, what: &SendOp, len: usize) -> SendFlags {
+        let payload =
+            matches!(what, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
+        if payload && len <= self.opts.max_inline as usize {
             SendFlags::INLINE
         } else {
             SendFlags::NONE
@@ -51,7 +57,7 @@ impl Connection {
     pub fn write_at<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf, offset: u64) -> Result<()> {
         let sge = self.checked(local, "RDMA WRITE")?;
         let to = remote.at(offset, sge.len().into())?;
-        self.one("RDMA WRITE", sge, SendOp::Write(to), self.inline_flag(sge.len() as usize)).map(|_| ())
+        self.one("RDMA WRITE", sge, SendOp::Write(to)).map(|_| ())
     }
 
     /// RDMA WRITE that also delivers `imm` to the peer (it consumes one of the peer's receives;
@@ -65,8 +71,7 @@ impl Connection {
     ) -> Result<()> {
         let sge = self.checked(local, "RDMA WRITE with immediate")?;
         let to = remote.at(offset, sge.len().into())?;
-        let flags = self.inline_flag(sge.len() as usize);
-        self.one("RDMA WRITE with immediate", sge, SendOp::WriteWithImm(to, imm), flags).map(|_| ())
+        self.one("RDMA WRITE with immediate", sge, SendOp::WriteWithImm(to, imm)).map(|_| ())
     }
 
     /// RDMA READ of `local.len()` bytes from the start of `remote` into `local`.
@@ -78,19 +83,19 @@ impl Connection {
     pub fn read_at<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf, offset: u64) -> Result<()> {
         let sge = self.checked(&*local, "RDMA READ")?;
         let from = remote.at(offset, sge.len().into())?;
-        self.one("RDMA READ", sge, SendOp::Read(from), SendFlags::NONE).map(|_| ())
+        self.one("RDMA READ", sge, SendOp::Read(from)).map(|_| ())
     }
 
     /// SEND of all of `local` (the peer must post a receive: [`Connection::recv`]).
     pub fn send<L: Local + ?Sized>(&self, local: &L) -> Result<()> {
         let sge = self.checked(local, "SEND")?;
-        self.one("SEND", sge, SendOp::Send, self.inline_flag(sge.len() as usize)).map(|_| ())
+        self.one("SEND", sge, SendOp::Send).map(|_| ())
     }
 
     /// SEND with immediate data.
     pub fn send_with_imm<L: Local + ?Sized>(&self, local: &L, imm: u32) -> Result<()> {
         let sge = self.checked(local, "SEND with immediate")?;
-        self.one("SEND with immediate", sge, SendOp::SendWithImm(imm), self.inline_flag(sge.len() as usize)).map(|_| ())
+        self.one("SEND with immediate", sge, SendOp::SendWithImm(imm)).map(|_| ())
     }
 
     /// Posts a receive into `local` and waits for a SEND to fill it.
@@ -127,7 +132,7 @@ impl Connection {
         }
         let scratch = self.scratch.lock();
         let sge = scratch.sge(0..8)?;
-        self.one(op, sge, what(to), SendFlags::NONE)?;
+        self.one(op, sge, what(to))?;
         Ok(u64::from_ne_bytes(scratch[..8].try_into().expect("8 bytes")))
     }
 

@@ -14,7 +14,7 @@ use crate::transfer::iobuf::{IoBuf, IoBufMut};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::{nonempty, Received};
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, Sge};
+use crate::verbs::{SendOp, Sge};
 
 /// A post that was refused before reaching the NIC, or an operation that failed: the error, and
 /// the buffer back.
@@ -119,14 +119,7 @@ impl Connection {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        // Payload-carrying operations go inline when small enough (Options::max_inline), as the
-        // blocking ones do: the bytes are copied into the work request at post time.
-        let flags = match w {
-            SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..) => {
-                self.inline_flag(sge.len() as usize)
-            }
-            _ => SendFlags::NONE,
-        };
+        let flags = self.inline_flag(&w, sge.len() as usize);
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(op, &[sge], &[w], flags) } {
