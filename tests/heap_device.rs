@@ -189,22 +189,32 @@ impl model::Env for DeviceEnv<'_> {
 
     fn check_zeroed(&self, buf: &Buffer) {
         let n = buf.len();
-        let keys = buf.keys().expect("bound heap gives keys");
-        let mut back = self.heap.alloc(n).unwrap();
-        back.fill(0xFF);
-        let back = back.expose().unwrap();
-        let sge = [mralloc::verbs::Sge::new(buf.as_ptr() as u64, n as u32, keys.lkey)];
-        let remote = back.remote().at(0, n as u64).unwrap();
-        {
+        let got = {
             let _one_at_a_time = self.nic.lock().unwrap();
-            // SAFETY: `buf` and `back` live until the completion below is polled.
-            unsafe { self.lb.a.post_send(&[SendWr::new(5, &sge, SendOp::Write(remote))]).unwrap() };
-            self.lb.cq_a.next(WAIT).unwrap().ok().unwrap();
-        }
-        let got = back.to_vec();
+            // SAFETY: `buf` is live for its n bytes throughout.
+            unsafe { nic_read(self.lb, self.heap, buf.as_ptr(), n) }
+        };
         let dirty = got.iter().filter(|&&x| x != 0).count();
         assert_eq!(dirty, 0, "the NIC read {dirty} non-zero bytes of a fresh {n}-byte buffer");
     }
+}
+
+/// What the NIC reads of the `n` heap bytes at `ptr` (with their chunk's lkey, as the source of
+/// an RDMA WRITE into a buffer of its own, prefilled with 0xFF and exposed on its own).
+///
+/// # Safety
+/// `ptr` must be live for `n` bytes of `heap` until this returns.
+unsafe fn nic_read(lb: &Loopback, heap: &Heap, ptr: *const u8, n: usize) -> Vec<u8> {
+    let keys = heap.keys(ptr).expect("bound heap gives keys");
+    let mut back = heap.alloc(n).unwrap();
+    back.fill(0xFF);
+    let back = back.expose().unwrap();
+    let sge = [mralloc::verbs::Sge::new(ptr as u64, n as u32, keys.lkey)];
+    let remote = back.remote().at(0, n as u64).unwrap();
+    // SAFETY: `ptr` (the caller's promise) and `back` live until the completion below is polled.
+    unsafe { lb.a.post_send(&[SendWr::new(4, &sge, SendOp::Write(remote))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+    back.to_vec()
 }
 
 #[test]
@@ -239,15 +249,10 @@ fn device_bound_heap_matches_model() {
             // The NIC reads every live allocation with its chunk's lkey (here: the source of an
             // RDMA WRITE into a buffer exposed on its own).
             for l in la.iter().chain(&lb_) {
-                let keys = heap.keys(l.ptr.as_ptr()).expect("bound heap gives keys");
                 let n = l.layout.size();
-                let back = heap.alloc(n).unwrap().expose().unwrap();
-                let sge = [mralloc::verbs::Sge::new(l.ptr.as_ptr() as u64, n as u32, keys.lkey)];
-                let remote = back.remote().at(0, n as u64).unwrap();
-                // SAFETY: both live until the completion below is polled.
-                unsafe { lb.a.post_send(&[SendWr::new(4, &sge, SendOp::Write(remote))]).unwrap() };
-                lb.cq_a.next(WAIT).unwrap().ok().unwrap();
-                assert_bytes_eq(&back.to_vec(), &pattern(l.seed, n), "NIC sees the model's bytes");
+                // SAFETY: l is a live allocation of n bytes until it is freed below.
+                let got = unsafe { nic_read(&lb, &heap, l.ptr.as_ptr(), n) };
+                assert_bytes_eq(&got, &pattern(l.seed, n), "NIC sees the model's bytes");
             }
             for l in la.into_iter().chain(lb_) {
                 // SAFETY: allocated from &heap with l.layout.
@@ -367,17 +372,9 @@ fn vm_pinned_kib() -> u64 {
 /// its output prefixed (so its own libtest summary is not counted as a result) and requires it
 /// to succeed and to print "`what` child: OK".
 fn in_child(name: &str, marker: &str, env: &[(&str, &str)], what: &str) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
-        .env(marker, "1")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    for line in text.lines() {
-        println!("  child| {line}");
-    }
-    assert!(out.status.success(), "{what} child failed");
+    let mut all = vec![(marker, "1")];
+    all.extend_from_slice(env);
+    let text = finish_child(spawn_test(name, true, &all), &format!("{what} child"));
     assert!(text.contains(&format!("{what} child: OK")), "child did not run its body");
 }
 

@@ -250,16 +250,7 @@ fn fork_with_a_live_heap_leaves_the_child_working() {
     // binary running only this test, so no other test's thread can hold a lock at the fork.
     const NAME: &str = "fork_with_a_live_heap_leaves_the_child_working";
     if std::env::var_os("MRALLOC_FORK_CHILD").is_none() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
-            .env("MRALLOC_FORK_CHILD", "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        for line in text.lines() {
-            println!("  fork| {line}");
-        }
-        assert!(out.status.success(), "the forking process failed");
+        let text = common::finish_child(common::spawn_test(NAME, false, &[("MRALLOC_FORK_CHILD", "1")]), "fork");
         assert!(text.contains("fork: the child"), "the fork test did not run in the re-exec");
         return;
     }

@@ -311,9 +311,10 @@ mod tests {
         let mut placed = None;
         'bits: for bits in [57u32, 52, 48, 47] {
             for k in 1..64usize {
-                let hint = (1usize << bits) - k * (1usize << 34); // 16 GiB steps below the top
-                                                                  // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; a fresh
-                                                                  // anonymous mapping or MAP_FAILED comes back.
+                // 16 GiB steps below the top.
+                let hint = (1usize << bits) - k * (1usize << 34);
+                // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; a fresh
+                // anonymous mapping or MAP_FAILED comes back.
                 let p = unsafe {
                     libc::mmap(
                         hint as *mut libc::c_void,

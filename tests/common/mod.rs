@@ -121,16 +121,26 @@ pub fn churn(heap: &mralloc::heap::Heap, ops: usize, max_live: usize, max_size: 
     (peak, heap.stats().mapped_bytes)
 }
 
-/// Runs test `name` of this test binary again as a child process with `env` set (the child takes
-/// the other role of a two-process test), capturing its output.
+/// Runs #[ignore]d test `name` of this test binary again as a child process with `env` set (the
+/// child takes the other role of a two-process test), capturing its output.
 pub fn spawn_self(name: &str, env: (&str, String)) -> std::process::Child {
+    spawn_test(name, true, &[(env.0, &env.1)])
+}
+
+/// Runs test `name` of this test binary alone (one test thread) in a child process with `env`
+/// set, capturing its output; `ignored` for an #[ignore]d (device) test.
+pub fn spawn_test(name: &str, ignored: bool, env: &[(&str, &str)]) -> std::process::Child {
+    let mut args = vec!["--exact", name, "--nocapture", "--test-threads=1"];
+    if ignored {
+        args.push("--ignored");
+    }
     std::process::Command::new(std::env::current_exe().expect("test binary path"))
-        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
-        .env(env.0, env.1)
+        .args(args)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("spawning the peer process")
+        .expect("spawning the child process")
 }
 
 /// Waits for a child from [`spawn_self`], prints its output prefixed (so its libtest summary is
