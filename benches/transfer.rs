@@ -12,6 +12,10 @@
 //! largest are dropped, typical is their median and ping-pong tests report half the round trip.
 //! `--inline` (default 0, what perftest uses on devices it does not recognize, rxe among them)
 //! is the most bytes a SEND or WRITE carries inline.
+//!
+//! With the `tokio` feature, `async_write_bw` and `async_write_lat` run the same loops through
+//! `AsyncConnection` on a 2-worker tokio runtime: every post is an operation future, every
+//! completion is awaited.
 
 mod common;
 
@@ -236,10 +240,108 @@ fn main() -> mralloc::Result<()> {
             let (typical, p99) = perftest_latency(&posted, 2.0);
             println!("MRALLOC send_lat {typical:.2} {p99:.2} {}", inline_used(&a));
         }
+        #[cfg(feature = "tokio")]
+        "async_write_bw" | "async_write_lat" => asynchronous::run(&a, &pd, &heap, &opts)?,
         other => {
             eprintln!("transfer: unknown test {other}");
             std::process::exit(2);
         }
     }
     Ok(())
+}
+
+#[cfg(feature = "tokio")]
+mod asynchronous {
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use mralloc::heap::{Exposed, Heap};
+    use mralloc::transfer::{AsyncConnection, Options};
+    use mralloc::verbs::Pd;
+
+    use super::{inline_used, perftest_latency, Args};
+
+    pub fn run(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|source| mralloc::Error::Io { what: "building the tokio runtime".into(), source })?;
+        rt.block_on(async {
+            let (x, y) = AsyncConnection::pair(pd, opts)?;
+            match a.test.as_str() {
+                "async_write_bw" => write_bw(a, heap, &x).await,
+                _ => write_lat(a, heap, x, y).await,
+            }
+        })
+    }
+
+    /// As write_bw: `depth` WRITEs of one source buffer in flight (an `Arc`, shared by every
+    /// operation as perftest shares one buffer), each awaited in order.
+    async fn write_bw(a: &Args, heap: &Heap, x: &AsyncConnection) -> mralloc::Result<()> {
+        let n = a.size;
+        let mut src = heap.alloc(n)?;
+        src.fill(0x5a);
+        let src = Arc::new(src);
+        let dst = heap.alloc(n)?.expose()?;
+        let remote = dst.remote();
+        let mut inflight = VecDeque::with_capacity(a.depth as usize);
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            if inflight.len() == a.depth as usize {
+                let op: std::pin::Pin<Box<_>> = inflight.pop_front().expect("in flight");
+                op.await?;
+            }
+            inflight.push_back(Box::pin(x.write(src.clone(), &remote, 0)));
+        }
+        for op in inflight {
+            op.await?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        println!("MRALLOC async_write_bw {:.2}", (n * a.iters) as f64 / secs / (1u64 << 20) as f64);
+        Ok(())
+    }
+
+    /// As write_lat, with each side a task: post the WRITE (an operation future), spin on the
+    /// own inbox for the peer's, then await the own WRITE's completion.
+    async fn write_lat(a: &Args, heap: &Heap, x: AsyncConnection, y: AsyncConnection) -> mralloc::Result<()> {
+        let n = a.size;
+        let inbox_x = Arc::new(heap.alloc(n)?.expose()?);
+        let inbox_y = Arc::new(heap.alloc(n)?.expose()?);
+        let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
+        fn spin(inbox: &Exposed, n: usize, tag: u8) {
+            // SAFETY: a volatile read of the inbox's last byte (in bounds), which the peer writes
+            // by RDMA; no reference to the exposed bytes is made.
+            while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
+                std::hint::spin_loop();
+            }
+        }
+        let iters = a.iters;
+        let (heap2, iy) = (heap.clone(), inbox_y.clone());
+        let pong = tokio::spawn(async move {
+            let mut out = heap2.alloc(n)?;
+            for i in 0..iters {
+                let tag = (i % 251 + 1) as u8;
+                spin(&iy, n, tag);
+                out[n - 1] = tag;
+                out = y.write(out, &rx, 0).await?;
+            }
+            Ok::<(), mralloc::Error>(())
+        });
+        let mut out = heap.alloc(n)?;
+        let mut posted = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let tag = (i % 251 + 1) as u8;
+            out[n - 1] = tag;
+            posted.push(Instant::now());
+            let op = x.write(out, &ry, 0);
+            spin(&inbox_x, n, tag);
+            out = op.await?;
+        }
+        pong.await.expect("pong task")?;
+        let (typical, p99) = perftest_latency(&posted, 2.0);
+        println!("MRALLOC async_write_lat {typical:.2} {p99:.2} {}", inline_used(a));
+        Ok(())
+    }
 }

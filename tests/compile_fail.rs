@@ -9,3 +9,12 @@ fn ownership_rules_are_enforced_at_compile_time() {
     let t = trybuild::TestCases::new();
     t.compile_fail("tests/compile_fail/*.rs");
 }
+
+/// The async operations (feature `tokio`) take owned buffers too: dropping their future must not
+/// end a borrow the NIC still uses.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_operations_take_owned_buffers() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("tests/compile_fail_async/*.rs");
+}

@@ -20,33 +20,6 @@ fn setup() -> (Pd, Heap) {
     (pd, heap)
 }
 
-fn rdma_res(kind: &str) -> String {
-    let out = std::process::Command::new("rdma")
-        .args(["resource", "show", kind])
-        .output()
-        .expect("running `rdma resource show`");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The kernel resource-tracker numbers of this process's PDs. (Its lines name the *thread* that
-/// created an object, so PDs are found by this process's live thread ids, and QPs and MRs by PD.)
-fn our_pdns() -> Vec<String> {
-    let tids: Vec<String> = std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .collect();
-    rdma_res("pd")
-        .lines()
-        .filter(|l| tids.iter().any(|t| l.contains(&format!(" pid {t} "))))
-        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "pdn").nth(1).map(str::to_owned))
-        .collect()
-}
-
-/// QPs or MRs in this process's PDs, as the kernel's RDMA resource tracker sees them.
-fn resources(kind: &str, pdns: &[String]) -> usize {
-    rdma_res(kind).lines().filter(|l| pdns.iter().any(|p| l.contains(&format!(" pdn {p} ")))).count()
-}
-
 /// 2 threads x 8 connections, mixed alloc/free/write/read/send of random sizes, every transfer
 /// checksummed; afterwards no live bytes, and no QP or MR beyond what the heap retains.
 #[test]

@@ -175,6 +175,11 @@ impl Core {
         }
     }
 
+    /// The completion channel the CQs raise events on (connections in event mode).
+    pub(crate) fn channel(&self) -> Option<&CompChannel> {
+        self.channel.as_ref()
+    }
+
     /// Records the first failure; returns whether this one was it.
     pub(crate) fn fail(&self, f: Failure) -> bool {
         let first = self.failed.set(f).is_ok();

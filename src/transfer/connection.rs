@@ -51,6 +51,17 @@ impl std::fmt::Debug for Connection {
     }
 }
 
+/// What one attempt to post a chain did.
+enum Attempt {
+    /// Posted whole; the signaled tail's id.
+    Posted(u64),
+    /// No send-queue room: nothing posted.
+    Full,
+    /// The device accepted only the first `n` requests (the connection must be failed and their
+    /// flush awaited).
+    Partial(Error, u32),
+}
+
 /// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
 /// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
 pub(crate) struct InFlight<'c> {
@@ -316,63 +327,91 @@ impl Connection {
         let start = Instant::now();
         loop {
             self.check()?;
-            let posted = self.core.with_send(|core, slots| {
-                if slots.used() + k > self.opts.send_depth {
-                    slots.reap(core)?;
-                    return Ok(None);
-                }
-                let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
-                let tail = first + u64::from(k) - 1;
-                fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
-                    let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
-                    let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
-                    SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
-                }
-                let r = if k == 1 {
-                    // The common single request: no allocation.
-                    let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
-                    // SAFETY: the caller keeps the memory valid until the tail completes.
-                    unsafe { self.qp.post_send(&one) }
-                } else {
-                    let wrs: Vec<SendWr<'_>> = ops
-                        .iter()
-                        .zip(sges)
-                        .enumerate()
-                        .map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge))
-                        .collect();
-                    // SAFETY: as above.
-                    unsafe { self.qp.post_send(&wrs) }
-                };
-                match r {
-                    Ok(()) => {
-                        slots.posted(tail, k, k, op);
-                        Ok(Some(Ok(tail)))
-                    }
-                    Err(e @ Error::PartialPost { posted, .. }) => {
-                        // The accepted requests use their memory until they complete or are
-                        // flushed; none of them is signaled, so a marker will cover them.
-                        slots.posted_untracked(posted as u32);
-                        Ok(Some(Err((e, posted as u32))))
-                    }
-                    Err(e) => Err(e),
-                }
-            })?;
-            match posted {
-                Some(Ok(tail)) => return Ok(tail),
-                Some(Err((e, accepted))) => {
-                    self.fail(Failure::local(&e));
-                    return match self.flush_marker(op, accepted) {
-                        Err(lost @ Error::FlushLost { .. }) => Err(lost),
-                        _ => Err(e),
-                    };
-                }
-                None => {}
+            // SAFETY: the caller's contract.
+            match unsafe { self.attempt(op, sges, ops, flags)? } {
+                Attempt::Posted(tail) => return Ok(tail),
+                Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
+                Attempt::Full => {}
             }
             if start.elapsed() > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
             self.core.pause(&mut 0, Duration::from_millis(1))?;
         }
+    }
+
+    /// Posts one request if the send queue has room (`Ok(None)`: full, nothing posted), without
+    /// waiting: the async front end's post. Returns the request's id.
+    ///
+    /// # Safety
+    /// As [`Connection::post_chain`].
+    pub(crate) unsafe fn try_post_one(&self, op: &'static str, sge: Sge, what: SendOp) -> Result<Option<u64>> {
+        self.check()?;
+        let flags = self.inline_flag(&what, sge.len() as usize);
+        // SAFETY: the caller's contract.
+        match unsafe { self.attempt(op, &[sge], &[what], flags)? } {
+            Attempt::Posted(id) => Ok(Some(id)),
+            Attempt::Full => Ok(None),
+            // A single request is accepted or refused whole (qp.rs reports a refused first
+            // request as a plain verbs error); should a device report otherwise, the accepted
+            // part's flush is awaited as for any chain (blocking, on this impossible path).
+            Attempt::Partial(e, accepted) => Err(self.after_partial(op, e, accepted)),
+        }
+    }
+
+    /// A partially accepted chain: fails the connection and waits for the accepted part's flush.
+    /// Returns the post's error, or [`Error::FlushLost`] if the flush never came.
+    fn after_partial(&self, op: &'static str, e: Error, accepted: u32) -> Error {
+        self.fail(Failure::local(&e));
+        match self.flush_marker(op, accepted) {
+            Err(lost @ Error::FlushLost { .. }) => lost,
+            _ => e,
+        }
+    }
+
+    /// One attempt to post `sges`/`ops` as a chain ending in a signaled tail.
+    ///
+    /// # Safety
+    /// As [`Connection::post_chain`].
+    unsafe fn attempt(&self, op: &'static str, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Attempt> {
+        let k = ops.len() as u32;
+        self.core.with_send(|core, slots| {
+            if slots.used() + k > self.opts.send_depth {
+                slots.reap(core)?;
+                return Ok(Attempt::Full);
+            }
+            let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
+            let tail = first + u64::from(k) - 1;
+            fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
+                let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
+                let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
+                SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
+            }
+            let r = if k == 1 {
+                // The common single request: no allocation.
+                let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
+                // SAFETY: the caller keeps the memory valid until the tail completes.
+                unsafe { self.qp.post_send(&one) }
+            } else {
+                let wrs: Vec<SendWr<'_>> =
+                    ops.iter().zip(sges).enumerate().map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge)).collect();
+                // SAFETY: as above.
+                unsafe { self.qp.post_send(&wrs) }
+            };
+            match r {
+                Ok(()) => {
+                    slots.posted(tail, k, k, op);
+                    Ok(Attempt::Posted(tail))
+                }
+                Err(e @ Error::PartialPost { posted, .. }) => {
+                    // The accepted requests use their memory until they complete or are
+                    // flushed; none of them is signaled, so a marker will cover them.
+                    slots.posted_untracked(posted as u32);
+                    Ok(Attempt::Partial(e, posted as u32))
+                }
+                Err(e) => Err(e),
+            }
+        })
     }
 
     /// After a partially accepted chain (the QP already moved to the error state): posts a

@@ -15,6 +15,9 @@
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
 //! - Completions: busy polling (default), sleeping on the completion channel
 //!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
+//! - Async (feature `tokio`): `AsyncConnection` and `AsyncListener`, the same operations as
+//!   futures over owned buffers, which give the buffer back with the result; cancelling a
+//!   future never frees memory the NIC may touch.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
 //! - [`Connection::grant`]: a revocable rkey for exactly one buffer (a type 2 memory window).
 //! - Remote rights: a connection lets its peer RDMA WRITE, READ or use atomics on this side's
@@ -26,6 +29,8 @@
 //! bounds-checked locally. A failed completion fails the connection: later posts return the
 //! original error at once.
 
+#[cfg(feature = "tokio")]
+mod aio;
 mod auth;
 mod batch;
 mod cm;
@@ -44,6 +49,8 @@ mod pending;
 mod poller;
 mod tcp;
 
+#[cfg(feature = "tokio")]
+pub use aio::{AsyncConnection, AsyncListener, Op};
 pub use auth::Secret;
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};

@@ -56,6 +56,11 @@ pub struct Options {
     /// only writes needs nothing. The memory itself must grant the right as well (its heap's
     /// access, or a [`crate::transfer::Connection::grant`]).
     pub remote_access: Access,
+    /// The longest an async operation ([`crate::transfer::AsyncConnection`], feature `tokio`)
+    /// polls its CQ before sleeping until the completion channel wakes it; the poll adapts
+    /// below this to how long the connection's recent operations took (default 200 µs; zero
+    /// never polls).
+    pub async_spin: Duration,
     /// A secret both ends of a TCP setup ([`crate::transfer::Listener`],
     /// [`crate::transfer::Connection::connect`]) must hold (default: none). With one, the
     /// exchange is a challenge-response (HMAC-SHA-256 over fresh nonces, endpoints and blobs;
@@ -83,6 +88,7 @@ impl Default for Options {
             op_timeout: Duration::from_secs(30),
             remote_access: Access::NONE,
             secret: None,
+            async_spin: Duration::from_micros(200),
         }
     }
 }

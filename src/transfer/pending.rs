@@ -102,7 +102,7 @@ impl<B: IoBuf> Drop for Pending<'_, B> {
 
 impl Connection {
     /// A bounds-checked SGE for an owned buffer, or the typed error saying why not.
-    fn checked_owned<B: IoBuf>(&self, buf: &B, op: &str) -> Result<Sge> {
+    pub(crate) fn checked_owned<B: IoBuf>(&self, buf: &B, op: &str) -> Result<Sge> {
         self.check()?;
         nonempty(buf.bytes_len(), op)?;
         sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(&self.pd))

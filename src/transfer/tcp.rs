@@ -67,19 +67,30 @@ impl Listener {
     /// [`Error::Io`] if the TCP connection fails or times out ([`Options::connect_timeout`]);
     /// [`Error::Verbs`] if creating or connecting the QP fails.
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
-        let (mut s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
-        configure(&s, &self.opts)?;
-        let x = auth::server(&mut s, self.opts.secret.as_ref(), blob, || {
-            let prepared = Connection::prepare(&self.pd, &self.opts)?;
+        let (s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
+        Listener::serve(s, peer, &self.pd, &self.opts, blob)
+    }
+
+    /// The server side of the exchange on an accepted (blocking) TCP stream.
+    pub(crate) fn serve(
+        mut s: TcpStream,
+        peer: SocketAddr,
+        pd: &Pd,
+        opts: &Options,
+        blob: &[u8],
+    ) -> Result<Connection> {
+        configure(&s, opts)?;
+        let x = auth::server(&mut s, opts.secret.as_ref(), blob, || {
+            let prepared = Connection::prepare(pd, opts)?;
             let me = prepared.0.endpoint();
             Ok((prepared, me))
         })?;
         // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
         // QP connected. The client posts nothing before this side's Ready, sent once it is.
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let mut conn = Connection::finish(&self.pd, &self.opts, x.prepared, x.peer, x.peer_blob, None)?;
+        let mut conn = Connection::finish(pd, opts, x.prepared, x.peer, x.peer_blob, None)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
-        tracing::debug!(%peer, authenticated = self.opts.secret.is_some(), "accepted RDMA connection");
+        tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
         conn._tcp = Some(s);
         Ok(conn)
     }

@@ -61,6 +61,54 @@ impl CompChannel {
         self.inner.ch
     }
 
+    /// Makes the channel's descriptor non-blocking, for an event loop: then
+    /// [`CompChannel::try_event`] never sleeps.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if `fcntl` fails.
+    pub fn set_nonblocking(&self) -> Result<()> {
+        let fd = self.fd();
+        // SAFETY: fcntl on a descriptor this channel owns; F_GETFL/F_SETFL touch only its flags.
+        let rc = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 {
+                flags
+            } else {
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
+            }
+        };
+        if rc < 0 {
+            return Err(Error::Io {
+                what: "making a completion channel non-blocking".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Consumes and acknowledges one pending event, if there is one, without sleeping (the
+    /// descriptor must be non-blocking: [`CompChannel::set_nonblocking`]). Returns whether one
+    /// was there.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_get_cq_event` fails for another reason than "no event".
+    pub fn try_event(&self) -> Result<bool> {
+        let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is live and its descriptor non-blocking (the caller's contract; a
+        // blocking one would only make this wait); out-pointers are valid.
+        if unsafe { ffi::ibv_get_cq_event(self.inner.ch, &mut cq, &mut ctx) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(false),
+                _ => Err(Error::verbs_errno("ibv_get_cq_event", e.raw_os_error().unwrap_or(libc::EIO))),
+            };
+        }
+        // SAFETY: cq is one of the live CQs on this channel (they outlive their events' handling).
+        unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
+    }
+
     /// Sleeps until an event arrives or `timeout` passes; consumes and acknowledges the event.
     /// Returns whether one arrived. Re-arm the CQ before the next wait.
     pub fn wait(&self, timeout: Duration) -> Result<bool> {

@@ -309,6 +309,12 @@ impl RegisteredBuf {
         &self.mr
     }
 
+    /// The start of the mapping, with the mapping's own provenance (not derived from a shared
+    /// slice), for memory the NIC writes while only `&self` is held.
+    pub(crate) fn raw_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
     /// A scatter/gather entry for `range` of the buffer.
     pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
         if range.end > self.len {

@@ -1,0 +1,393 @@
+//! `AsyncConnection`: the operations of a connection as futures over owned buffers.
+
+use std::future::{poll_fn, Future};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::Poll;
+
+use tokio::net::ToSocketAddrs;
+use tokio::sync::Notify;
+
+use crate::error::{Error, Result};
+use crate::remote::RemoteBuf;
+use crate::transfer::aio::op::{Op, Request};
+use crate::transfer::aio::{driver, scratch, spin, Shared};
+use crate::transfer::completion::Failure;
+use crate::transfer::{Connection, IoBuf, IoBufMut, Options, Received, Rejected, WaitMode};
+use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp};
+
+/// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
+/// share the connection, which closes when the last clone and the last operation are gone.
+///
+/// Every operation takes its local buffer **by value** ([`IoBuf`] / [`IoBufMut`]) and gives it
+/// back with the result, as tokio-uring does, so a buffer moves into a task and out again:
+///
+/// ```no_run
+/// # async fn f(pd: &mralloc::verbs::Pd, heap: &mralloc::Heap) -> Result<(), Box<dyn std::error::Error>> {
+/// use mralloc::transfer::{AsyncConnection, Options};
+/// let conn = AsyncConnection::connect("10.0.0.2:7471", pd, Options::default()).await?;
+/// let remote = mralloc::RemoteBuf::from_bytes(conn.peer_blob())?;
+/// let mut buf = heap.alloc(1 << 20)?;
+/// buf.fill(7);
+/// let buf = conn.write(buf, &remote, 0).await?; // the buffer comes back
+/// let (buf, got) = conn.recv(buf).await?;
+/// println!("the peer sent {} bytes", got.len);
+/// # drop(buf); Ok(()) }
+/// ```
+///
+/// - **Posting** happens when the operation is called; a full send queue makes the future wait
+///   (not the thread) for room.
+/// - **Waiting**: a future first polls the CQ for a short, adaptive time
+///   ([`Options::async_spin`]), then sleeps; a driver task per connection sleeps on the
+///   completion channel through tokio's reactor and wakes it. Nothing blocks an executor
+///   thread: setup runs on tokio's blocking pool.
+/// - **Cancel-safe**: dropping a future (a cancelled task, `tokio::time::timeout`, a `select!`
+///   branch not taken) never frees memory the NIC may touch. Its buffer is parked with the
+///   connection and freed when the completion, or the flush after a failure or close, is
+///   reaped. A dropped receive stays posted: the next SEND lands in it and is discarded.
+/// - **Failures** are the blocking API's: the first failed completion fails the connection
+///   (its queue pair goes to the error state) and every later operation returns that error at
+///   once. There is no per-operation timeout ([`Options::op_timeout`] is for blocking calls):
+///   wrap a future in `tokio::time::timeout`, which is safe (see above).
+///
+/// The runtime needs I/O enabled (`enable_io` or `enable_all`). Dropping the last handle
+/// closes the connection; if requests are still outstanding, the close runs on the blocking
+/// pool.
+#[derive(Clone)]
+pub struct AsyncConnection {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AsyncConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AsyncConnection").field(self.shared.conn()).finish()
+    }
+}
+
+/// Options for a connection whose completions the async driver handles: CQs on a completion
+/// channel, whatever wait mode was asked for.
+pub(crate) fn async_options(mut opts: Options) -> Options {
+    opts.wait = WaitMode::Event;
+    opts
+}
+
+/// Resolves `addr` without blocking the executor.
+async fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|source| Error::Io { what: "resolving the peer address".into(), source })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::InvalidArgument("the address resolved to nothing".into()));
+    }
+    Ok(addrs)
+}
+
+/// Runs blocking setup on tokio's blocking pool.
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Error::Io {
+        what: "connection setup on tokio's blocking pool".into(),
+        source: std::io::Error::other(e),
+    })?
+}
+
+impl AsyncConnection {
+    /// Connects to a [`crate::transfer::Listener`] or [`crate::transfer::AsyncListener`] at
+    /// `addr`, in `pd`. The TCP exchange runs on tokio's blocking pool.
+    ///
+    /// # Errors
+    /// As [`Connection::connect_with`]; [`Error::Io`] if the runtime has no I/O driver.
+    pub async fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
+        AsyncConnection::connect_with(addr, pd, opts, Vec::new()).await
+    }
+
+    /// Connects, sending `blob` to the peer with this side's endpoint.
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::connect`].
+    pub async fn connect_with(
+        addr: impl ToSocketAddrs,
+        pd: &Pd,
+        opts: Options,
+        blob: Vec<u8>,
+    ) -> Result<AsyncConnection> {
+        let addrs = resolve(addr).await?;
+        let pd = pd.clone();
+        let conn = blocking(move || Connection::connect_with(&addrs[..], &pd, async_options(opts), &blob)).await?;
+        AsyncConnection::wrap(conn)
+    }
+
+    /// Connects through the RDMA connection manager to a [`crate::transfer::CmListener`]
+    /// (run on tokio's blocking pool).
+    ///
+    /// # Errors
+    /// As [`Connection::connect_cm_with`].
+    pub async fn connect_cm(
+        addr: impl ToSocketAddrs,
+        pd: &Pd,
+        opts: Options,
+        blob: Vec<u8>,
+    ) -> Result<AsyncConnection> {
+        let addrs = resolve(addr).await?;
+        let pd = pd.clone();
+        let conn = blocking(move || Connection::connect_cm_with(&addrs[..], &pd, async_options(opts), &blob)).await?;
+        AsyncConnection::wrap(conn)
+    }
+
+    /// Two connected async connections in `pd` on one device (loopback), as
+    /// [`Connection::pair`]. Call it inside a tokio runtime.
+    ///
+    /// # Errors
+    /// As [`Connection::pair`]; [`Error::Io`] outside a tokio runtime with I/O enabled.
+    pub fn pair(pd: &Pd, opts: &Options) -> Result<(AsyncConnection, AsyncConnection)> {
+        let (a, b) = Connection::pair(pd, &async_options(opts.clone()))?;
+        Ok((AsyncConnection::wrap(a)?, AsyncConnection::wrap(b)?))
+    }
+
+    /// Makes a connection set up with [`WaitMode::Event`] async.
+    pub(crate) fn wrap(conn: Connection) -> Result<AsyncConnection> {
+        let channel = conn.core.channel().cloned().ok_or_else(|| {
+            Error::InvalidArgument("an async connection needs CQs on a completion channel (WaitMode::Event)".into())
+        })?;
+        let stop = Arc::new(Notify::new());
+        let shared = Arc::new(Shared {
+            waiters: driver::Waiters::default(),
+            spin: spin::Spin::new(conn.options().async_spin),
+            words: scratch::Words::new(conn.pd()),
+            stop: stop.clone(),
+            conn: std::mem::ManuallyDrop::new(conn),
+        });
+        driver::spawn(&shared, channel, stop)?;
+        Ok(AsyncConnection { shared })
+    }
+
+    fn conn(&self) -> &Connection {
+        self.shared.conn()
+    }
+
+    /// The PD local memory must be registered in.
+    pub fn pd(&self) -> &Pd {
+        self.conn().pd()
+    }
+
+    /// The peer's endpoint.
+    pub fn peer(&self) -> &Endpoint {
+        self.conn().peer()
+    }
+
+    /// The blob the peer sent while connecting; empty if none.
+    pub fn peer_blob(&self) -> &[u8] {
+        self.conn().peer_blob()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &Options {
+        self.conn().options()
+    }
+
+    /// The error that failed the connection, if any.
+    pub fn error(&self) -> Option<Error> {
+        self.conn().error()
+    }
+
+    /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
+    fn start<B: IoBuf>(&self, buf: B, op: &'static str, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
+        let conn = self.conn();
+        let req = conn
+            .checked_owned(&buf, op)
+            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { op, sge: Some(sge), what }));
+        match req {
+            Ok(req) => Op::start(self.shared.clone(), buf, req),
+            Err(e) => Op::refused(self.shared.clone(), buf, e),
+        }
+    }
+
+    /// RDMA WRITE of all of `buf` to `offset` in `remote`; gives the buffer back.
+    ///
+    /// # Errors
+    /// The buffer comes back in [`Rejected`] with [`Error::NotRegistered`] (not registered in
+    /// this connection's PD), [`Error::OutOfBounds`] (the remote range), [`Error::InvalidArgument`]
+    /// (an empty buffer), [`Error::Operation`] (a failed completion, or the connection's earlier
+    /// failure), [`Error::Closed`] or [`Error::Verbs`].
+    pub fn write<B: IoBuf>(
+        &self,
+        buf: B,
+        remote: &RemoteBuf,
+        offset: u64,
+    ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "RDMA WRITE", |len| Ok(Some(SendOp::Write(remote.at(offset, len)?))));
+        async move { op.await.map(|(b, _)| b) }
+    }
+
+    /// RDMA WRITE that also delivers `imm` to the peer (consuming one of its receives).
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::write`].
+    pub fn write_with_imm<B: IoBuf>(
+        &self,
+        buf: B,
+        remote: &RemoteBuf,
+        offset: u64,
+        imm: u32,
+    ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "RDMA WRITE with immediate", |len| {
+            Ok(Some(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
+        });
+        async move { op.await.map(|(b, _)| b) }
+    }
+
+    /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back.
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::write`].
+    pub fn read<B: IoBufMut>(
+        &self,
+        buf: B,
+        remote: &RemoteBuf,
+        offset: u64,
+    ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "RDMA READ", |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
+        async move { op.await.map(|(b, _)| b) }
+    }
+
+    /// SEND of all of `buf` (the peer must have a receive posted).
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::write`] (no remote range).
+    pub fn send<B: IoBuf>(&self, buf: B) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "SEND", |_| Ok(Some(SendOp::Send)));
+        async move { op.await.map(|(b, _)| b) }
+    }
+
+    /// SEND with immediate data.
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::send`].
+    pub fn send_with_imm<B: IoBuf>(
+        &self,
+        buf: B,
+        imm: u32,
+    ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "SEND with immediate", |_| Ok(Some(SendOp::SendWithImm(imm))));
+        async move { op.await.map(|(b, _)| b) }
+    }
+
+    /// Posts `buf` as a receive (at call time) and completes when a SEND fills it. Receives
+    /// complete in the order they were posted.
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::write`]; [`Error::InvalidArgument`] when the receive queue is full.
+    pub fn recv<B: IoBufMut>(
+        &self,
+        buf: B,
+    ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
+        let op = self.start(buf, "receive", |_| Ok(None));
+        async move { op.await.map(|(b, c)| (b, c.into())) }
+    }
+
+    /// Posts a receive without memory and completes with the immediate of the peer's WRITE with
+    /// immediate (or empty SEND with immediate).
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::recv`]; [`Error::Protocol`] if the peer sent an empty SEND without
+    /// an immediate (a SEND with bytes fails the receive: it has no room).
+    pub fn recv_imm(&self) -> impl Future<Output = Result<u32>> + Send + 'static {
+        let op = Op::start(self.shared.clone(), NoBytes, Request { op: "receive", sge: None, what: None });
+        async move {
+            let (_, got) = op.await.map_err(|r| r.error)?;
+            got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+        }
+    }
+
+    fn atomic(
+        &self,
+        op: &'static str,
+        remote: &RemoteBuf,
+        offset: u64,
+        what: impl FnOnce(RemoteAddr) -> SendOp,
+    ) -> impl Future<Output = Result<u64>> + Send + 'static {
+        let started = remote.at(offset, 8).and_then(|to| {
+            if to.addr % 8 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{op} needs an 8-byte-aligned remote word, got {:#x}",
+                    to.addr
+                )));
+            }
+            let word = self.shared.words.take()?;
+            Ok(self.start(word, op, |_| Ok(Some(what(to)))))
+        });
+        async move {
+            let (word, _) = started?.await.map_err(|r| r.error)?;
+            Ok(word.value())
+        }
+    }
+
+    /// Atomically adds `add` to the 64-bit word at `offset` in `remote`; returns its old value.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the remote word is not 8-byte aligned; otherwise as
+    /// [`AsyncConnection::write`].
+    pub fn fetch_add(
+        &self,
+        remote: &RemoteBuf,
+        offset: u64,
+        add: u64,
+    ) -> impl Future<Output = Result<u64>> + Send + 'static {
+        self.atomic("fetch-and-add", remote, offset, move |r| SendOp::FetchAdd { remote: r, add })
+    }
+
+    /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
+    /// returns its old value (equal to `compare` when the swap happened).
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::fetch_add`].
+    pub fn compare_swap(
+        &self,
+        remote: &RemoteBuf,
+        offset: u64,
+        compare: u64,
+        swap: u64,
+    ) -> impl Future<Output = Result<u64>> + Send + 'static {
+        self.atomic("compare-and-swap", remote, offset, move |r| SendOp::CompareSwap { remote: r, compare, swap })
+    }
+
+    /// Closes the connection: later operations fail with [`Error::Closed`]; completes once the
+    /// device has flushed every outstanding request (and the buffers of dropped operations are
+    /// freed). Operations still awaited complete with the flush error and give their buffers
+    /// back.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if moving the queue pair to the error state failed (nothing is flushed
+    /// then; the connection keeps what it holds until it is dropped).
+    pub async fn close(&self) -> Result<()> {
+        let conn = self.conn();
+        conn.fail(Failure::Closed);
+        conn.qp().set_error()?;
+        poll_fn(|cx| {
+            self.shared.waiters.register(cx.waker());
+            let _ = conn.core.progress();
+            if conn.core.quiet() {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+}
+
+/// The buffer of a receive that carries no bytes (an immediate only).
+struct NoBytes;
+
+// SAFETY: no bytes: the range is empty, so there is nothing to keep valid or to write.
+unsafe impl IoBuf for NoBytes {
+    fn stable_ptr(&self) -> *const u8 {
+        std::ptr::NonNull::dangling().as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        0
+    }
+    fn lkey_for(&self, _: &Pd) -> Option<u32> {
+        None
+    }
+}

@@ -1,0 +1,54 @@
+//! Async RDMA on tokio (feature `tokio`): [`AsyncConnection`] (operations as futures over owned
+//! buffers), [`AsyncListener`], and what they share — the per-connection driver task, the
+//! cancel-safe operation future [`Op`], the adaptive poll, and the atomics' landing words.
+
+mod connection;
+mod driver;
+mod listener;
+mod op;
+mod scratch;
+mod spin;
+
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::transfer::Connection;
+
+pub use connection::AsyncConnection;
+pub use listener::AsyncListener;
+pub use op::Op;
+
+/// What every handle and in-flight operation of one async connection shares.
+pub(crate) struct Shared {
+    /// Dropped in `Drop`, possibly on the blocking pool.
+    conn: ManuallyDrop<Connection>,
+    waiters: driver::Waiters,
+    spin: spin::Spin,
+    words: Arc<scratch::Words>,
+    /// Ends the driver task.
+    stop: Arc<Notify>,
+}
+
+impl Shared {
+    pub(crate) fn conn(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.stop.notify_one();
+        // SAFETY: taken once, here; nothing uses it afterwards.
+        let conn = unsafe { ManuallyDrop::take(&mut self.conn) };
+        // Closing waits for the device to flush what is outstanding: not on an executor thread.
+        if !conn.core.quiet() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn_blocking(move || drop(conn));
+                return;
+            }
+        }
+        drop(conn);
+    }
+}

@@ -1,0 +1,105 @@
+//! Landing words for the old values of async atomics.
+//!
+//! An atomic writes the remote word's old value into 8 local bytes. An async atomic may be
+//! cancelled while the NIC still has to write them, so the word is owned by the operation like
+//! any buffer: a [`Word`] is an [`IoBufMut`] taken from the connection's pool, parked with the
+//! connection if the future is dropped, and back in the pool only once its completion (or
+//! flush) has been reaped.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::transfer::{IoBuf, IoBufMut};
+use crate::verbs::{Access, Pd, RegisteredBuf};
+
+/// Registered words, in chunks of [`CHUNK`] made as needed; a word goes back to the free list
+/// only when its [`Word`] is dropped.
+pub(crate) struct Words {
+    pd: Pd,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    chunks: Vec<Arc<RegisteredBuf>>,
+    /// (chunk, word) pairs not owned by any operation.
+    free: Vec<(u32, u32)>,
+}
+
+/// Words per registered chunk (one page).
+const CHUNK: u32 = 512;
+
+impl Words {
+    pub(crate) fn new(pd: &Pd) -> Arc<Words> {
+        Arc::new(Words { pd: pd.clone(), state: Mutex::new(State::default()) })
+    }
+
+    /// A free word, registering another chunk if every word is in flight.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if registering a new chunk fails.
+    pub(crate) fn take(self: &Arc<Words>) -> Result<Word> {
+        let mut st = self.state.lock();
+        if st.free.is_empty() {
+            let c = u32::try_from(st.chunks.len())
+                .map_err(|_| Error::InvalidArgument("too many atomic landing words".into()))?;
+            st.chunks.push(Arc::new(RegisteredBuf::new(&self.pd, 8 * CHUNK as usize, Access::LOCAL_WRITE)?));
+            st.free.extend((0..CHUNK).rev().map(|i| (c, i)));
+        }
+        let (c, i) = st.free.pop().expect("a chunk was just added");
+        Ok(Word { words: self.clone(), chunk: st.chunks[c as usize].clone(), at: (c, i) })
+    }
+}
+
+/// One 8-byte landing word, owned by an atomic operation.
+pub(crate) struct Word {
+    words: Arc<Words>,
+    chunk: Arc<RegisteredBuf>,
+    at: (u32, u32),
+}
+
+impl Word {
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: the index is below CHUNK, so the word lies inside the chunk (8 * CHUNK bytes).
+        unsafe { self.chunk.raw_ptr().add(8 * self.at.1 as usize) }
+    }
+
+    /// The value the NIC wrote (call after the operation's completion was claimed).
+    pub(crate) fn value(&self) -> u64 {
+        // SAFETY: 8 bytes inside the mapping, 8-aligned (page-aligned chunk, 8-byte words); the
+        // operation that wrote it has completed, so no DMA is in flight on it.
+        u64::from_ne_bytes(unsafe { std::ptr::read_volatile(self.ptr().cast::<[u8; 8]>()) })
+    }
+}
+
+impl Drop for Word {
+    fn drop(&mut self) {
+        self.words.state.lock().free.push(self.at);
+    }
+}
+
+// SAFETY: the word lies in a registered chunk that the Word's Arc keeps alive (a leaked Word
+// keeps it forever); its index left the free list when this Word was made and returns only in
+// Drop, so no other Word (and nothing else: the pool never reads or writes words) touches these
+// 8 bytes meanwhile; the chunk's region covers all of it.
+unsafe impl IoBuf for Word {
+    fn stable_ptr(&self) -> *const u8 {
+        self.ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        8
+    }
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        self.chunk.mr().lkey_in(pd)
+    }
+}
+
+// SAFETY: as above; the pointer comes from the mapping itself (not a shared slice), registered
+// with LOCAL_WRITE.
+unsafe impl IoBufMut for Word {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr()
+    }
+}

@@ -1,0 +1,80 @@
+//! The short, adaptive poll a future makes before it sleeps.
+//!
+//! Sleeping costs a completion-channel event, a reactor wake-up and a task switch: several
+//! microseconds on real hardware, far more than a small RDMA operation takes. So a future whose
+//! request was just posted polls the CQ for a while first. How long adapts per connection and
+//! per queue: an average of how long recent operations took from post to completion, times 1.5,
+//! capped at [`Options::async_spin`](crate::transfer::Options::async_spin). Operations that
+//! take longer than the cap (a receive waiting for a quiet peer) stop spinning altogether, so
+//! an idle server sleeps instead of burning its executor thread.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub(crate) struct Spin {
+    cap_ns: u64,
+    /// Moving averages (1/8 weight per sample) of post-to-completion time, in ns.
+    send_ns: AtomicU64,
+    recv_ns: AtomicU64,
+}
+
+impl Spin {
+    pub(crate) fn new(cap: Duration) -> Spin {
+        let cap_ns = u64::try_from(cap.as_nanos()).unwrap_or(u64::MAX);
+        // Start in the middle: the first operations spin, and the average settles from there.
+        Spin { cap_ns, send_ns: AtomicU64::new(cap_ns / 2), recv_ns: AtomicU64::new(cap_ns / 2) }
+    }
+
+    fn avg(&self, send: bool) -> &AtomicU64 {
+        if send {
+            &self.send_ns
+        } else {
+            &self.recv_ns
+        }
+    }
+
+    /// How long to poll before sleeping, counted from the post.
+    pub(crate) fn budget(&self, send: bool) -> Duration {
+        let avg = self.avg(send).load(Ordering::Relaxed);
+        if self.cap_ns == 0 || avg > self.cap_ns {
+            return Duration::ZERO;
+        }
+        Duration::from_nanos((avg + avg / 2).min(self.cap_ns))
+    }
+
+    /// Records how long an operation took from post to completion.
+    pub(crate) fn observe(&self, send: bool, took: Duration) {
+        // Samples far above the cap count as just above it: one long wait must not take many
+        // fast operations to forget, and one fast operation after long waits brings spinning back.
+        let sample = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX).min(self.cap_ns.saturating_mul(2));
+        let a = self.avg(send);
+        let old = a.load(Ordering::Relaxed);
+        a.store(old - old / 8 + sample / 8, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_operations_spin_and_slow_ones_sleep() {
+        let s = Spin::new(Duration::from_micros(100));
+        assert_eq!(s.budget(true), Duration::from_micros(75), "starts at half the cap, times 1.5");
+        for _ in 0..64 {
+            s.observe(true, Duration::from_micros(10));
+        }
+        let b = s.budget(true);
+        assert!(b >= Duration::from_micros(14) && b <= Duration::from_micros(17), "{b:?}");
+        for _ in 0..64 {
+            s.observe(false, Duration::from_secs(5));
+        }
+        assert_eq!(s.budget(false), Duration::ZERO, "receives that wait long stop spinning");
+        assert!(s.budget(true) > Duration::ZERO, "the queues adapt separately");
+        for _ in 0..16 {
+            s.observe(false, Duration::from_micros(5));
+        }
+        assert!(s.budget(false) > Duration::ZERO, "fast receives bring spinning back");
+        assert_eq!(Spin::new(Duration::ZERO).budget(true), Duration::ZERO, "a zero cap never spins");
+    }
+}
