@@ -131,7 +131,9 @@ async fn device_async_64_tasks_on_8_connections() {
     let mut tasks = Vec::new();
     let mut keep = Vec::new();
     for c in 0..8u64 {
-        let (x, y) = AsyncConnection::pair(&pd, &all_rights()).unwrap();
+        // Half the connections never spin: every completion comes through the driver.
+        let spin = if c % 2 == 0 { Duration::ZERO } else { Options::default().async_spin };
+        let (x, y) = AsyncConnection::pair(&pd, &Options { async_spin: spin, ..all_rights() }).unwrap();
         for t in 0..8u64 {
             let id = c * 8 + t;
             // Half the tasks drive one end, half the other; a message goes to the other end.
@@ -196,14 +198,30 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         task.abort();
         assert!(task.await.unwrap_err().is_cancelled());
 
-        // Two SENDs land in the two parked receives (in posting order), not in `next`.
-        let msg = pattern(9, 4096);
-        let src = a.send(filled(&heap, &msg)).await.unwrap();
-        let src = a.send(src).await.unwrap();
-        assert!(next.iter().all(|&x| x == 0), "the new owner's memory was not written");
-        // Their completions release the parked buffers.
-        until("parked receives released", || heap.stats().live_bytes == live_before + 2 * 4096).await;
-        drop((src, next));
+        // The two parked receives take the next two SENDs (in posting order); a live receive
+        // posted after them gets the third.
+        let live = b.recv(next);
+        for k in 1..=3u8 {
+            a.send(filled(&heap, &[k; 64])).await.unwrap();
+        }
+        let (next, got) = live.await.unwrap();
+        assert_eq!(got.len, 64);
+        assert!(next[..64].iter().all(|&x| x == 3), "the live receive got the third message, not an earlier one");
+        // Their completions released the parked buffers.
+        until("parked receives released", || heap.stats().live_bytes == live_before + 4096).await;
+        drop(next);
+
+        // A SEND the peer has no receive for stays in flight (RNR retries forever): its future
+        // dropped, the buffer stays the connection's until the peer posts a receive.
+        let r = tokio::time::timeout(Duration::from_millis(50), a.send(filled(&heap, &pattern(5, 8192)))).await;
+        assert!(r.is_err(), "no receive at the peer: the SEND cannot complete");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(heap.stats().live_bytes, live_before + 8192, "the in-flight SEND's buffer is not freed");
+        let (inbox, got) = b.recv(heap.alloc(8192).unwrap()).await.unwrap();
+        assert_eq!(got.len, 8192);
+        assert_bytes_eq(&inbox, &pattern(5, 8192), "the cancelled SEND's data");
+        drop(inbox);
+        until("in-flight SEND released", || heap.stats().live_bytes == live_before).await;
 
         // A 16 MiB WRITE whose future is dropped right after the post: the data still lands,
         // and the buffer is freed once the completion is reaped.
@@ -252,4 +270,59 @@ async fn device_async_tcp_setup_and_blocking_peer() {
     assert_eq!(tokio::task::spawn_blocking(move || blocking.join().unwrap()).await.unwrap(), b"second");
     drop(second);
     assert_bytes_eq(&target.revoke().unwrap(), &want, "the async client's write");
+}
+
+/// With a one-slot send queue, requests wait for room in the order they were made and are posted
+/// by the driver even while nobody polls them: the WRITE with immediate that announces 32 WRITEs
+/// reaches the peer after all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run scripts/test"]
+async fn device_async_full_send_queue_keeps_call_order() {
+    let (pd, heap) = setup();
+    let opts = Options { send_depth: 1, async_spin: Duration::ZERO, ..all_rights() };
+    let (a, b) = AsyncConnection::pair(&pd, &opts).unwrap();
+    assert_eq!(a.options().send_depth, 1);
+    const N: usize = 32;
+    const SIZE: usize = 4096;
+    let dst = heap.alloc(N * SIZE).unwrap().expose().unwrap();
+    let flag = heap.alloc(8).unwrap().expose().unwrap();
+    let imm = b.recv_imm();
+    let writes: Vec<_> =
+        (0..N).map(|i| a.write(filled(&heap, &pattern(i as u64, SIZE)), &dst.remote(), (i * SIZE) as u64)).collect();
+    let note = a.write_with_imm(filled(&heap, &[1]), &flag.remote(), 0, 77);
+    // Nothing above has been polled: the driver posts each one as the previous completes.
+    assert_eq!(tokio::time::timeout(Duration::from_secs(20), imm).await.expect("the announcement").unwrap(), 77);
+    let landed = dst.to_vec();
+    for i in 0..N {
+        assert_bytes_eq(
+            &landed[i * SIZE..][..SIZE],
+            &pattern(i as u64, SIZE),
+            &format!("write {i} before the announcement"),
+        );
+    }
+    for w in writes {
+        w.await.unwrap();
+    }
+    note.await.unwrap();
+}
+
+/// Many requests left posted by dropped futures: `close` flushes them all (more than one poll's
+/// worth of completions) and frees their buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run scripts/test"]
+async fn device_async_close_flushes_many_parked_requests() {
+    let (pd, heap) = setup();
+    let live_before = heap.stats().live_bytes;
+    let opts = Options { async_spin: Duration::ZERO, ..all_rights() };
+    let (a, b) = AsyncConnection::pair(&pd, &opts).unwrap();
+    for _ in 0..40 {
+        let r = tokio::time::timeout(Duration::from_millis(1), b.recv(heap.alloc(256).unwrap())).await;
+        assert!(r.is_err());
+    }
+    assert_eq!(heap.stats().live_bytes, live_before + 40 * 256, "40 receives parked");
+    tokio::time::timeout(Duration::from_secs(20), b.close()).await.expect("close completes").unwrap();
+    assert_eq!(heap.stats().live_bytes, live_before, "every parked receive freed by the flush");
+    let r = b.recv(heap.alloc(8).unwrap()).await.unwrap_err();
+    assert!(matches!(r.error, Error::Closed), "{}", r.error);
+    drop((a, r));
 }

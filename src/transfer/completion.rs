@@ -260,6 +260,19 @@ impl Core {
         Ok(n)
     }
 
+    /// Reaps both CQs until they are empty. After arming a CQ this is what must follow: a
+    /// completion already queued raises no event, so one left behind would wait for the next.
+    pub(crate) fn drain(&self) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let n = self.progress()?;
+            if n == 0 {
+                return Ok(total);
+            }
+            total += n;
+        }
+    }
+
     /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
     pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
         self.with(send, |c, q| {

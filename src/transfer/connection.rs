@@ -377,8 +377,11 @@ impl Connection {
         let k = ops.len() as u32;
         self.core.with_send(|core, slots| {
             if slots.used() + k > self.opts.send_depth {
+                // Completions already in the CQ may free the room: look before giving up.
                 slots.reap(core)?;
-                return Ok(Attempt::Full);
+                if slots.used() + k > self.opts.send_depth {
+                    return Ok(Attempt::Full);
+                }
             }
             let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
             let tail = first + u64::from(k) - 1;

@@ -59,7 +59,7 @@ pub struct Options {
     /// The longest an async operation ([`crate::transfer::AsyncConnection`], feature `tokio`)
     /// polls its CQ before sleeping until the completion channel wakes it; the poll adapts
     /// below this to how long the connection's recent operations took (default 200 µs; zero
-    /// never polls).
+    /// never polls; at most 1 ms is honoured, since polling holds an executor thread).
     pub async_spin: Duration,
     /// A secret both ends of a TCP setup ([`crate::transfer::Listener`],
     /// [`crate::transfer::Connection::connect`]) must hold (default: none). With one, the

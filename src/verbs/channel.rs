@@ -130,7 +130,12 @@ impl CompChannel {
         let mut ctx: *mut libc::c_void = std::ptr::null_mut();
         // SAFETY: the fd is readable, so this does not block; out-pointers are valid.
         if unsafe { ffi::ibv_get_cq_event(self.inner.ch, &mut cq, &mut ctx) } != 0 {
-            return Err(Error::verbs("ibv_get_cq_event", 0));
+            let e = std::io::Error::last_os_error();
+            // Another reader (an async driver sharing a non-blocking channel) took the event.
+            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) {
+                return Ok(false);
+            }
+            return Err(Error::verbs_errno("ibv_get_cq_event", e.raw_os_error().unwrap_or(libc::EIO)));
         }
         // SAFETY: cq is one of the live CQs on this channel (they outlive their events' handling).
         unsafe { ffi::ibv_ack_cq_events(cq, 1) };

@@ -155,6 +155,8 @@ impl AsyncConnection {
             spin: spin::Spin::new(conn.options().async_spin),
             words: scratch::Words::new(conn.pd()),
             stop: stop.clone(),
+            driver_alive: std::sync::atomic::AtomicBool::new(false),
+            backlog: parking_lot::Mutex::new(Default::default()),
             conn: std::mem::ManuallyDrop::new(conn),
         });
         driver::spawn(&shared, channel, stop)?;
@@ -365,7 +367,13 @@ impl AsyncConnection {
         conn.qp().set_error()?;
         poll_fn(|cx| {
             self.shared.waiters.register(cx.waker());
-            let _ = conn.core.progress();
+            let _ = conn.core.drain();
+            // Requests still waiting for room are refused now (the connection is closed).
+            // SAFETY: every queued request belongs to a live Op that cancels its ticket under
+            // this lock before dropping its memory.
+            if unsafe { self.shared.backlog.lock().pump(conn) } {
+                self.shared.waiters.wake_all();
+            }
             if conn.core.quiet() {
                 Poll::Ready(Ok(()))
             } else {

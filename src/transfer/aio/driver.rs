@@ -13,6 +13,7 @@
 //! the wake-up finds its outcome already routed.
 
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::task::Waker;
 
@@ -68,44 +69,81 @@ pub(crate) fn spawn(shared: &Arc<Shared>, channel: CompChannel, stop: Arc<Notify
         source: std::io::Error::other(e),
     })?;
     channel.set_nonblocking()?;
-    let fd = {
-        // AsyncFd::new registers with the reactor of the current runtime.
+    let no_io = |why: String| Error::Io {
+        what: "registering a completion channel with tokio (the runtime needs I/O enabled)".into(),
+        source: std::io::Error::other(why),
+    };
+    let registered = {
         let _guard = handle.enter();
-        // SAFETY: the descriptor belongs to the channel inside the ChannelFd, which the AsyncFd
-        // owns: it stays open, and is the same descriptor, until the AsyncFd is dropped.
-        unsafe { AsyncFd::register_with_interest(ChannelFd(channel), tokio::io::Interest::READABLE) }.map_err(|e| {
-            Error::Io {
-                what: "registering a completion channel with tokio (the runtime needs I/O enabled)".into(),
-                source: std::io::Error::other(e.to_string()),
-            }
-        })?
+        // tokio panics (rather than failing) on a runtime built without I/O: keep that typed.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the descriptor belongs to the channel inside the ChannelFd, which the
+            // AsyncFd owns: it stays open, and is the same descriptor, until the AsyncFd is
+            // dropped.
+            unsafe { AsyncFd::register_with_interest(ChannelFd(channel), tokio::io::Interest::READABLE) }
+        }))
+    };
+    let fd = match registered {
+        Ok(Ok(fd)) => fd,
+        Ok(Err(e)) => return Err(no_io(e.to_string())),
+        Err(_) => return Err(no_io("the runtime has no I/O driver".into())),
     };
     let weak = Arc::downgrade(shared);
-    handle.spawn(drive(weak, fd, stop));
+    shared.driver_alive.store(true, Ordering::Release);
+    handle.spawn(drive(Alive(weak), fd, stop));
     Ok(())
 }
 
-/// Arms, reaps and wakes once. Returns `false` once the connection is gone.
-fn round(weak: &Weak<Shared>) -> bool {
-    let Some(sh) = weak.upgrade() else { return false };
-    let core = &sh.conn().core;
-    let armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
-    let reaped = armed.and_then(|()| core.progress());
-    if let Err(e) = reaped {
-        // The completion path is broken: fail the connection so the device flushes everything.
-        // Waiters then keep looking for their flush (the next round, or their own polls).
-        sh.conn().fail(Failure::local(&e));
+/// The driver's hold on its connection. When the driver task ends for any reason (the
+/// connection went, or its runtime shut down and dropped the task), waiters are told: they
+/// then poll the CQ themselves rather than wait for wake-ups that will not come.
+struct Alive(Weak<Shared>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        if let Some(sh) = self.0.upgrade() {
+            sh.driver_alive.store(false, Ordering::Release);
+            sh.waiters.wake_all();
+        }
     }
-    sh.waiters.wake_all();
-    true
 }
 
-async fn drive(weak: Weak<Shared>, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
+enum Round {
+    /// The connection is gone.
+    Gone,
+    Armed,
+    /// The CQs could not be armed or polled: no event can be relied on.
+    Broken(Error),
+}
+
+/// Arms both CQs, reaps until they are empty, wakes every waiter.
+fn round(weak: &Weak<Shared>) -> Round {
+    let Some(sh) = weak.upgrade() else { return Round::Gone };
+    let core = &sh.conn().core;
+    let r = core.send_cq.arm().and_then(|()| core.recv_cq.arm()).and_then(|()| core.drain());
+    // Reaped completions made room: post what waits for it, in order.
+    // SAFETY: every queued request belongs to a live Op that cancels its ticket under this lock
+    // before dropping its memory.
+    let _ = unsafe { sh.backlog.lock().pump(sh.conn()) };
+    sh.waiters.wake_all();
+    match r {
+        Ok(_) => Round::Armed,
+        Err(e) => Round::Broken(e),
+    }
+}
+
+async fn drive(alive: Alive, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
+    let weak = &alive.0;
     let channel = &fd.get_ref().0;
-    while round(&weak) {
+    loop {
+        match round(weak) {
+            Round::Gone => return,
+            Round::Broken(e) => return degraded(weak, e, &stop).await,
+            Round::Armed => {}
+        }
         let ready = tokio::select! {
             biased;
-            () = stop.notified() => break,
+            () = stop.notified() => return,
             r = fd.readable() => r,
         };
         let drained = match ready {
@@ -123,8 +161,7 @@ async fn drive(weak: Weak<Shared>, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
             Err(source) => Err(Error::Io { what: "waiting for a completion channel".into(), source }),
         };
         if let Err(e) = drained {
-            degraded(&weak, e, &stop).await;
-            break;
+            return degraded(weak, e, &stop).await;
         }
     }
 }
@@ -133,13 +170,13 @@ async fn drive(weak: Weak<Shared>, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
 /// outstanding request), keeps reaping, yielding between rounds, until nothing is outstanding,
 /// then waits for the connection to go.
 async fn degraded(weak: &Weak<Shared>, e: Error, stop: &Notify) {
-    tracing::error!("the completion channel failed ({e}); failing the connection");
+    tracing::error!("the completion path failed ({e}); failing the connection");
     match weak.upgrade() {
         Some(sh) => sh.conn().fail(Failure::local(&e)),
         None => return,
     }
     loop {
-        if !round(weak) {
+        if let Round::Gone = round(weak) {
             return;
         }
         if weak.upgrade().is_none_or(|sh| sh.conn().core.quiet()) {

@@ -2,6 +2,7 @@
 //! buffers), [`AsyncListener`], and what they share — the per-connection driver task, the
 //! cancel-safe operation future [`Op`], the adaptive poll, and the atomics' landing words.
 
+mod backlog;
 mod connection;
 mod driver;
 mod listener;
@@ -10,7 +11,10 @@ mod scratch;
 mod spin;
 
 use std::mem::ManuallyDrop;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use tokio::sync::Notify;
 
@@ -29,6 +33,11 @@ pub(crate) struct Shared {
     words: Arc<scratch::Words>,
     /// Ends the driver task.
     stop: Arc<Notify>,
+    /// Whether the driver task runs (it stops if its runtime shuts down): without it, futures
+    /// poll the CQ themselves instead of sleeping.
+    driver_alive: AtomicBool,
+    /// Send-queue requests waiting for room, posted strictly in call order.
+    backlog: Mutex<backlog::Backlog>,
 }
 
 impl Shared {
@@ -42,12 +51,11 @@ impl Drop for Shared {
         self.stop.notify_one();
         // SAFETY: taken once, here; nothing uses it afterwards.
         let conn = unsafe { ManuallyDrop::take(&mut self.conn) };
-        // Closing waits for the device to flush what is outstanding: not on an executor thread.
-        if !conn.core.quiet() {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn_blocking(move || drop(conn));
-                return;
-            }
+        // Closing waits for the device to flush what is outstanding, and destroying the QP, CQs
+        // and registrations are system calls: not on an executor thread.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn_blocking(move || drop(conn));
+            return;
         }
         drop(conn);
     }

@@ -2,11 +2,13 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use crate::error::Error;
+use crate::transfer::aio::backlog::Cancelled;
 use crate::transfer::aio::Shared;
 use crate::transfer::completion::Failure;
 use crate::transfer::{Completed, IoBuf, Rejected};
@@ -28,8 +30,8 @@ pub(crate) struct Request {
 unsafe impl Send for Request {}
 
 enum Stage {
-    /// Waiting for send-queue room.
-    Unposted(Request),
+    /// Waiting in the connection's backlog for send-queue room (this ticket).
+    Queued(u64),
     Posted {
         wr_id: u64,
         send: bool,
@@ -47,14 +49,15 @@ pub struct Op<B: IoBuf> {
     shared: Arc<Shared>,
     stage: Stage,
     buf: Option<B>,
-    /// A local failure of the completion path (the connection is failed; the flush is awaited).
+    /// A local failure of the completion path (the connection is failed; the flush is awaited),
+    /// or why the post was refused.
     local: Option<Error>,
 }
 
 impl<B: IoBuf> std::fmt::Debug for Op<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let stage = match self.stage {
-            Stage::Unposted(r) => format!("unposted {}", r.op),
+            Stage::Queued(t) => format!("waiting for send-queue room (ticket {t})"),
             Stage::Posted { wr_id, send, .. } => {
                 format!("posted wr_id {wr_id} ({})", if send { "send" } else { "recv" })
             }
@@ -68,11 +71,46 @@ impl<B: IoBuf> std::fmt::Debug for Op<B> {
 impl<B: IoBuf> Unpin for Op<B> {}
 
 impl<B: IoBuf> Op<B> {
-    /// Starts `req` on `buf`: posted at once if there is room, else on the first poll with room.
-    /// A refused post finishes the future with the error and the buffer.
+    /// Starts `req` on `buf`: posted at once if the send queue has room and no earlier request
+    /// waits for it; else queued behind them. A refused post finishes the future with the error
+    /// and the buffer.
     pub(crate) fn start(shared: Arc<Shared>, buf: B, req: Request) -> Op<B> {
-        let mut op = Op { shared, stage: Stage::Unposted(req), buf: Some(buf), local: None };
-        let _ = op.try_post();
+        let sh = shared.clone();
+        let conn = sh.conn();
+        let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), local: None };
+        // SAFETY (both posts): the request's memory is `op.buf`, owned by this future from here
+        // on: it is given back only after the completion was claimed, parked with the connection
+        // (released when the completion is reaped) if the future is dropped, or leaked.
+        let posted = match req.what {
+            None => unsafe { conn.post_recv_raw(req.sge) }.map(|id| (id, false)),
+            Some(what) => {
+                let mut backlog = sh.backlog.lock();
+                if backlog.is_empty() {
+                    match unsafe { conn.try_post_one(req.op, req.sge.unwrap_or(Sge::new(0, 0, 0)), what) } {
+                        Ok(Some(id)) => Ok((id, true)),
+                        Ok(None) => {
+                            op.stage = Stage::Queued(backlog.push(req));
+                            return op;
+                        }
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    let t = backlog.push(req);
+                    op.stage = Stage::Queued(t);
+                    // SAFETY: every queued request belongs to a live Op that cancels its
+                    // ticket under this lock before dropping its memory.
+                    if unsafe { backlog.pump(conn) } {
+                        drop(backlog);
+                        sh.waiters.wake_all();
+                    }
+                    return op;
+                }
+            }
+        };
+        match posted {
+            Ok((wr_id, send)) => op.stage = Stage::Posted { wr_id, send, at: Instant::now() },
+            Err(e) => op.refuse(e),
+        }
         op
     }
 
@@ -81,36 +119,14 @@ impl<B: IoBuf> Op<B> {
         Op { shared, stage: Stage::Finished, buf: Some(buf), local: Some(error) }
     }
 
-    /// Tries to post an unposted request. `false`: no send-queue room yet. A refused post
-    /// finishes the future (the error is kept for the next poll, which gives the buffer back).
-    fn try_post(&mut self) -> bool {
-        let Stage::Unposted(req) = self.stage else { return true };
-        let conn = self.shared.conn();
-        // SAFETY: the request's memory is `self.buf`, owned by this future from here on: it is
-        // given back only after the completion was claimed, parked with the connection (released
-        // when the completion is reaped) if the future is dropped, or leaked.
-        let posted = match req.what {
-            Some(what) => unsafe { conn.try_post_one(req.op, req.sge.unwrap_or(Sge::new(0, 0, 0)), what) },
-            None => unsafe { conn.post_recv_raw(req.sge) }.map(Some),
-        };
-        match posted {
-            Ok(Some(wr_id)) => {
-                self.stage = Stage::Posted { wr_id, send: req.what.is_some(), at: Instant::now() };
-                true
-            }
-            Ok(None) => false,
-            Err(e) => {
-                if let Error::FlushLost { .. } = e {
-                    // Part of a chain was accepted and never flushed: the NIC may still use the
-                    // memory, so it is leaked, never handed back.
-                    std::mem::forget(self.buf.take());
-                }
-                // Otherwise nothing was posted: the buffer comes back untouched.
-                self.stage = Stage::Finished;
-                self.local = Some(e);
-                true
-            }
+    /// The post was refused: the future finishes with `e` (and the buffer, unless a chain's
+    /// flush was lost: then the NIC may still use it, and it is leaked).
+    fn refuse(&mut self, e: Error) {
+        if let Error::FlushLost { .. } = e {
+            std::mem::forget(self.buf.take());
         }
+        self.stage = Stage::Finished;
+        self.local = Some(e);
     }
 
     fn finish(
@@ -123,6 +139,17 @@ impl<B: IoBuf> Op<B> {
             Ok(c) => Ok((buf, c)),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         })
+    }
+
+    /// Without a driver (its runtime is gone) nobody wakes us: poll again soon, reaping
+    /// ourselves.
+    fn no_driver(&self, cx: &Context<'_>) -> bool {
+        if self.shared.driver_alive.load(Ordering::Acquire) {
+            return false;
+        }
+        let _ = self.shared.conn().core.drain();
+        cx.waker().wake_by_ref();
+        true
     }
 }
 
@@ -143,11 +170,25 @@ impl<B: IoBuf> Future for Op<B> {
                     }
                     return this.finish(Err(e));
                 }
-                Stage::Unposted(_) => {
-                    // Register first: room freed after the attempt wakes us.
+                Stage::Queued(ticket) => {
+                    // Register first: room freed (and our post, by someone else) wakes us.
                     this.shared.waiters.register(cx.waker());
-                    if !this.try_post() {
-                        return Poll::Pending;
+                    let sh = this.shared.clone();
+                    let mut backlog = sh.backlog.lock();
+                    // SAFETY: as in `start`.
+                    let moved = unsafe { backlog.pump(sh.conn()) };
+                    let mine = backlog.take(ticket);
+                    drop(backlog);
+                    if moved {
+                        sh.waiters.wake_all();
+                    }
+                    match mine {
+                        Some(Ok(wr_id)) => this.stage = Stage::Posted { wr_id, send: true, at: Instant::now() },
+                        Some(Err(e)) => this.refuse(e),
+                        None => {
+                            this.no_driver(cx);
+                            return Poll::Pending;
+                        }
                     }
                 }
                 Stage::Posted { wr_id, send, at } => {
@@ -177,6 +218,7 @@ impl<B: IoBuf> Future for Op<B> {
                             }
                         }
                         if registered {
+                            this.no_driver(cx);
                             return Poll::Pending;
                         }
                         if Instant::now() >= until {
@@ -196,8 +238,19 @@ impl<B: IoBuf> Future for Op<B> {
 
 impl<B: IoBuf> Drop for Op<B> {
     fn drop(&mut self) {
-        if let (Stage::Posted { wr_id, send, .. }, Some(buf)) = (&self.stage, self.buf.take()) {
-            self.shared.conn().core.park(*wr_id, *send, Box::new(buf));
+        let Some(buf) = self.buf.take() else { return };
+        match self.stage {
+            Stage::Posted { wr_id, send, .. } => self.shared.conn().core.park(wr_id, send, Box::new(buf)),
+            Stage::Queued(ticket) => {
+                // Under the backlog's lock: no pump can post the request after this.
+                let cancelled = self.shared.backlog.lock().cancel(ticket);
+                match cancelled {
+                    Cancelled::NotPosted => drop(buf),
+                    Cancelled::Posted(wr_id) => self.shared.conn().core.park(wr_id, true, Box::new(buf)),
+                    Cancelled::Lost => std::mem::forget(buf),
+                }
+            }
+            Stage::Finished => drop(buf),
         }
     }
 }

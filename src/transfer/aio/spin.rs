@@ -11,6 +11,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// The longest [`Options::async_spin`](crate::transfer::Options::async_spin) is honoured.
+pub(crate) const MAX_SPIN: Duration = Duration::from_millis(1);
+
 pub(crate) struct Spin {
     cap_ns: u64,
     /// Moving averages (1/8 weight per sample) of post-to-completion time, in ns.
@@ -20,7 +23,8 @@ pub(crate) struct Spin {
 
 impl Spin {
     pub(crate) fn new(cap: Duration) -> Spin {
-        let cap_ns = u64::try_from(cap.as_nanos()).unwrap_or(u64::MAX);
+        // Spinning holds an executor thread: never longer than MAX_SPIN, whatever was asked.
+        let cap_ns = u64::try_from(cap.min(MAX_SPIN).as_nanos()).unwrap_or(u64::MAX);
         // Start in the middle: the first operations spin, and the average settles from there.
         Spin { cap_ns, send_ns: AtomicU64::new(cap_ns / 2), recv_ns: AtomicU64::new(cap_ns / 2) }
     }
@@ -76,5 +80,6 @@ mod tests {
         }
         assert!(s.budget(false) > Duration::ZERO, "fast receives bring spinning back");
         assert_eq!(Spin::new(Duration::ZERO).budget(true), Duration::ZERO, "a zero cap never spins");
+        assert_eq!(Spin::new(Duration::MAX).budget(true), MAX_SPIN * 3 / 4, "the cap is clamped to MAX_SPIN");
     }
 }
