@@ -274,8 +274,10 @@ async fn device_async_tcp_setup_and_blocking_peer() {
 
 /// With a one-slot send queue, requests wait for room in the order they were made and are posted
 /// by the driver even while nobody polls them: the WRITE with immediate that announces 32 WRITEs
-/// reaches the peer after all of them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// reaches the peer after all of them. On a current-thread runtime the driver runs only when the
+/// test yields, so the first WRITE's completion is still unreaped when the announcement is
+/// called: a call that took the freed slot itself would overtake the 31 waiting WRITEs.
+#[tokio::test(flavor = "current_thread")]
 #[ignore = "needs an RDMA device: run scripts/test"]
 async fn device_async_full_send_queue_keeps_call_order() {
     let (pd, heap) = setup();
@@ -286,11 +288,14 @@ async fn device_async_full_send_queue_keeps_call_order() {
     const SIZE: usize = 4096;
     let dst = heap.alloc(N * SIZE).unwrap().expose().unwrap();
     let flag = heap.alloc(8).unwrap().expose().unwrap();
+    let bufs: Vec<Buffer> = (0..N).map(|i| filled(&heap, &pattern(i as u64, SIZE))).collect();
     let imm = b.recv_imm();
     let writes: Vec<_> =
-        (0..N).map(|i| a.write(filled(&heap, &pattern(i as u64, SIZE)), &dst.remote(), (i * SIZE) as u64)).collect();
+        bufs.into_iter().enumerate().map(|(i, buf)| a.write(buf, &dst.remote(), (i * SIZE) as u64)).collect();
+    // Blocking on purpose: the driver cannot run, the first WRITE completes meanwhile.
+    std::thread::sleep(Duration::from_millis(200));
     let note = a.write_with_imm(filled(&heap, &[1]), &flag.remote(), 0, 77);
-    // Nothing above has been polled: the driver posts each one as the previous completes.
+    // Nothing above is polled: the driver posts each request as the previous one completes.
     assert_eq!(tokio::time::timeout(Duration::from_secs(20), imm).await.expect("the announcement").unwrap(), 77);
     let landed = dst.to_vec();
     for i in 0..N {

@@ -328,7 +328,7 @@ impl Connection {
         loop {
             self.check()?;
             // SAFETY: the caller's contract.
-            match unsafe { self.attempt(op, sges, ops, flags)? } {
+            match unsafe { self.attempt(op, sges, ops, flags, true)? } {
                 Attempt::Posted(tail) => return Ok(tail),
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
@@ -341,7 +341,8 @@ impl Connection {
     }
 
     /// Posts one request if the send queue has room (`Ok(None)`: full, nothing posted), without
-    /// waiting: the async front end's post. Returns the request's id.
+    /// waiting and without reaping (the async front end posts under its backlog's lock, where
+    /// buffers released by a reap must not be dropped: reap first). Returns the request's id.
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
@@ -349,7 +350,7 @@ impl Connection {
         self.check()?;
         let flags = self.inline_flag(&what, sge.len() as usize);
         // SAFETY: the caller's contract.
-        match unsafe { self.attempt(op, &[sge], &[what], flags)? } {
+        match unsafe { self.attempt(op, &[sge], &[what], flags, false)? } {
             Attempt::Posted(id) => Ok(Some(id)),
             Attempt::Full => Ok(None),
             // A single request is accepted or refused whole (qp.rs reports a refused first
@@ -369,14 +370,25 @@ impl Connection {
         }
     }
 
-    /// One attempt to post `sges`/`ops` as a chain ending in a signaled tail.
+    /// One attempt to post `sges`/`ops` as a chain ending in a signaled tail; with `reap`, a
+    /// full queue is reaped once before giving up.
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
-    unsafe fn attempt(&self, op: &'static str, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Attempt> {
+    unsafe fn attempt(
+        &self,
+        op: &'static str,
+        sges: &[Sge],
+        ops: &[SendOp],
+        flags: SendFlags,
+        reap: bool,
+    ) -> Result<Attempt> {
         let k = ops.len() as u32;
         self.core.with_send(|core, slots| {
             if slots.used() + k > self.opts.send_depth {
+                if !reap {
+                    return Ok(Attempt::Full);
+                }
                 // Completions already in the CQ may free the room: look before giving up.
                 slots.reap(core)?;
                 if slots.used() + k > self.opts.send_depth {

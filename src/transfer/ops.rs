@@ -22,6 +22,20 @@ impl From<Completed> for Received {
     }
 }
 
+/// The immediate a receive for one delivered, or why there is none.
+pub(crate) fn immediate_of(got: Completed) -> Result<u32> {
+    got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+}
+
+/// The remote word an atomic `op` targets: in bounds and 8-byte aligned.
+pub(crate) fn atomic_target(op: &str, remote: &RemoteBuf, offset: u64) -> Result<RemoteAddr> {
+    let to = remote.at(offset, 8)?;
+    if to.addr % 8 != 0 {
+        return Err(Error::InvalidArgument(format!("{op} needs an 8-byte-aligned remote word, got {:#x}", to.addr)));
+    }
+    Ok(to)
+}
+
 pub(crate) fn nonempty(len: usize, op: &str) -> Result<()> {
     if len == 0 {
         return Err(Error::InvalidArgument(format!("{op} of zero bytes")));
@@ -112,8 +126,7 @@ impl Connection {
     pub fn recv_imm(&self) -> Result<u32> {
         // SAFETY: a receive without memory.
         let id = unsafe { self.post_recv_raw(None)? };
-        let got = self.wait_recv(id)?;
-        got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+        immediate_of(self.wait_recv(id)?)
     }
 
     fn atomic(
@@ -123,13 +136,7 @@ impl Connection {
         offset: u64,
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> Result<u64> {
-        let to = remote.at(offset, 8)?;
-        if to.addr % 8 != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{op} needs an 8-byte-aligned remote word, got {:#x}",
-                to.addr
-            )));
-        }
+        let to = atomic_target(op, remote, offset)?;
         let scratch = self.scratch.lock();
         let sge = scratch.sge(0..8)?;
         self.one(op, sge, what(to))?;

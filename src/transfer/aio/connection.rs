@@ -13,6 +13,7 @@ use crate::remote::RemoteBuf;
 use crate::transfer::aio::op::{Op, Request};
 use crate::transfer::aio::{driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
+use crate::transfer::ops::{atomic_target, immediate_of};
 use crate::transfer::{Connection, IoBuf, IoBufMut, Options, Received, Rejected, WaitMode};
 use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp};
 
@@ -111,10 +112,7 @@ impl AsyncConnection {
         opts: Options,
         blob: Vec<u8>,
     ) -> Result<AsyncConnection> {
-        let addrs = resolve(addr).await?;
-        let pd = pd.clone();
-        let conn = blocking(move || Connection::connect_with(&addrs[..], &pd, async_options(opts), &blob)).await?;
-        AsyncConnection::wrap(conn)
+        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_with(a, pd, o, b)).await
     }
 
     /// Connects through the RDMA connection manager to a [`crate::transfer::CmListener`]
@@ -128,9 +126,20 @@ impl AsyncConnection {
         opts: Options,
         blob: Vec<u8>,
     ) -> Result<AsyncConnection> {
+        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_cm_with(a, pd, o, b)).await
+    }
+
+    /// Resolves `addr`, runs the blocking `connect` on tokio's blocking pool, wraps the result.
+    async fn set_up(
+        addr: impl ToSocketAddrs,
+        pd: &Pd,
+        opts: Options,
+        blob: Vec<u8>,
+        connect: fn(&[SocketAddr], &Pd, Options, &[u8]) -> Result<Connection>,
+    ) -> Result<AsyncConnection> {
         let addrs = resolve(addr).await?;
         let pd = pd.clone();
-        let conn = blocking(move || Connection::connect_cm_with(&addrs[..], &pd, async_options(opts), &blob)).await?;
+        let conn = blocking(move || connect(&addrs[..], &pd, async_options(opts), &blob)).await?;
         AsyncConnection::wrap(conn)
     }
 
@@ -297,7 +306,7 @@ impl AsyncConnection {
         let op = Op::start(self.shared.clone(), NoBytes, Request { op: "receive", sge: None, what: None });
         async move {
             let (_, got) = op.await.map_err(|r| r.error)?;
-            got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+            immediate_of(got)
         }
     }
 
@@ -308,13 +317,7 @@ impl AsyncConnection {
         offset: u64,
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        let started = remote.at(offset, 8).and_then(|to| {
-            if to.addr % 8 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{op} needs an 8-byte-aligned remote word, got {:#x}",
-                    to.addr
-                )));
-            }
+        let started = atomic_target(op, remote, offset).and_then(|to| {
             let word = self.shared.words.take()?;
             Ok(self.start(word, op, |_| Ok(Some(what(to)))))
         });
@@ -377,6 +380,10 @@ impl AsyncConnection {
             if conn.core.quiet() {
                 Poll::Ready(Ok(()))
             } else {
+                if !self.shared.driver_alive.load(std::sync::atomic::Ordering::Acquire) {
+                    // No driver to wake us (its runtime is gone): poll again soon.
+                    cx.waker().wake_by_ref();
+                }
                 Poll::Pending
             }
         })

@@ -24,6 +24,7 @@ use tokio::sync::Notify;
 use crate::error::{Error, Result};
 use crate::transfer::aio::Shared;
 use crate::transfer::completion::Failure;
+use crate::transfer::connection::FLUSH_WAIT;
 use crate::verbs::CompChannel;
 
 /// Futures waiting for completions on one connection.
@@ -120,7 +121,9 @@ enum Round {
 fn round(weak: &Weak<Shared>) -> Round {
     let Some(sh) = weak.upgrade() else { return Round::Gone };
     let core = &sh.conn().core;
-    let r = core.send_cq.arm().and_then(|()| core.recv_cq.arm()).and_then(|()| core.drain());
+    // Reap even if arming failed: the flush after the failure must still be collected.
+    let armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
+    let r = core.drain().and(armed);
     // Reaped completions made room: post what waits for it, in order.
     // SAFETY: every queued request belongs to a live Op that cancels its ticket under this lock
     // before dropping its memory.
@@ -167,19 +170,21 @@ async fn drive(alive: Alive, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
 }
 
 /// Without events the driver cannot sleep: it fails the connection (the device flushes every
-/// outstanding request), keeps reaping, yielding between rounds, until nothing is outstanding,
-/// then waits for the connection to go.
+/// outstanding request), keeps reaping, yielding between rounds, until nothing is outstanding
+/// or the flush has had [`FLUSH_WAIT`] — then it stops spinning and waits for the connection to
+/// go (whose drop leaks what the device never flushed).
 async fn degraded(weak: &Weak<Shared>, e: Error, stop: &Notify) {
     tracing::error!("the completion path failed ({e}); failing the connection");
     match weak.upgrade() {
         Some(sh) => sh.conn().fail(Failure::local(&e)),
         None => return,
     }
+    let start = std::time::Instant::now();
     loop {
         if let Round::Gone = round(weak) {
             return;
         }
-        if weak.upgrade().is_none_or(|sh| sh.conn().core.quiet()) {
+        if weak.upgrade().is_none_or(|sh| sh.conn().core.quiet()) || start.elapsed() > FLUSH_WAIT {
             break;
         }
         tokio::task::yield_now().await;

@@ -84,6 +84,8 @@ impl<B: IoBuf> Op<B> {
         let posted = match req.what {
             None => unsafe { conn.post_recv_raw(req.sge) }.map(|id| (id, false)),
             Some(what) => {
+                // Room comes from reaping, which may free buffers: not under the backlog's lock.
+                let _ = conn.core.drain();
                 let mut backlog = sh.backlog.lock();
                 if backlog.is_empty() {
                     match unsafe { conn.try_post_one(req.op, req.sge.unwrap_or(Sge::new(0, 0, 0)), what) } {
@@ -147,7 +149,11 @@ impl<B: IoBuf> Op<B> {
         if self.shared.driver_alive.load(Ordering::Acquire) {
             return false;
         }
-        let _ = self.shared.conn().core.drain();
+        let sh = &self.shared;
+        let _ = sh.conn().core.drain();
+        // SAFETY: as in `start`.
+        let _ = unsafe { sh.backlog.lock().pump(sh.conn()) };
+        sh.waiters.wake_all();
         cx.waker().wake_by_ref();
         true
     }
@@ -174,6 +180,7 @@ impl<B: IoBuf> Future for Op<B> {
                     // Register first: room freed (and our post, by someone else) wakes us.
                     this.shared.waiters.register(cx.waker());
                     let sh = this.shared.clone();
+                    let _ = sh.conn().core.drain();
                     let mut backlog = sh.backlog.lock();
                     // SAFETY: as in `start`.
                     let moved = unsafe { backlog.pump(sh.conn()) };
