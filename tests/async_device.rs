@@ -274,9 +274,10 @@ async fn device_async_tcp_setup_and_blocking_peer() {
 
 /// With a one-slot send queue, requests wait for room in the order they were made and are posted
 /// by the driver even while nobody polls them: the WRITE with immediate that announces 32 WRITEs
-/// reaches the peer after all of them. On a current-thread runtime the driver runs only when the
-/// test yields, so the first WRITE's completion is still unreaped when the announcement is
-/// called: a call that took the freed slot itself would overtake the 31 waiting WRITEs.
+/// reaches the peer after all of them. A SEND without a receive at the peer holds the slot, so
+/// the WRITEs queue for certain; on a current-thread runtime the driver runs only when the test
+/// yields, so the SEND's completion is still unreaped when the announcement is called: a call
+/// that took the freed slot itself would overtake the 32 waiting WRITEs.
 #[tokio::test(flavor = "current_thread")]
 #[ignore = "needs an RDMA device: run scripts/test"]
 async fn device_async_full_send_queue_keeps_call_order() {
@@ -289,11 +290,16 @@ async fn device_async_full_send_queue_keeps_call_order() {
     let dst = heap.alloc(N * SIZE).unwrap().expose().unwrap();
     let flag = heap.alloc(8).unwrap().expose().unwrap();
     let bufs: Vec<Buffer> = (0..N).map(|i| filled(&heap, &pattern(i as u64, SIZE))).collect();
-    let imm = b.recv_imm();
+    // A SEND the peer has no receive for holds the only slot (RNR retries): every WRITE queues.
+    let blocker = a.send(filled(&heap, &[9; 64]));
     let writes: Vec<_> =
         bufs.into_iter().enumerate().map(|(i, buf)| a.write(buf, &dst.remote(), (i * SIZE) as u64)).collect();
-    // Blocking on purpose: the driver cannot run, the first WRITE completes meanwhile.
-    std::thread::sleep(Duration::from_millis(200));
+    let got = b.recv(heap.alloc(64).unwrap());
+    let imm = b.recv_imm();
+    // Blocking on purpose: the driver cannot run; the SEND completes meanwhile, unreaped.
+    std::thread::sleep(Duration::from_millis(300));
+    // The announcement's call reaps that completion and finds the slot free: it must still
+    // queue behind the 32 WRITEs.
     let note = a.write_with_imm(filled(&heap, &[1]), &flag.remote(), 0, 77);
     // Nothing above is polled: the driver posts each request as the previous one completes.
     assert_eq!(tokio::time::timeout(Duration::from_secs(20), imm).await.expect("the announcement").unwrap(), 77);
@@ -309,6 +315,8 @@ async fn device_async_full_send_queue_keeps_call_order() {
         w.await.unwrap();
     }
     note.await.unwrap();
+    blocker.await.unwrap();
+    assert_eq!(&got.await.unwrap().0[..], &[9; 64]);
 }
 
 /// Many requests left posted by dropped futures: `close` flushes them all (more than one poll's
