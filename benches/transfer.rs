@@ -59,6 +59,15 @@ fn prepost<'c>(c: &'c Connection, heap: &Heap, n: usize, k: usize) -> mralloc::R
     (0..k).map(|_| c.post_recv(heap.alloc(n)?).map_err(|r| r.error)).collect()
 }
 
+/// Spins until the peer's RDMA WRITE puts `tag` in the last of the inbox's `n` bytes.
+fn spin_until(inbox: &Exposed, n: usize, tag: u8) {
+    // SAFETY: a volatile read of the inbox's last byte (n - 1 < n, the inbox's length: in
+    // bounds), which the peer writes by RDMA; no reference to the exposed bytes is made.
+    while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
+        std::hint::spin_loop();
+    }
+}
+
 /// The inline size the payload-carrying posts used: `--inline` when the message fits, else 0.
 fn inline_used(a: &Args) -> u32 {
     if a.size <= a.inline as usize {
@@ -152,13 +161,7 @@ fn main() -> mralloc::Result<()> {
             let inbox_x = heap.alloc(n)?.expose()?;
             let inbox_y = heap.alloc(n)?.expose()?;
             let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
-            let spin = |inbox: &Exposed, tag: u8| {
-                // SAFETY: a volatile read of the inbox's last byte (n - 1 < n: in bounds), which
-                // the peer writes by RDMA; no reference to the exposed bytes is made.
-                while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
-                    std::hint::spin_loop();
-                }
-            };
+            let spin = |inbox: &Exposed, tag: u8| spin_until(inbox, n, tag);
             let mut posted = Vec::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
@@ -256,11 +259,11 @@ mod asynchronous {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use mralloc::heap::{Exposed, Heap};
+    use mralloc::heap::Heap;
     use mralloc::transfer::{AsyncConnection, Options};
     use mralloc::verbs::Pd;
 
-    use super::{inline_used, perftest_latency, Args};
+    use super::{inline_used, perftest_latency, spin_until, Args};
 
     pub fn run(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -310,20 +313,13 @@ mod asynchronous {
         let inbox_x = Arc::new(heap.alloc(n)?.expose()?);
         let inbox_y = Arc::new(heap.alloc(n)?.expose()?);
         let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
-        fn spin(inbox: &Exposed, n: usize, tag: u8) {
-            // SAFETY: a volatile read of the inbox's last byte (in bounds), which the peer writes
-            // by RDMA; no reference to the exposed bytes is made.
-            while unsafe { std::ptr::read_volatile(inbox.as_ptr().add(n - 1)) } != tag {
-                std::hint::spin_loop();
-            }
-        }
         let iters = a.iters;
         let (heap2, iy) = (heap.clone(), inbox_y.clone());
         let pong = tokio::spawn(async move {
             let mut out = heap2.alloc(n)?;
             for i in 0..iters {
                 let tag = (i % 251 + 1) as u8;
-                spin(&iy, n, tag);
+                spin_until(&iy, n, tag);
                 out[n - 1] = tag;
                 out = y.write(out, &rx, 0).await?;
             }
@@ -336,7 +332,7 @@ mod asynchronous {
             out[n - 1] = tag;
             posted.push(Instant::now());
             let op = x.write(out, &ry, 0);
-            spin(&inbox_x, n, tag);
+            spin_until(&inbox_x, n, tag);
             out = op.await?;
         }
         pong.await.expect("pong task")?;

@@ -14,7 +14,6 @@ use std::collections::VecDeque;
 use crate::error::Error;
 use crate::transfer::aio::op::Request;
 use crate::transfer::Connection;
-use crate::verbs::Sge;
 
 #[derive(Default)]
 pub(crate) struct Backlog {
@@ -58,10 +57,9 @@ impl Backlog {
         let mut any = false;
         while let Some(&(t, req)) = self.waiting.front() {
             let what = req.what.expect("only send-queue requests wait here");
-            let sge = req.sge.unwrap_or(Sge::new(0, 0, 0));
             // SAFETY: the caller's contract: the memory stays valid until the ticket is taken
             // (then the operation owns the posted request) or cancelled (then it parks it).
-            match unsafe { conn.try_post_one(req.op, sge, what) } {
+            match unsafe { conn.try_post_one(req.op, req.send_sge(), what) } {
                 Ok(None) => break,
                 Ok(Some(id)) => self.resolved.push((t, Ok(id))),
                 Err(e) => self.resolved.push((t, Err(e))),

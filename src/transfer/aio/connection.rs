@@ -372,11 +372,7 @@ impl AsyncConnection {
             self.shared.waiters.register(cx.waker());
             let _ = conn.core.drain();
             // Requests still waiting for room are refused now (the connection is closed).
-            // SAFETY: every queued request belongs to a live Op that cancels its ticket under
-            // this lock before dropping its memory.
-            if unsafe { self.shared.backlog.lock().pump(conn) } {
-                self.shared.waiters.wake_all();
-            }
+            self.shared.pump();
             if conn.core.quiet() {
                 Poll::Ready(Ok(()))
             } else {

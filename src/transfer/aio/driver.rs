@@ -125,9 +125,7 @@ fn round(weak: &Weak<Shared>) -> Round {
     let armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
     let r = core.drain().and(armed);
     // Reaped completions made room: post what waits for it, in order.
-    // SAFETY: every queued request belongs to a live Op that cancels its ticket under this lock
-    // before dropping its memory.
-    let _ = unsafe { sh.backlog.lock().pump(sh.conn()) };
+    sh.pump();
     sh.waiters.wake_all();
     match r {
         Ok(_) => Round::Armed,

@@ -44,6 +44,18 @@ impl Shared {
     pub(crate) fn conn(&self) -> &Connection {
         &self.conn
     }
+
+    /// Posts the waiting send-queue requests that have room now, in call order, and wakes the
+    /// waiters if any was posted or refused. Reap first (not under the backlog's lock: reaping
+    /// may drop released buffers) for the room to be seen.
+    pub(crate) fn pump(&self) {
+        // SAFETY: every queued request belongs to a live Op that cancels its ticket under the
+        // backlog's lock before dropping its memory.
+        let moved = unsafe { self.backlog.lock().pump(&self.conn) };
+        if moved {
+            self.waiters.wake_all();
+        }
+    }
 }
 
 impl Drop for Shared {

@@ -24,6 +24,13 @@ pub(crate) struct Request {
     pub(crate) what: Option<SendOp>,
 }
 
+impl Request {
+    /// The SGE a send-side post carries (an empty one posts no scatter/gather list).
+    pub(crate) fn send_sge(&self) -> Sge {
+        self.sge.unwrap_or(Sge::new(0, 0, 0))
+    }
+}
+
 // SAFETY: the only raw pointers a Request can hold are those of `SendOp::BindMw` (a window and a
 // region): handles of verbs objects, which are thread-safe, read by `ibv_post_send` only. (The
 // async front end builds no binds.) Everything else is plain data.
@@ -88,7 +95,7 @@ impl<B: IoBuf> Op<B> {
                 let _ = conn.core.drain();
                 let mut backlog = sh.backlog.lock();
                 if backlog.is_empty() {
-                    match unsafe { conn.try_post_one(req.op, req.sge.unwrap_or(Sge::new(0, 0, 0)), what) } {
+                    match unsafe { conn.try_post_one(req.op, req.send_sge(), what) } {
                         Ok(Some(id)) => Ok((id, true)),
                         Ok(None) => {
                             op.stage = Stage::Queued(backlog.push(req));
@@ -97,14 +104,9 @@ impl<B: IoBuf> Op<B> {
                         Err(e) => Err(e),
                     }
                 } else {
-                    let t = backlog.push(req);
-                    op.stage = Stage::Queued(t);
-                    // SAFETY: every queued request belongs to a live Op that cancels its
-                    // ticket under this lock before dropping its memory.
-                    if unsafe { backlog.pump(conn) } {
-                        drop(backlog);
-                        sh.waiters.wake_all();
-                    }
+                    op.stage = Stage::Queued(backlog.push(req));
+                    drop(backlog);
+                    sh.pump();
                     return op;
                 }
             }
@@ -143,19 +145,17 @@ impl<B: IoBuf> Op<B> {
         })
     }
 
-    /// Without a driver (its runtime is gone) nobody wakes us: poll again soon, reaping
-    /// ourselves.
-    fn no_driver(&self, cx: &Context<'_>) -> bool {
-        if self.shared.driver_alive.load(Ordering::Acquire) {
-            return false;
-        }
+    /// Without a driver (its runtime is gone) nobody wakes us, nor the waiters whose completions
+    /// we reap: reap, post what waits, wake everyone, and poll again soon.
+    fn no_driver(&self, cx: &Context<'_>) {
         let sh = &self.shared;
+        if sh.driver_alive.load(Ordering::Acquire) {
+            return;
+        }
         let _ = sh.conn().core.drain();
-        // SAFETY: as in `start`.
-        let _ = unsafe { sh.backlog.lock().pump(sh.conn()) };
+        sh.pump();
         sh.waiters.wake_all();
         cx.waker().wake_by_ref();
-        true
     }
 }
 
@@ -181,14 +181,8 @@ impl<B: IoBuf> Future for Op<B> {
                     this.shared.waiters.register(cx.waker());
                     let sh = this.shared.clone();
                     let _ = sh.conn().core.drain();
-                    let mut backlog = sh.backlog.lock();
-                    // SAFETY: as in `start`.
-                    let moved = unsafe { backlog.pump(sh.conn()) };
-                    let mine = backlog.take(ticket);
-                    drop(backlog);
-                    if moved {
-                        sh.waiters.wake_all();
-                    }
+                    sh.pump();
+                    let mine = sh.backlog.lock().take(ticket);
                     match mine {
                         Some(Ok(wr_id)) => this.stage = Stage::Posted { wr_id, send: true, at: Instant::now() },
                         Some(Err(e)) => this.refuse(e),
