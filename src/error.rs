@@ -172,6 +172,21 @@ pub enum Error {
          HeapBuilder::remote_access_to_whole_chunks"
     )]
     NoWholeChunkAccess,
+    /// The peer refused a request for remote memory (its own limits, or it serves none).
+    #[error("the peer refused {requested} bytes of remote memory: {reason} (limit {limit})", reason = .reason.describe())]
+    RemoteRefused {
+        /// Bytes asked for.
+        requested: u64,
+        /// Why.
+        reason: RemoteRefusal,
+        /// For [`RemoteRefusal::TooLarge`] the peer's largest grant, for
+        /// [`RemoteRefusal::LimitReached`] the bytes it would still lend; otherwise 0.
+        limit: u64,
+    },
+    /// Remote memory was asked of a connection without a control channel: its peer is not an
+    /// async connection (a blocking `Connection`, or an RDMA CM connection).
+    #[error("the connection has no control channel: remote memory needs async connections on both sides, set up over TCP or with AsyncConnection::pair")]
+    NoControlChannel,
     /// A range lies outside the buffer it refers to.
     #[error("range of {len} bytes at offset {offset} is outside the {size}-byte buffer")]
     OutOfBounds {
@@ -328,5 +343,50 @@ mod tests {
         assert_eq!(e.to_string(), "RDMA device \"mlx9\" not found; available devices: rxe0, mlx5_0");
         let e = Error::NoSuchDevice { name: "x".into(), available: vec![] };
         assert!(e.to_string().ends_with("available devices: none"));
+    }
+}
+
+/// Why a peer refused a request for remote memory ([`Error::RemoteRefused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RemoteRefusal {
+    /// The peer serves no remote memory on this connection.
+    NotServing = 1,
+    /// More than the peer grants in one request.
+    TooLarge = 2,
+    /// The peer's limit on memory lent through this connection is reached.
+    LimitReached = 3,
+    /// The peer's heap could not allocate it.
+    OutOfMemory = 4,
+    /// Rights the peer's connection or heap does not allow (its `Options::remote_access`, or
+    /// a heap without `Access::MW_BIND`).
+    Rights = 5,
+    /// Binding a memory window failed at the peer.
+    Unavailable = 6,
+}
+
+impl RemoteRefusal {
+    /// Decodes a refusal code.
+    pub fn from_code(c: u8) -> Option<RemoteRefusal> {
+        Some(match c {
+            1 => RemoteRefusal::NotServing,
+            2 => RemoteRefusal::TooLarge,
+            3 => RemoteRefusal::LimitReached,
+            4 => RemoteRefusal::OutOfMemory,
+            5 => RemoteRefusal::Rights,
+            6 => RemoteRefusal::Unavailable,
+            _ => return None,
+        })
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            RemoteRefusal::NotServing => "it serves no remote memory",
+            RemoteRefusal::TooLarge => "larger than it grants at once",
+            RemoteRefusal::LimitReached => "its limit for this connection is reached",
+            RemoteRefusal::OutOfMemory => "its heap is out of memory",
+            RemoteRefusal::Rights => "rights its connection or heap does not allow",
+            RemoteRefusal::Unavailable => "binding a memory window failed",
+        }
     }
 }

@@ -80,18 +80,20 @@ fn nonce() -> Result<Nonce> {
 }
 
 /// The MAC one role sends: HMAC-SHA-256 under the secret over a label naming the protocol
-/// version and the role, both nonces, and (for `Hello` / `Welcome`) the sender's endpoint and
-/// length-prefixed blob.
-fn mac(secret: &Secret, role: &str, nc: &Nonce, ns: &Nonce, sent: Option<(&Endpoint, &[u8])>) -> Result<Hmac<Sha256>> {
+/// version and the role, both nonces, and (for `Hello` / `Welcome`) the sender's endpoint,
+/// control endpoint (32 zero bytes if none) and length-prefixed blob.
+fn mac(secret: &Secret, role: &str, nc: &Nonce, ns: &Nonce, sent: Option<&Message>) -> Result<Hmac<Sha256>> {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&secret.0)
         .map_err(|_| Error::InvalidArgument("the shared secret cannot key HMAC-SHA-256".into()))?;
     m.update(format!("mralloc exchange v{VERSION} {role}\0").as_bytes());
     m.update(nc);
     m.update(ns);
-    if let Some((ep, blob)) = sent {
-        m.update(&ep.to_bytes());
-        m.update(&(blob.len() as u64).to_be_bytes());
-        m.update(blob);
+    if let Some(sent) = sent {
+        let bytes = |e: Option<Endpoint>| e.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes());
+        m.update(&bytes(sent.endpoint));
+        m.update(&bytes(sent.control));
+        m.update(&(sent.blob.len() as u64).to_be_bytes());
+        m.update(&sent.blob);
     }
     Ok(m)
 }
@@ -133,13 +135,17 @@ pub(crate) fn expect(m: Message, kind: Kind) -> Result<Message> {
 }
 
 /// What an exchange produced: what `prepare` returned, this side's endpoint, the peer's
-/// endpoint and blob.
+/// endpoint, control endpoint (if it offered a control channel) and blob.
 pub(crate) struct Exchanged<T> {
     pub prepared: T,
     pub me: Endpoint,
     pub peer: Endpoint,
+    pub peer_control: Option<Endpoint>,
     pub peer_blob: Vec<u8>,
 }
+
+/// What `prepare` returns: its product, this side's endpoint and control endpoint (if any).
+pub(crate) type Prepared<T> = (T, Endpoint, Option<Endpoint>);
 
 /// The client's side up to the peer's `Welcome`. `prepare` (creating this side's QP) runs only
 /// once the server proved it holds the secret (at once without one).
@@ -147,7 +153,7 @@ pub(crate) fn client<S: Read + Write, T>(
     s: &mut S,
     secret: Option<&Secret>,
     blob: &[u8],
-    prepare: impl FnOnce() -> Result<(T, Endpoint)>,
+    prepare: impl FnOnce() -> Result<Prepared<T>>,
 ) -> Result<Exchanged<T>> {
     let nonces = match secret {
         None => None,
@@ -160,18 +166,18 @@ pub(crate) fn client<S: Read + Write, T>(
             Some((k, nc, ns))
         }
     };
-    let (prepared, me) = prepare()?;
-    let mut hello = Message::new(Kind::Hello, Some(me), blob.to_vec());
+    let (prepared, me, control) = prepare()?;
+    let mut hello = Message { control, ..Message::new(Kind::Hello, Some(me), blob.to_vec()) };
     if let Some((k, nc, ns)) = &nonces {
-        hello.mac = tag(mac(k, "client-hello", nc, ns, Some((&me, blob)))?);
+        hello.mac = tag(mac(k, "client-hello", nc, ns, Some(&hello))?);
     }
     hello.send(s)?;
     let welcome = expect(Message::recv(s)?, Kind::Welcome)?;
     let peer = welcome.endpoint.ok_or_else(|| Error::Protocol("a Welcome message without an endpoint".into()))?;
     if let Some((k, nc, ns)) = &nonces {
-        verify(s, mac(k, "server-welcome", nc, ns, Some((&peer, &welcome.blob)))?, &welcome.mac)?;
+        verify(s, mac(k, "server-welcome", nc, ns, Some(&welcome))?, &welcome.mac)?;
     }
-    Ok(Exchanged { prepared, me, peer, peer_blob: welcome.blob })
+    Ok(Exchanged { prepared, me, peer, peer_control: welcome.control, peer_blob: welcome.blob })
 }
 
 /// The server's side up to sending its `Welcome`. `prepare` (creating this side's QP) runs only
@@ -181,7 +187,7 @@ pub(crate) fn server<S: Read + Write, T>(
     s: &mut S,
     secret: Option<&Secret>,
     blob: &[u8],
-    prepare: impl FnOnce() -> Result<(T, Endpoint)>,
+    prepare: impl FnOnce() -> Result<Prepared<T>>,
 ) -> Result<Exchanged<T>> {
     let first = Message::recv(s)?;
     let (hello, nonces) = match (first.kind, secret) {
@@ -193,8 +199,7 @@ pub(crate) fn server<S: Read + Write, T>(
             let proof = tag(mac(k, "server-proof", &nc, &ns, None)?);
             Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(s)?;
             let hello = expect(Message::recv(s)?, Kind::Hello)?;
-            let ep = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
-            verify(s, mac(k, "client-hello", &nc, &ns, Some((&ep, &hello.blob)))?, &hello.mac)?;
+            verify(s, mac(k, "client-hello", &nc, &ns, Some(&hello))?, &hello.mac)?;
             (hello, Some((k, nc, ns)))
         }
         (kind, _) => {
@@ -205,13 +210,15 @@ pub(crate) fn server<S: Read + Write, T>(
         }
     };
     let peer = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
-    let (prepared, me) = prepare()?;
-    let mut welcome = Message::new(Kind::Welcome, Some(me), blob.to_vec());
+    let (prepared, me, control) = prepare()?;
+    // A control channel needs both sides: offer one only to a client that offered its own.
+    let control = control.filter(|_| hello.control.is_some());
+    let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob.to_vec()) };
     if let Some((k, nc, ns)) = &nonces {
-        welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some((&me, blob)))?);
+        welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some(&welcome))?);
     }
     welcome.send(s)?;
-    Ok(Exchanged { prepared, me, peer, peer_blob: hello.blob })
+    Ok(Exchanged { prepared, me, peer, peer_control: hello.control, peer_blob: hello.blob })
 }
 
 #[cfg(test)]

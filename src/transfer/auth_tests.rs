@@ -23,22 +23,30 @@ fn secret(s: &str) -> Option<Secret> {
 struct Side {
     result: Result<Vec<u8>>,
     prepared: bool,
+    /// Whether the peer's control endpoint arrived.
+    control: bool,
 }
 
 fn run_side(s: &mut TcpStream, is_server: bool, secret: Option<&Secret>, blob: &[u8], qpn: u32) -> Side {
     let prepared = Cell::new(false);
+    let control = Cell::new(false);
     let prepare = || {
         prepared.set(true);
-        Ok(((), ep(qpn)))
+        Ok(((), ep(qpn), Some(ep(qpn + 100))))
     };
     let r = if is_server { server(s, secret, blob, prepare) } else { client(s, secret, blob, prepare) };
     Side {
         result: r.map(|x| {
             assert_eq!(x.peer.qpn, if is_server { 1 } else { 2 }, "the peer's endpoint came through");
             assert_eq!(x.me.qpn, qpn);
+            if let Some(control) = x.peer_control {
+                assert_eq!(control.qpn, x.peer.qpn + 100, "the control endpoint came through");
+            }
+            control.set(x.peer_control.is_some());
             x.peer_blob
         }),
         prepared: prepared.get(),
+        control: control.get(),
     }
 }
 
@@ -76,6 +84,7 @@ fn same_secret_or_none_exchanges_endpoints_and_blobs() {
         assert_eq!(c.result.unwrap(), b"server blob");
         assert_eq!(s.result.unwrap(), b"client blob");
         assert!(c.prepared && s.prepared);
+        assert!(c.control && s.control, "both offered a control channel: both endpoints arrived");
     }
 }
 
@@ -136,7 +145,7 @@ fn a_recorded_client_exchange_replayed_to_the_server_is_refused() {
         let srv = sc.spawn(|| run_side(&mut stream(l.accept().unwrap().0), true, k.as_ref(), b"server blob", 2));
         let mut s = stream(TcpStream::connect(addr).unwrap());
         let mut tap = Tap { s: &mut s, sent: Vec::new() };
-        client(&mut tap, k.as_ref(), b"client blob", || Ok(((), ep(1)))).unwrap();
+        client(&mut tap, k.as_ref(), b"client blob", || Ok(((), ep(1), None))).unwrap();
         let sent = tap.sent;
         assert!(srv.join().unwrap().result.is_ok());
         sent
@@ -178,7 +187,7 @@ fn an_altered_welcome_is_refused_by_the_client() {
             Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(&mut s).unwrap();
             Message::recv(&mut s).unwrap();
             let mut w = Message::new(Kind::Welcome, Some(ep(2)), b"rkey 0x1234".to_vec());
-            w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some((&ep(2), b"rkey 0x1234"))).unwrap());
+            w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some(&w)).unwrap());
             w.blob = b"rkey 0x6666".to_vec();
             w.send(&mut s).unwrap();
             Message::recv(&mut s).unwrap()
@@ -190,16 +199,21 @@ fn an_altered_welcome_is_refused_by_the_client() {
 }
 
 #[test]
-fn macs_bind_role_nonces_endpoint_and_blob() {
+fn macs_bind_role_nonces_endpoints_and_blob() {
     let k = Secret::new("k").unwrap();
     let (a, b) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-    let base = tag(mac(&k, "client-hello", &a, &b, Some((&ep(1), b"x"))).unwrap());
+    let hello = |e: u32, control: Option<u32>, blob: &[u8]| Message {
+        control: control.map(ep),
+        ..Message::new(Kind::Hello, Some(ep(e)), blob.to_vec())
+    };
+    let base = tag(mac(&k, "client-hello", &a, &b, Some(&hello(1, None, b"x"))).unwrap());
     let variants = [
-        tag(mac(&k, "server-welcome", &a, &b, Some((&ep(1), b"x"))).unwrap()),
-        tag(mac(&k, "client-hello", &b, &a, Some((&ep(1), b"x"))).unwrap()),
-        tag(mac(&k, "client-hello", &a, &b, Some((&ep(3), b"x"))).unwrap()),
-        tag(mac(&k, "client-hello", &a, &b, Some((&ep(1), b"y"))).unwrap()),
-        tag(mac(&Secret::new("K").unwrap(), "client-hello", &a, &b, Some((&ep(1), b"x"))).unwrap()),
+        tag(mac(&k, "server-welcome", &a, &b, Some(&hello(1, None, b"x"))).unwrap()),
+        tag(mac(&k, "client-hello", &b, &a, Some(&hello(1, None, b"x"))).unwrap()),
+        tag(mac(&k, "client-hello", &a, &b, Some(&hello(3, None, b"x"))).unwrap()),
+        tag(mac(&k, "client-hello", &a, &b, Some(&hello(1, Some(5), b"x"))).unwrap()),
+        tag(mac(&k, "client-hello", &a, &b, Some(&hello(1, None, b"y"))).unwrap()),
+        tag(mac(&Secret::new("K").unwrap(), "client-hello", &a, &b, Some(&hello(1, None, b"x"))).unwrap()),
     ];
     for v in variants {
         assert_ne!(v, base);

@@ -39,6 +39,8 @@ pub struct Connection {
     pub(crate) _tcp: Option<TcpStream>,
     /// RDMA CM objects (connections made with `connect_cm` / `CmListener`).
     pub(crate) _cm: Option<crate::transfer::cm::CmHold>,
+    /// The control channel (see the `control` module), until the async front end takes it.
+    pub(crate) control: Option<Box<Connection>>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -187,6 +189,7 @@ impl Connection {
             scratch: Mutex::new(scratch),
             _tcp: None,
             _cm: None,
+            control: None,
         })
     }
 
@@ -198,12 +201,7 @@ impl Connection {
     /// # Errors
     /// [`Error::Verbs`] if creating or connecting a queue pair or CQ fails.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {
-        let a = Connection::prepare(pd, opts)?;
-        let b = Connection::prepare(pd, opts)?;
-        let (ea, eb) = (a.0.endpoint(), b.0.endpoint());
-        let a = Connection::finish(pd, opts, a, eb, Vec::new(), None)?;
-        let b = Connection::finish(pd, opts, b, ea, Vec::new(), None)?;
-        Ok((a, b))
+        Connection::pair_with(pd, opts, false)
     }
 
     /// The PD local memory must be registered in.

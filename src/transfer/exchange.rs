@@ -1,12 +1,14 @@
-//! The out-of-band connection message exchanged over TCP (protocol version 2).
+//! The out-of-band connection message exchanged over TCP (protocol version 3).
 //!
 //! ```text
-//! "mRdx" | version u16 | kind u8 | code u8 | endpoint (32 bytes) | nonce (32) | mac (32)
-//!        | blob length u32 | blob
+//! "mRdx" | version u16 | kind u8 | code u8 | endpoint (32 bytes) | control endpoint (32)
+//!        | nonce (32) | mac (32) | blob length u32 | blob
 //! ```
 //!
 //! A field a kind does not use is all zero (an absent endpoint is 32 zero bytes). Only `Hello`
-//! and `Welcome` carry an endpoint (they must) and a blob; only `Refused` has a non-zero code.
+//! and `Welcome` carry an endpoint (they must), a control endpoint (they may: the queue pair of
+//! the connection's control channel, which async connections use for remote memory) and a blob;
+//! only `Refused` has a non-zero code.
 //! Every field is checked before anything is allocated: a wrong magic or version, an unknown
 //! kind or code, a truncated message or a blob longer than [`MAX_BLOB`] is a typed error, never a
 //! panic or an unbounded allocation.
@@ -23,8 +25,9 @@ use crate::verbs::Endpoint;
 
 /// Magic bytes of a connection message.
 pub const MAGIC: [u8; 4] = *b"mRdx";
-/// Protocol version this build speaks (2: nonces, MACs and the authentication kinds).
-pub const VERSION: u16 = 2;
+/// Protocol version this build speaks (2: nonces, MACs and the authentication kinds; 3: the
+/// control endpoint).
+pub const VERSION: u16 = 3;
 /// Largest application blob carried with an endpoint.
 pub const MAX_BLOB: usize = 64 << 10;
 /// Bytes of a nonce.
@@ -32,9 +35,10 @@ pub const NONCE_LEN: usize = 32;
 /// Bytes of a MAC (HMAC-SHA-256).
 pub const MAC_LEN: usize = 32;
 /// Bytes before the blob.
-pub const HEADER: usize = 4 + 2 + 1 + 1 + Endpoint::ENCODED_LEN + NONCE_LEN + MAC_LEN + 4;
+pub const HEADER: usize = 4 + 2 + 1 + 1 + 2 * Endpoint::ENCODED_LEN + NONCE_LEN + MAC_LEN + 4;
 const AT_ENDPOINT: usize = 8;
-const AT_NONCE: usize = AT_ENDPOINT + Endpoint::ENCODED_LEN;
+const AT_CONTROL: usize = AT_ENDPOINT + Endpoint::ENCODED_LEN;
+const AT_NONCE: usize = AT_CONTROL + Endpoint::ENCODED_LEN;
 const AT_MAC: usize = AT_NONCE + NONCE_LEN;
 const AT_LEN: usize = AT_MAC + MAC_LEN;
 
@@ -88,6 +92,8 @@ pub struct Message {
     pub refusal: Option<Refusal>,
     /// The sender's QP endpoint (`Hello`, `Welcome`; optional in `Ready`).
     pub endpoint: Option<Endpoint>,
+    /// The sender's control-channel QP endpoint, if it offers one (`Hello`, `Welcome` only).
+    pub control: Option<Endpoint>,
     /// The sender's nonce (`Challenge`, `Proof`), else zero.
     pub nonce: [u8; NONCE_LEN],
     /// The sender's MAC (`Proof`, and `Hello` / `Welcome` with a secret), else zero.
@@ -103,7 +109,7 @@ fn malformed(why: String) -> Error {
 impl Message {
     /// A message of `kind` with an endpoint and a blob; no nonce, MAC or code.
     pub fn new(kind: Kind, endpoint: Option<Endpoint>, blob: Vec<u8>) -> Message {
-        Message { kind, refusal: None, endpoint, nonce: [0; NONCE_LEN], mac: [0; MAC_LEN], blob }
+        Message { kind, refusal: None, endpoint, control: None, nonce: [0; NONCE_LEN], mac: [0; MAC_LEN], blob }
     }
 
     /// A `Refused` message.
@@ -123,16 +129,18 @@ impl Message {
                 self.blob.len()
             )));
         }
-        check_shape(self.kind, self.refusal, self.endpoint.is_some(), self.blob.len()).map_err(|e| match e {
-            Error::Protocol(why) => Error::InvalidArgument(why),
-            e => e,
-        })?;
+        check_shape(self.kind, self.refusal, self.endpoint.is_some(), self.control.is_some(), self.blob.len())
+            .map_err(|e| match e {
+                Error::Protocol(why) => Error::InvalidArgument(why),
+                e => e,
+            })?;
         let mut b = Vec::with_capacity(HEADER + self.blob.len());
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&VERSION.to_be_bytes());
         b.push(self.kind as u8);
         b.push(self.refusal.map_or(0, |r| r as u8));
         b.extend_from_slice(&self.endpoint.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes()));
+        b.extend_from_slice(&self.control.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes()));
         b.extend_from_slice(&self.nonce);
         b.extend_from_slice(&self.mac);
         b.extend_from_slice(&(self.blob.len() as u32).to_be_bytes());
@@ -173,19 +181,22 @@ impl Message {
             3 => Some(Refusal::WrongSecret),
             c => return Err(malformed(format!("unknown refusal code {c}"))),
         };
-        let raw = &h[AT_ENDPOINT..AT_NONCE];
-        let endpoint = if raw.iter().all(|&x| x == 0) {
-            None
-        } else {
-            Some(Endpoint::from_bytes(raw).map_err(|e| malformed(e.to_string()))?)
+        let endpoint_at = |raw: &[u8]| -> Result<Option<Endpoint>> {
+            if raw.iter().all(|&x| x == 0) {
+                return Ok(None);
+            }
+            Endpoint::from_bytes(raw).map(Some).map_err(|e| malformed(e.to_string()))
         };
+        let endpoint = endpoint_at(&h[AT_ENDPOINT..AT_CONTROL])?;
+        let control = endpoint_at(&h[AT_CONTROL..AT_NONCE])?;
         let len = u32::from_be_bytes([h[AT_LEN], h[AT_LEN + 1], h[AT_LEN + 2], h[AT_LEN + 3]]) as usize;
         if len > MAX_BLOB {
             return Err(malformed(format!("blob length {len} exceeds the {MAX_BLOB}-byte limit")));
         }
-        check_shape(kind, refusal, endpoint.is_some(), len)?;
+        check_shape(kind, refusal, endpoint.is_some(), control.is_some(), len)?;
         let mut m = Message::new(kind, endpoint, Vec::new());
         m.refusal = refusal;
+        m.control = control;
         m.nonce.copy_from_slice(&h[AT_NONCE..AT_MAC]);
         m.mac.copy_from_slice(&h[AT_MAC..AT_LEN]);
         Ok((m, len))
@@ -232,10 +243,13 @@ impl Message {
 }
 
 /// Which fields a kind may use: an endpoint is required in `Hello` / `Welcome` and absent from
-/// the authentication kinds; only `Hello` / `Welcome` carry a blob; only `Refused` (and it
-/// always) has a code.
-fn check_shape(kind: Kind, refusal: Option<Refusal>, endpoint: bool, blob_len: usize) -> Result<()> {
+/// the authentication kinds; only `Hello` / `Welcome` carry a control endpoint or a blob; only
+/// `Refused` (and it always) has a code.
+fn check_shape(kind: Kind, refusal: Option<Refusal>, endpoint: bool, control: bool, blob_len: usize) -> Result<()> {
     let carries = matches!(kind, Kind::Hello | Kind::Welcome);
+    if !carries && control {
+        return Err(malformed(format!("a {kind:?} message with a control endpoint")));
+    }
     if carries && !endpoint {
         return Err(malformed(format!("a {kind:?} message without an endpoint")));
     }
@@ -273,6 +287,7 @@ mod tests {
     fn samples() -> Vec<Message> {
         let mut hello = Message::new(Kind::Hello, Some(ep()), b"remote-buf".to_vec());
         hello.mac = [0xAB; MAC_LEN];
+        hello.control = Some(Endpoint { qpn: 8, ..ep() });
         let mut challenge = Message::new(Kind::Challenge, None, Vec::new());
         challenge.nonce = [3; NONCE_LEN];
         let mut proof = Message::new(Kind::Proof, None, Vec::new());
@@ -308,8 +323,8 @@ mod tests {
         b[5] = 9;
         assert!(Message::decode(&b).unwrap_err().to_string().contains("version 9"));
         let mut b = good.clone();
-        b[5] = 1; // a version-1 peer is told which version this build speaks
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("this build speaks 2"));
+        b[5] = 2; // a version-2 peer is told which version this build speaks
+        assert!(Message::decode(&b).unwrap_err().to_string().contains("this build speaks 3"));
         let mut b = good.clone();
         b[0] = b'X';
         assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
@@ -328,6 +343,8 @@ mod tests {
         assert!(matches!(shape(&Message::new(Kind::Challenge, Some(ep()), vec![])), Error::InvalidArgument(_)));
         assert!(matches!(shape(&Message::new(Kind::Ready, None, vec![1])), Error::InvalidArgument(_)));
         assert!(matches!(shape(&Message::new(Kind::Refused, None, vec![])), Error::InvalidArgument(_)));
+        let ready = Message { control: Some(ep()), ..Message::new(Kind::Ready, Some(ep()), vec![]) };
+        assert!(matches!(shape(&ready), Error::InvalidArgument(_)));
         // The same rules on the wire: a Proof with a blob, a Hello with a code, a zeroed Hello
         // endpoint, an unknown code.
         let proof = Message::new(Kind::Proof, None, vec![]).encode().unwrap();
@@ -340,7 +357,7 @@ mod tests {
         b[7] = 3;
         assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
         let mut b = hello.clone();
-        b[AT_ENDPOINT..AT_NONCE].fill(0);
+        b[AT_ENDPOINT..AT_CONTROL].fill(0);
         assert!(Message::decode(&b).unwrap_err().to_string().contains("without an endpoint"));
         let mut b = Message::refused(Refusal::NoSecret).encode().unwrap();
         b[7] = 200;

@@ -36,6 +36,7 @@ mod batch;
 mod cm;
 mod completion;
 mod connection;
+mod control;
 pub mod exchange;
 #[cfg(test)]
 mod fault_tests;
@@ -50,7 +51,7 @@ mod poller;
 mod tcp;
 
 #[cfg(feature = "tokio")]
-pub use aio::{AsyncConnection, AsyncListener, Op};
+pub use aio::{AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use auth::Secret;
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};

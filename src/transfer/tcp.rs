@@ -7,6 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 
 use crate::error::{Error, Result};
 use crate::transfer::auth::{self, expect};
+use crate::transfer::control::Prepared;
 use crate::transfer::exchange::{Kind, Message};
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
@@ -68,27 +69,29 @@ impl Listener {
     /// [`Error::Verbs`] if creating or connecting the QP fails.
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
         let (s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
-        Listener::serve(s, peer, &self.pd, &self.opts, blob)
+        Listener::serve(s, peer, &self.pd, &self.opts, blob, false)
     }
 
-    /// The server side of the exchange on an accepted (blocking) TCP stream.
+    /// The server side of the exchange on an accepted (blocking) TCP stream; with `control`, a
+    /// control channel is offered (and set up if the client offers one too).
     pub(crate) fn serve(
         mut s: TcpStream,
         peer: SocketAddr,
         pd: &Pd,
         opts: &Options,
         blob: &[u8],
+        control: bool,
     ) -> Result<Connection> {
         configure(&s, opts)?;
         let x = auth::server(&mut s, opts.secret.as_ref(), blob, || {
-            let prepared = Connection::prepare(pd, opts)?;
-            let me = prepared.0.endpoint();
-            Ok((prepared, me))
+            let prepared = Prepared::new(pd, opts, control)?;
+            let (me, control) = prepared.endpoints();
+            Ok((prepared, me, control))
         })?;
         // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
         // QP connected. The client posts nothing before this side's Ready, sent once it is.
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let mut conn = Connection::finish(pd, opts, x.prepared, x.peer, x.peer_blob, None)?;
+        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob, None)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
         conn._tcp = Some(s);
@@ -112,17 +115,29 @@ impl Connection {
     /// # Errors
     /// As [`Listener::accept_with`]; [`Error::InvalidArgument`] if `addr` resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
+        Connection::connect_offering(addr, pd, opts, blob, false)
+    }
+
+    /// As [`Connection::connect_with`]; with `control`, offers a control channel (set up if the
+    /// listener offers one too).
+    pub(crate) fn connect_offering(
+        addr: impl ToSocketAddrs,
+        pd: &Pd,
+        opts: Options,
+        blob: &[u8],
+        control: bool,
+    ) -> Result<Connection> {
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
         let target = *addrs.first().ok_or_else(|| Error::InvalidArgument("the address resolved to nothing".into()))?;
         let mut s = TcpStream::connect_timeout(&target, opts.connect_timeout)
             .map_err(io(format!("connecting to {target} (is the peer listening?)")))?;
         configure(&s, &opts)?;
         let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
-            let prepared = Connection::prepare(pd, &opts)?;
-            let me = prepared.0.endpoint();
-            Ok((prepared, me))
+            let prepared = Prepared::new(pd, &opts, control)?;
+            let (me, control) = prepared.endpoints();
+            Ok((prepared, me, control))
         })?;
-        let mut conn = Connection::finish(pd, &opts, x.prepared, x.peer, x.peer_blob, None)?;
+        let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob, None)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
         conn._tcp = Some(s);

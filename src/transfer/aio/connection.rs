@@ -10,8 +10,9 @@ use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::aio::op::{Op, Request};
-use crate::transfer::aio::{driver, scratch, spin, Shared};
+use crate::transfer::aio::op::{NoBytes, Op, Request};
+use crate::transfer::aio::wire::Msg;
+use crate::transfer::aio::{control, driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
 use crate::transfer::{Connection, IoBuf, IoBufMut, Options, Received, Rejected, WaitMode};
@@ -56,7 +57,7 @@ use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp};
 /// pool.
 #[derive(Clone)]
 pub struct AsyncConnection {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for AsyncConnection {
@@ -112,7 +113,8 @@ impl AsyncConnection {
         opts: Options,
         blob: Vec<u8>,
     ) -> Result<AsyncConnection> {
-        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_with(a, pd, o, b)).await
+        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_offering(a, pd, o, b, true))
+            .await
     }
 
     /// Connects through the RDMA connection manager to a [`crate::transfer::CmListener`]
@@ -149,26 +151,42 @@ impl AsyncConnection {
     /// # Errors
     /// As [`Connection::pair`]; [`Error::Io`] outside a tokio runtime with I/O enabled.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(AsyncConnection, AsyncConnection)> {
-        let (a, b) = Connection::pair(pd, &async_options(opts.clone()))?;
+        let (a, b) = Connection::pair_with(pd, &async_options(opts.clone()), true)?;
         Ok((AsyncConnection::wrap(a)?, AsyncConnection::wrap(b)?))
     }
 
     /// Makes a connection set up with [`WaitMode::Event`] async.
     pub(crate) fn wrap(conn: Connection) -> Result<AsyncConnection> {
+        AsyncConnection::wrap_serving(conn, None)
+    }
+
+    /// As `wrap`, lending from `serving` (if any) from the peer's first control message on.
+    pub(crate) fn wrap_serving(
+        mut conn: Connection,
+        serving: Option<(crate::heap::Heap, crate::transfer::RemoteLimits)>,
+    ) -> Result<AsyncConnection> {
         let channel = conn.core.channel().cloned().ok_or_else(|| {
             Error::InvalidArgument("an async connection needs CQs on a completion channel (WaitMode::Event)".into())
         })?;
+        let control = conn.take_control().map(AsyncConnection::wrap).transpose()?.map(control::new);
+        let (control_stop, stop_control) = tokio::sync::watch::channel(());
         let stop = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             waiters: driver::Waiters::default(),
             spin: spin::Spin::new(conn.options().async_spin),
-            words: scratch::Words::new(conn.pd()),
+            words: scratch::Words::new(conn.pd(), 8),
             stop: stop.clone(),
             driver_alive: std::sync::atomic::AtomicBool::new(false),
             backlog: parking_lot::Mutex::new(Default::default()),
+            control: control.as_ref().map(|(cs, _)| cs.clone()),
+            control_stop: Some(control_stop),
             conn: std::mem::ManuallyDrop::new(conn),
         });
         driver::spawn(&shared, channel, stop)?;
+        if let Some((cs, parts)) = control {
+            cs.lending.lock().serving = serving;
+            control::spawn(&cs, &shared, parts, stop_control);
+        }
         Ok(AsyncConnection { shared })
     }
 
@@ -366,6 +384,10 @@ impl AsyncConnection {
     /// then; the connection keeps what it holds until it is dropped).
     pub async fn close(&self) -> Result<()> {
         let conn = self.conn();
+        if let Some(cs) = &self.shared.control {
+            // The peer frees what it lent at once rather than at its next keepalive.
+            let _ = cs.out.send(Msg::Bye);
+        }
         conn.fail(Failure::Closed);
         conn.qp().set_error()?;
         poll_fn(|cx| {
@@ -374,6 +396,10 @@ impl AsyncConnection {
             // Requests still waiting for room are refused now (the connection is closed).
             self.shared.pump();
             if conn.core.quiet() {
+                // Nothing reaches lent memory through a flushed queue pair in the error state.
+                if let Some(cs) = &self.shared.control {
+                    drop(cs.take_lent());
+                }
                 Poll::Ready(Ok(()))
             } else {
                 if !self.shared.driver_alive.load(std::sync::atomic::Ordering::Acquire) {
@@ -384,21 +410,5 @@ impl AsyncConnection {
             }
         })
         .await
-    }
-}
-
-/// The buffer of a receive that carries no bytes (an immediate only).
-struct NoBytes;
-
-// SAFETY: no bytes: the range is empty, so there is nothing to keep valid or to write.
-unsafe impl IoBuf for NoBytes {
-    fn stable_ptr(&self) -> *const u8 {
-        std::ptr::NonNull::dangling().as_ptr()
-    }
-    fn bytes_len(&self) -> usize {
-        0
-    }
-    fn lkey_for(&self, _: &Pd) -> Option<u32> {
-        None
     }
 }

@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use tokio::net::{TcpListener, ToSocketAddrs};
 
 use crate::error::{Error, Result};
+use crate::heap::Heap;
 use crate::transfer::aio::connection::{async_options, blocking};
+use crate::transfer::aio::lending::{check_lending_heap, RemoteLimits};
 use crate::transfer::{AsyncConnection, Listener, Options};
 use crate::verbs::Pd;
 
@@ -28,6 +30,8 @@ pub struct AsyncListener {
     tcp: TcpListener,
     pd: Pd,
     opts: Options,
+    /// What accepted connections lend their peers from their first message on.
+    serving: Option<(Heap, RemoteLimits)>,
 }
 
 impl AsyncListener {
@@ -39,7 +43,21 @@ impl AsyncListener {
         let tcp = TcpListener::bind(addr)
             .await
             .map_err(|source| Error::Io { what: "binding the TCP listener".into(), source })?;
-        Ok(AsyncListener { tcp, pd: pd.clone(), opts: async_options(opts) })
+        Ok(AsyncListener { tcp, pd: pd.clone(), opts: async_options(opts), serving: None })
+    }
+
+    /// Makes every connection accepted from now on lend its peer memory of `heap` within
+    /// `limits`, from the peer's first request on (as
+    /// [`AsyncConnection::serve_remote_memory`], which a connection can only be given once
+    /// accepted: a request that arrives before is refused).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `heap` was not built with
+    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD.
+    pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
+        check_lending_heap(heap, &self.pd)?;
+        self.serving = Some((heap.clone(), limits));
+        Ok(())
     }
 
     /// The address it listens on.
@@ -76,7 +94,7 @@ impl AsyncListener {
         s.set_nonblocking(false)
             .map_err(|source| Error::Io { what: "making the accepted TCP stream blocking".into(), source })?;
         let (pd, opts) = (self.pd.clone(), self.opts.clone());
-        let conn = blocking(move || Listener::serve(s, peer, &pd, &opts, &blob)).await?;
-        AsyncConnection::wrap(conn)
+        let conn = blocking(move || Listener::serve(s, peer, &pd, &opts, &blob, true)).await?;
+        AsyncConnection::wrap_serving(conn, self.serving.clone())
     }
 }

@@ -4,11 +4,15 @@
 
 mod backlog;
 mod connection;
+mod control;
 mod driver;
+mod lending;
 mod listener;
 mod op;
+mod remote;
 mod scratch;
 mod spin;
+mod wire;
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::AtomicBool;
@@ -21,6 +25,7 @@ use tokio::sync::Notify;
 use crate::transfer::Connection;
 
 pub use connection::AsyncConnection;
+pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
 pub use op::Op;
 
@@ -38,6 +43,10 @@ pub(crate) struct Shared {
     driver_alive: AtomicBool,
     /// Send-queue requests waiting for room, posted strictly in call order.
     backlog: Mutex<backlog::Backlog>,
+    /// The control channel (remote memory), if both sides set one up.
+    control: Option<Arc<control::ControlShared>>,
+    /// Dropped with this value: ends the control channel's tasks.
+    control_stop: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl Shared {
@@ -61,8 +70,16 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         self.stop.notify_one();
+        drop(self.control_stop.take());
         // SAFETY: taken once, here; nothing uses it afterwards.
         let conn = unsafe { ManuallyDrop::take(&mut self.conn) };
+        if let Some(cs) = &self.control {
+            // What is still lent may be reachable until the queue pair is destroyed.
+            let lent = cs.take_lent();
+            if !lent.is_empty() {
+                conn.core.park_until_destroyed(Box::new(lent));
+            }
+        }
         // Closing waits for the device to flush what is outstanding, and destroying the QP, CQs
         // and registrations are system calls: not on an executor thread.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -32,8 +32,9 @@ impl Request {
 }
 
 // SAFETY: the only raw pointers a Request can hold are those of `SendOp::BindMw` (a window and a
-// region): handles of verbs objects, which are thread-safe, read by `ibv_post_send` only. (The
-// async front end builds no binds.) Everything else is plain data.
+// region): handles of verbs objects, which are thread-safe, read by `ibv_post_send` only; the
+// window and the region outlive the request (remote memory keeps them in its registry, which is
+// parked with the connection until the QP is destroyed). Everything else is plain data.
 unsafe impl Send for Request {}
 
 enum Stage {
@@ -253,5 +254,22 @@ impl<B: IoBuf> Drop for Op<B> {
             }
             Stage::Finished => drop(buf),
         }
+    }
+}
+
+/// The buffer of a request that carries no bytes (a receive for an immediate only, a window's
+/// bind or invalidation).
+pub(crate) struct NoBytes;
+
+// SAFETY: no bytes: the range is empty, so there is nothing to keep valid or to write.
+unsafe impl IoBuf for NoBytes {
+    fn stable_ptr(&self) -> *const u8 {
+        std::ptr::NonNull::dangling().as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        0
+    }
+    fn lkey_for(&self, _: &crate::verbs::Pd) -> Option<u32> {
+        None
     }
 }

@@ -1,10 +1,11 @@
-//! Landing words for the old values of async atomics.
+//! Small registered scratch buffers: landing words for the old values of async atomics, and the
+//! control channel's message frames.
 //!
 //! An atomic writes the remote word's old value into 8 local bytes. An async atomic may be
 //! cancelled while the NIC still has to write them, so the word is owned by the operation like
 //! any buffer: a [`Word`] is an [`IoBufMut`] taken from the connection's pool, parked with the
 //! connection if the future is dropped, and back in the pool only once its completion (or
-//! flush) has been reaped.
+//! flush) has been reaped. Control frames are the same thing, 64 bytes long.
 
 use std::sync::Arc;
 
@@ -14,10 +15,11 @@ use crate::error::{Error, Result};
 use crate::transfer::{IoBuf, IoBufMut};
 use crate::verbs::{Access, Pd, RegisteredBuf};
 
-/// Registered words, in chunks of [`CHUNK`] made as needed; a word goes back to the free list
-/// only when its [`Word`] is dropped.
+/// Registered words of `size` bytes, in one-page chunks made as needed; a word goes back to the
+/// free list only when its [`Word`] is dropped.
 pub(crate) struct Words {
     pd: Pd,
+    size: usize,
     state: Mutex<State>,
 }
 
@@ -28,12 +30,15 @@ struct State {
     free: Vec<(u32, u32)>,
 }
 
-/// Words per registered chunk (one page).
-const CHUNK: u32 = 512;
+/// Bytes of a registered chunk (one page).
+const CHUNK: usize = 4096;
 
 impl Words {
-    pub(crate) fn new(pd: &Pd) -> Arc<Words> {
-        Arc::new(Words { pd: pd.clone(), state: Mutex::new(State::default()) })
+    /// A pool of `size`-byte words (a power of two dividing a page, at least 8: words are
+    /// 8-aligned).
+    pub(crate) fn new(pd: &Pd, size: usize) -> Arc<Words> {
+        debug_assert!(size.is_power_of_two() && (8..=CHUNK).contains(&size));
+        Arc::new(Words { pd: pd.clone(), size, state: Mutex::new(State::default()) })
     }
 
     /// A free word, registering another chunk if every word is in flight.
@@ -45,15 +50,15 @@ impl Words {
         if st.free.is_empty() {
             let c = u32::try_from(st.chunks.len())
                 .map_err(|_| Error::InvalidArgument("too many atomic landing words".into()))?;
-            st.chunks.push(Arc::new(RegisteredBuf::new(&self.pd, 8 * CHUNK as usize, Access::LOCAL_WRITE)?));
-            st.free.extend((0..CHUNK).rev().map(|i| (c, i)));
+            st.chunks.push(Arc::new(RegisteredBuf::new(&self.pd, CHUNK, Access::LOCAL_WRITE)?));
+            st.free.extend((0..(CHUNK / self.size) as u32).rev().map(|i| (c, i)));
         }
         let (c, i) = st.free.pop().expect("a chunk was just added");
         Ok(Word { words: self.clone(), chunk: st.chunks[c as usize].clone(), at: (c, i) })
     }
 }
 
-/// One 8-byte landing word, owned by an atomic operation.
+/// One word, owned by an operation.
 pub(crate) struct Word {
     words: Arc<Words>,
     chunk: Arc<RegisteredBuf>,
@@ -62,15 +67,31 @@ pub(crate) struct Word {
 
 impl Word {
     fn ptr(&self) -> *mut u8 {
-        // SAFETY: the index is below CHUNK, so the word lies inside the chunk (8 * CHUNK bytes).
-        unsafe { self.chunk.raw_ptr().add(8 * self.at.1 as usize) }
+        // SAFETY: the index is below CHUNK / size, so the word lies inside the chunk.
+        unsafe { self.chunk.raw_ptr().add(self.words.size * self.at.1 as usize) }
     }
 
-    /// The value the NIC wrote (call after the operation's completion was claimed).
+    /// The first 8 bytes as the NIC wrote them (an atomic's old value; call after the
+    /// operation's completion was claimed).
     pub(crate) fn value(&self) -> u64 {
-        // SAFETY: 8 bytes inside the mapping, 8-aligned (page-aligned chunk, 8-byte words); the
-        // operation that wrote it has completed, so no DMA is in flight on it.
+        // SAFETY: 8 bytes inside the word, 8-aligned (page-aligned chunk, power-of-two words of
+        // at least 8 bytes); the operation that wrote it has completed, so no DMA is in flight.
         u64::from_ne_bytes(unsafe { std::ptr::read_volatile(self.ptr().cast::<[u8; 8]>()) })
+    }
+
+    /// The word's bytes (call when no operation is in flight on it).
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `size` bytes inside the registered chunk, which this Word's Arc keeps alive;
+        // this Word owns them exclusively (see the IoBuf impl), and the caller has no operation
+        // in flight on them, so nothing writes them while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.words.size) }
+    }
+
+    /// Copies `src` (at most the word's size) to the start of the word.
+    pub(crate) fn fill(&mut self, src: &[u8]) {
+        let n = src.len().min(self.words.size);
+        // SAFETY: as `bytes`, and `&mut self` excludes every other access through this Word.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr(), n) };
     }
 }
 
@@ -89,7 +110,7 @@ unsafe impl IoBuf for Word {
         self.ptr()
     }
     fn bytes_len(&self) -> usize {
-        8
+        self.words.size
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
         self.chunk.mr().lkey_in(pd)

@@ -1,0 +1,87 @@
+//! The control channel's queue pair: a second, small RC connection set up together with the
+//! data one (its endpoint travels in the same exchange), on which async connections exchange
+//! remote-memory messages without consuming the application's receives.
+//!
+//! Both sides must ask for it: a side that does not (a blocking [`Connection`]) sends no control
+//! endpoint, and neither side then creates one.
+
+use std::net::TcpStream;
+
+use crate::error::Result;
+use crate::transfer::{Connection, Options, WaitMode};
+use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
+
+/// Depth of the control channel's send and receive queues: the most control messages one side
+/// has in flight (a sender beyond it waits: receiver-not-ready retries forever).
+pub(crate) const DEPTH: u32 = 32;
+
+/// The control channel's options, derived from the data connection's: small queues, events,
+/// no remote rights, retried forever while the peer's receives are busy.
+pub(crate) fn options(opts: &Options) -> Options {
+    Options {
+        send_depth: DEPTH,
+        recv_depth: DEPTH,
+        max_inline: 64,
+        rnr_retry: 7,
+        wait: WaitMode::Event,
+        remote_access: Access::NONE,
+        secret: None,
+        ..opts.clone()
+    }
+}
+
+/// A data QP with its CQs and, if asked for, the control channel's.
+pub(crate) struct Prepared {
+    pub(crate) data: (Qp, Cq, Cq),
+    pub(crate) control: Option<(Qp, Cq, Cq)>,
+}
+
+impl Prepared {
+    /// Creates the QPs (INIT) and CQs.
+    pub(crate) fn new(pd: &Pd, opts: &Options, control: bool) -> Result<Prepared> {
+        let data = Connection::prepare(pd, opts)?;
+        let control = if control { Some(Connection::prepare(pd, &options(opts))?) } else { None };
+        Ok(Prepared { data, control })
+    }
+
+    /// What the exchange sends: the data endpoint and the control endpoint, if any.
+    pub(crate) fn endpoints(&self) -> (Endpoint, Option<Endpoint>) {
+        (self.data.0.endpoint(), self.control.as_ref().map(|c| c.0.endpoint()))
+    }
+
+    /// Connects the data QP to `peer` and, when both sides offered one, the control QP to
+    /// `peer_control`; wraps them.
+    pub(crate) fn finish(
+        self,
+        pd: &Pd,
+        opts: &Options,
+        peer: Endpoint,
+        peer_control: Option<Endpoint>,
+        peer_blob: Vec<u8>,
+        tcp: Option<TcpStream>,
+    ) -> Result<Connection> {
+        let mut conn = Connection::finish(pd, opts, self.data, peer, peer_blob, tcp)?;
+        if let (Some(mine), Some(theirs)) = (self.control, peer_control) {
+            let control = Connection::finish(pd, &options(opts), mine, theirs, Vec::new(), None)?;
+            conn.control = Some(Box::new(control));
+        }
+        Ok(conn)
+    }
+}
+
+impl Connection {
+    /// As [`Connection::pair`], each end with a control channel if `control`.
+    pub(crate) fn pair_with(pd: &Pd, opts: &Options, control: bool) -> Result<(Connection, Connection)> {
+        let a = Prepared::new(pd, opts, control)?;
+        let b = Prepared::new(pd, opts, control)?;
+        let ((ea, ca), (eb, cb)) = (a.endpoints(), b.endpoints());
+        let a = a.finish(pd, opts, eb, cb, Vec::new(), None)?;
+        let b = b.finish(pd, opts, ea, ca, Vec::new(), None)?;
+        Ok((a, b))
+    }
+
+    /// Takes the control channel (the async front end drives it).
+    pub(crate) fn take_control(&mut self) -> Option<Connection> {
+        self.control.take().map(|c| *c)
+    }
+}
