@@ -7,7 +7,7 @@ use crate::transfer::completion::Failure;
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, Mw, SendFlags, SendOp, Sge};
+use crate::verbs::{Access, Mw, Pd, SendFlags, SendOp, Sge};
 
 /// Remote access to one buffer through one connection, with an rkey of its own (a type 2
 /// memory window bound to just that buffer). The grant owns the buffer:
@@ -109,6 +109,29 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
     }
 }
 
+/// Whether `access` is what a window grants: remote read and/or write, nothing else.
+pub(crate) fn window_rights(access: Access) -> bool {
+    let read_write = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    access.bits() & !read_write.bits() == 0 && access.is_remote()
+}
+
+/// A fresh window in `pd` and the request that binds it over `ptr..ptr + len` (heap memory
+/// registered in `pd`) with `access`, and the rkey it binds with. Nothing is posted.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] (rights other than remote read/write), [`Error::NotRegistered`],
+/// [`Error::Verbs`] (allocating the window).
+pub(crate) fn window_for(pd: &Pd, ptr: *const u8, len: usize, access: Access) -> Result<(Mw, SendOp, u32)> {
+    let (mr, _) = mr_of(ptr, pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
+    if !window_rights(access) {
+        return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
+    }
+    let mw = Mw::new(pd)?;
+    let rkey = mw.next_rkey();
+    let op = SendOp::BindMw { mw: mw.as_raw(), rkey, mr, addr: ptr as u64, len: len as u64, access: access.bits() };
+    Ok((mw, op, rkey))
+}
+
 impl Connection {
     /// Grants the peer `access` (remote read and/or write) to exactly `buf`, through this
     /// connection only, with a fresh rkey. The heap must have been built with
@@ -123,19 +146,12 @@ impl Connection {
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
         let prepared = self.check().and_then(|()| {
             crate::transfer::ops::nonempty(len, "grant")?;
-            let (mr, _) = mr_of(ptr, &self.pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
-            let read_write = Access::REMOTE_READ | Access::REMOTE_WRITE;
-            if access.bits() & !read_write.bits() != 0 || !access.is_remote() {
-                return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
-            }
-            Ok((Mw::new(&self.pd)?, mr))
+            window_for(&self.pd, ptr, len, access)
         });
-        let (mw, mr) = match prepared {
+        let (mw, op, rkey) = match prepared {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        let rkey = mw.next_rkey();
-        let op = SendOp::BindMw { mw: mw.as_raw(), rkey, mr, addr: ptr as u64, len: len as u64, access: access.bits() };
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
         // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
         let r = unsafe { self.post_chain("memory window bind", &[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{channel, unbounded_channel, Receiver, Sender, UnboundedR
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, RemoteRefusal, Result};
-use crate::heap::{mr_of, Buffer};
+use crate::heap::Buffer;
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::lending::{access_of, Held, Lending, Lent, RemoteMemory};
 use crate::transfer::aio::op::{NoBytes, Op, Request};
@@ -28,8 +28,9 @@ use crate::transfer::aio::{AsyncConnection, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::transfer::control::DEPTH;
+use crate::transfer::grant::window_for;
 use crate::transfer::{Received, Rejected};
-use crate::verbs::{Access, Mw, SendOp};
+use crate::verbs::{Access, SendOp};
 
 /// How long a quiet control channel waits before checking on the peer with a `Ping`.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
@@ -269,17 +270,11 @@ fn start_bind(
     access: Access,
 ) -> std::result::Result<(Op<NoBytes>, u64, u32), Rejected<Buffer>> {
     let conn = sh.conn();
-    let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
-    let prepared = conn.check().and_then(|()| {
-        let (mr, _) = mr_of(buf.as_ptr(), conn.pd()).ok_or(Error::NotRegistered { addr })?;
-        Ok((Mw::new(conn.pd())?, mr))
-    });
-    let (mw, mr) = match prepared {
+    let prepared = conn.check().and_then(|()| window_for(conn.pd(), buf.as_ptr(), buf.len(), access));
+    let (mw, bind, rkey) = match prepared {
         Ok(x) => x,
         Err(error) => return Err(Rejected { error, buf: Some(buf) }),
     };
-    let rkey = mw.next_rkey();
-    let bind = SendOp::BindMw { mw: mw.as_raw(), rkey, mr, addr, len, access: access.bits() };
     let handle = cs.lending.lock().insert(Lent { mw, buf, rkey, announced: false });
     let req = Request { op: "memory window bind", sge: None, what: Some(bind) };
     Ok((Op::start(sh.clone(), NoBytes, req), handle, rkey))
@@ -403,8 +398,7 @@ async fn peer_gone(cs: &ControlShared, weak: &Weak<Shared>, why: Error) {
             tokio::task::yield_now().await;
         }
     }
-    let lent = cs.lending.lock().take_all();
-    drop(lent);
+    drop(cs.take_lent());
 }
 
 impl ControlShared {

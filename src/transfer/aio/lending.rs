@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::heap::{Buffer, Heap};
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::wire::{Msg, READ, WRITE};
+use crate::transfer::grant::window_rights;
 use crate::verbs::{Access, Mw, Pd};
 
 /// How much memory an [`crate::transfer::AsyncConnection`] lends its peer
@@ -126,8 +127,7 @@ pub(crate) fn check_lending_heap(heap: &Heap, pd: &Pd) -> Result<()> {
 
 /// The wire's access bits for `access` (remote read and/or write; `None` for anything else).
 pub(crate) fn access_bits(access: Access) -> Option<u8> {
-    let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
-    if access.bits() & !rw.bits() != 0 || !access.is_remote() {
+    if !window_rights(access) {
         return None;
     }
     let mut b = 0;
@@ -231,22 +231,23 @@ impl RemoteMemory {
 
     /// Gives the handle up without telling the peer; returns the handle's name.
     pub(crate) fn detach(mut self) -> (u64, Option<UnboundedSender<Msg>>) {
-        let link = self.link.take();
-        if let Some(l) = &link {
-            l.held.buffers.fetch_sub(1, Ordering::Relaxed);
-            l.held.bytes.fetch_sub(self.remote.len, Ordering::Relaxed);
-        }
-        (self.handle, link.map(|l| l.out))
+        (self.handle, self.unlink())
+    }
+
+    /// Stops counting this handle as held; the sender to tell its connection, if still linked.
+    fn unlink(&mut self) -> Option<UnboundedSender<Msg>> {
+        let l = self.link.take()?;
+        l.held.buffers.fetch_sub(1, Ordering::Relaxed);
+        l.held.bytes.fetch_sub(self.remote.len, Ordering::Relaxed);
+        Some(l.out)
     }
 }
 
 impl Drop for RemoteMemory {
     fn drop(&mut self) {
-        if let Some(l) = self.link.take() {
-            l.held.buffers.fetch_sub(1, Ordering::Relaxed);
-            l.held.bytes.fetch_sub(self.remote.len, Ordering::Relaxed);
+        if let Some(out) = self.unlink() {
             // The connection may be gone: then the peer released it when it noticed.
-            let _ = l.out.send(Msg::Release { handle: self.handle });
+            let _ = out.send(Msg::Release { handle: self.handle });
         }
     }
 }
