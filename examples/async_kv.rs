@@ -9,7 +9,9 @@
 //!   hands it over with the key as its tag; the server gets the buffer back (its rkey revoked),
 //!   copies it into the slot, bumps the version and acknowledges with a SEND.
 //!
-//! Client tasks run concurrently, one connection each; at the end the server checks every slot
+//! Client tasks run concurrently, one connection each. A client that is done says goodbye with
+//! a SEND, and only then does the server close that connection: the client may still be
+//! READing the table. At the end the server checks every slot
 //! against the deterministic plan (last value and number of PUTs per key), and the clients'
 //! GETs check what they read.
 //!
@@ -33,6 +35,8 @@ const KEYS_PER_CLIENT: usize = 8;
 const VALUE: usize = 4096;
 const HEADER: usize = 16;
 const SLOT: usize = HEADER + VALUE;
+/// A client's last message: it has finished reading the table.
+const GOODBYE: u64 = u64::MAX;
 
 /// The value client `c` PUTs to `key` in its operation `i`.
 fn value(c: usize, key: usize, i: usize) -> Vec<u8> {
@@ -162,7 +166,13 @@ async fn serve(conn: AsyncConnection, heap: Heap, table: Arc<Exposed>, ops: usiz
     if stats.lent_buffers != 0 {
         return Err(mralloc::Error::Protocol(format!("{} buffers still lent after the last PUT", stats.lent_buffers)));
     }
-    Ok(())
+    // The client may still be READing the table: keep the connection until it says it is done
+    // (a READ towards a destroyed queue pair would only fail at the client's keepalive).
+    let (bye, got) = conn.recv(ack).await?;
+    if got.len != 8 || bye[..] != GOODBYE.to_le_bytes() {
+        return Err(mralloc::Error::Protocol("no goodbye from the client after its last PUT".into()));
+    }
+    conn.close().await
 }
 
 /// One client: PUTs through requested remote memory, GETs by READ. Returns how many GETs it did.
@@ -207,5 +217,9 @@ async fn client(conn: AsyncConnection, heap: Heap, c: usize, clients: usize, ops
             gets += 1;
         }
     }
+    // Done: a goodbye (all ones) tells the server it may close.
+    ack.copy_from_slice(&GOODBYE.to_le_bytes());
+    conn.send(ack).await?;
+    conn.close().await?;
     Ok(gets)
 }
