@@ -8,7 +8,7 @@ use crate::remote::RemoteBuf;
 use crate::transfer::connection::{abort_borrowed, InFlight};
 use crate::transfer::local::{Local, LocalMut};
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, Sge};
+use crate::verbs::{SendFlags, SendOp, Sge, Verb};
 
 /// Collects operations on memory borrowed for `'b`; [`Batch::submit`] posts them in chunks (one
 /// doorbell and one signaled completion per chunk; several chunks in flight) and returns only
@@ -26,7 +26,7 @@ use crate::verbs::{SendFlags, SendOp, Sge};
 pub struct Batch<'c, 'b> {
     conn: &'c Connection,
     sges: Vec<Sge>,
-    ops: Vec<(SendOp, &'static str)>,
+    ops: Vec<SendOp>,
     _borrow: PhantomData<&'b mut ()>,
 }
 
@@ -38,17 +38,17 @@ impl Connection {
 }
 
 impl<'b> Batch<'_, 'b> {
-    fn push(&mut self, sge: Sge, op: SendOp, name: &'static str) -> &mut Self {
+    fn push(&mut self, sge: Sge, op: SendOp) -> &mut Self {
         self.sges.push(sge);
-        self.ops.push((op, name));
+        self.ops.push(op);
         self
     }
 
     /// Adds an RDMA WRITE of `local` to `offset` in `remote`.
     pub fn write<L: Local + ?Sized>(&mut self, local: &'b L, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, "RDMA WRITE")?;
+        let sge = self.conn.checked(local, Verb::Write)?;
         let to = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::Write(to), "RDMA WRITE"))
+        Ok(self.push(sge, SendOp::Write(to)))
     }
 
     /// Adds an RDMA WRITE with immediate.
@@ -59,9 +59,9 @@ impl<'b> Batch<'_, 'b> {
         offset: u64,
         imm: u32,
     ) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, "RDMA WRITE with immediate")?;
+        let sge = self.conn.checked(local, Verb::WriteWithImm)?;
         let to = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::WriteWithImm(to, imm), "RDMA WRITE with immediate"))
+        Ok(self.push(sge, SendOp::WriteWithImm(to, imm)))
     }
 
     /// Adds an RDMA READ into `local` from `offset` in `remote`.
@@ -71,15 +71,15 @@ impl<'b> Batch<'_, 'b> {
         remote: &RemoteBuf,
         offset: u64,
     ) -> Result<&mut Self> {
-        let sge = self.conn.checked(&*local, "RDMA READ")?;
+        let sge = self.conn.checked(&*local, Verb::Read)?;
         let from = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::Read(from), "RDMA READ"))
+        Ok(self.push(sge, SendOp::Read(from)))
     }
 
     /// Adds a SEND of `local`.
     pub fn send<L: Local + ?Sized>(&mut self, local: &'b L) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, "SEND")?;
-        Ok(self.push(sge, SendOp::Send, "SEND"))
+        let sge = self.conn.checked(local, Verb::Send)?;
+        Ok(self.push(sge, SendOp::Send))
     }
 
     /// Number of operations collected.
@@ -107,13 +107,11 @@ impl<'b> Batch<'_, 'b> {
         let mut tails = Vec::new();
         let mut first_err: Option<Error> = None;
         for (sges, ops) in self.sges.chunks(chunk).zip(self.ops.chunks(chunk)) {
-            let name = ops[0].1;
-            let ops: Vec<SendOp> = ops.iter().map(|&(o, _)| o).collect();
             // SAFETY: every SGE's memory is borrowed for 'b, which outlives this call, and this
             // call returns only after every posted chunk's tail completed or was flushed
             // (in-order RC completion retires the whole chunk); FlushLost aborts, and the guard
             // makes unwinding wait too.
-            match unsafe { self.conn.post_chain(name, sges, &ops, SendFlags::NONE) } {
+            match unsafe { self.conn.post_chain(sges, ops, SendFlags::NONE) } {
                 Ok(t) => {
                     guard.push(t);
                     tails.push(t);

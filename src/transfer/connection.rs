@@ -310,23 +310,19 @@ impl Connection {
     /// As [`Qp::post_send`]: the memory behind every SGE must stay valid and untouched until the
     /// tail's completion has been claimed with [`Connection::wait_send`] — and, if this returns
     /// [`Error::FlushLost`], forever (leak or abort).
-    pub(crate) unsafe fn post_chain(
-        &self,
-        op: &'static str,
-        sges: &[Sge],
-        ops: &[SendOp],
-        flags: SendFlags,
-    ) -> Result<u64> {
+    pub(crate) unsafe fn post_chain(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<u64> {
         debug_assert_eq!(sges.len(), ops.len());
         let k = ops.len() as u32;
-        if k == 0 || k > self.opts.send_depth {
+        let Some(tail) = ops.last().filter(|_| k <= self.opts.send_depth) else {
             return Err(Error::InvalidArgument(format!("a chain holds 1..={} requests", self.opts.send_depth)));
-        }
+        };
+        // A chain is reported by its signaled tail.
+        let op = tail.name();
         let start = Instant::now();
         loop {
             self.check()?;
             // SAFETY: the caller's contract.
-            match unsafe { self.attempt(op, sges, ops, flags, true)? } {
+            match unsafe { self.attempt(sges, ops, flags, true)? } {
                 Attempt::Posted(tail) => return Ok(tail),
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
@@ -344,17 +340,17 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
-    pub(crate) unsafe fn try_post_one(&self, op: &'static str, sge: Sge, what: SendOp) -> Result<Option<u64>> {
+    pub(crate) unsafe fn try_post_one(&self, sge: Sge, what: SendOp) -> Result<Option<u64>> {
         self.check()?;
         let flags = self.inline_flag(&what, sge.len() as usize);
         // SAFETY: the caller's contract.
-        match unsafe { self.attempt(op, &[sge], &[what], flags, false)? } {
+        match unsafe { self.attempt(&[sge], &[what], flags, false)? } {
             Attempt::Posted(id) => Ok(Some(id)),
             Attempt::Full => Ok(None),
             // A single request is accepted or refused whole (qp.rs reports a refused first
             // request as a plain verbs error); should a device report otherwise, the accepted
             // part's flush is awaited as for any chain (blocking, on this impossible path).
-            Attempt::Partial(e, accepted) => Err(self.after_partial(op, e, accepted)),
+            Attempt::Partial(e, accepted) => Err(self.after_partial(what.name(), e, accepted)),
         }
     }
 
@@ -373,14 +369,7 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
-    unsafe fn attempt(
-        &self,
-        op: &'static str,
-        sges: &[Sge],
-        ops: &[SendOp],
-        flags: SendFlags,
-        reap: bool,
-    ) -> Result<Attempt> {
+    unsafe fn attempt(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags, reap: bool) -> Result<Attempt> {
         let k = ops.len() as u32;
         self.core.with_send(|core, slots| {
             if slots.used() + k > self.opts.send_depth {
@@ -413,7 +402,7 @@ impl Connection {
             };
             match r {
                 Ok(()) => {
-                    slots.posted(tail, k, k, op);
+                    slots.posted(tail, k, k, ops[ops.len() - 1].name());
                     Ok(Attempt::Posted(tail))
                 }
                 Err(e @ Error::PartialPost { posted, .. }) => {
@@ -468,16 +457,10 @@ impl Connection {
     /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
     /// operations post. Returns only when the NIC is done with the memory; aborts the process
     /// if the device never releases it.
-    pub(crate) fn post_and_wait_borrowed(
-        &self,
-        op: &'static str,
-        sges: &[Sge],
-        ops: &[SendOp],
-        flags: SendFlags,
-    ) -> Result<Completed> {
+    pub(crate) fn post_and_wait_borrowed(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
         // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
         // before the tail's completion (or its flush) is claimed; FlushLost aborts.
-        let id = match unsafe { self.post_chain(op, sges, ops, flags) } {
+        let id = match unsafe { self.post_chain(sges, ops, flags) } {
             Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
             r => r?,
         };

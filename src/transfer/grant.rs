@@ -53,12 +53,7 @@ impl<B: IoBufMut> Grant<'_, B> {
     fn post_invalidate(&self) -> Result<u64> {
         // SAFETY: LOCAL_INV touches no local memory.
         let r = unsafe {
-            self.conn.post_chain(
-                "memory window invalidate",
-                &[Sge::new(0, 0, 0)],
-                &[SendOp::LocalInvalidate(self.remote.rkey)],
-                SendFlags::NONE,
-            )
+            self.conn.post_chain(&[Sge::new(0, 0, 0)], &[SendOp::LocalInvalidate(self.remote.rkey)], SendFlags::NONE)
         };
         if let Err(e) = &r {
             self.conn.fail(Failure::local(e));
@@ -145,7 +140,7 @@ impl Connection {
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
         let prepared = self.check().and_then(|()| {
-            crate::transfer::ops::nonempty(len, "grant")?;
+            crate::transfer::ops::nonempty(len, crate::verbs::Verb::BindMw)?;
             window_for(&self.pd, ptr, len, access)
         });
         let (mw, op, rkey) = match prepared {
@@ -154,8 +149,8 @@ impl Connection {
         };
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
         // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
-        let r = unsafe { self.post_chain("memory window bind", &[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }
-            .and_then(|id| self.wait_send(id));
+        let r =
+            unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.and_then(|id| self.wait_send(id));
         match r {
             Ok(_) => Ok(Grant {
                 conn: self,

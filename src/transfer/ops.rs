@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{sge_of, Local, LocalMut};
 use crate::transfer::{Completed, Connection};
-use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge};
+use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge, Verb};
 
 /// What a receive delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,26 +27,26 @@ pub(crate) fn immediate_of(got: Completed) -> Result<u32> {
     got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
 }
 
-/// The remote word an atomic `op` targets: in bounds and 8-byte aligned.
-pub(crate) fn atomic_target(op: &str, remote: &RemoteBuf, offset: u64) -> Result<RemoteAddr> {
+/// The remote word an atomic (`verb`) targets: in bounds and 8-byte aligned.
+pub(crate) fn atomic_target(verb: Verb, remote: &RemoteBuf, offset: u64) -> Result<RemoteAddr> {
     let to = remote.at(offset, 8)?;
     if to.addr % 8 != 0 {
-        return Err(Error::InvalidArgument(format!("{op} needs an 8-byte-aligned remote word, got {:#x}", to.addr)));
+        return Err(Error::InvalidArgument(format!("{verb} needs an 8-byte-aligned remote word, got {:#x}", to.addr)));
     }
     Ok(to)
 }
 
-pub(crate) fn nonempty(len: usize, op: &str) -> Result<()> {
+pub(crate) fn nonempty(len: usize, verb: Verb) -> Result<()> {
     if len == 0 {
-        return Err(Error::InvalidArgument(format!("{op} of zero bytes")));
+        return Err(Error::InvalidArgument(format!("{verb} of zero bytes")));
     }
     Ok(())
 }
 
 impl Connection {
-    pub(crate) fn one(&self, op: &'static str, sge: Sge, what: SendOp) -> Result<Completed> {
+    pub(crate) fn one(&self, sge: Sge, what: SendOp) -> Result<Completed> {
         let flags = self.inline_flag(&what, sge.len() as usize);
-        self.post_and_wait_borrowed(op, &[sge], &[what], flags)
+        self.post_and_wait_borrowed(&[sge], &[what], flags)
     }
 
     /// `INLINE` for an operation that carries a payload (SEND, WRITE, with or without immediate)
@@ -69,9 +69,9 @@ impl Connection {
 
     /// RDMA WRITE of all of `local` to `offset` bytes into `remote` (bounds-checked here).
     pub fn write_at<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf, offset: u64) -> Result<()> {
-        let sge = self.checked(local, "RDMA WRITE")?;
+        let sge = self.checked(local, Verb::Write)?;
         let to = remote.at(offset, sge.len().into())?;
-        self.one("RDMA WRITE", sge, SendOp::Write(to)).map(|_| ())
+        self.one(sge, SendOp::Write(to)).map(|_| ())
     }
 
     /// RDMA WRITE that also delivers `imm` to the peer (it consumes one of the peer's receives;
@@ -83,9 +83,9 @@ impl Connection {
         offset: u64,
         imm: u32,
     ) -> Result<()> {
-        let sge = self.checked(local, "RDMA WRITE with immediate")?;
+        let sge = self.checked(local, Verb::WriteWithImm)?;
         let to = remote.at(offset, sge.len().into())?;
-        self.one("RDMA WRITE with immediate", sge, SendOp::WriteWithImm(to, imm)).map(|_| ())
+        self.one(sge, SendOp::WriteWithImm(to, imm)).map(|_| ())
     }
 
     /// RDMA READ of `local.len()` bytes from the start of `remote` into `local`.
@@ -95,26 +95,26 @@ impl Connection {
 
     /// RDMA READ of `local.len()` bytes from `offset` bytes into `remote`.
     pub fn read_at<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf, offset: u64) -> Result<()> {
-        let sge = self.checked(&*local, "RDMA READ")?;
+        let sge = self.checked(&*local, Verb::Read)?;
         let from = remote.at(offset, sge.len().into())?;
-        self.one("RDMA READ", sge, SendOp::Read(from)).map(|_| ())
+        self.one(sge, SendOp::Read(from)).map(|_| ())
     }
 
     /// SEND of all of `local` (the peer must post a receive: [`Connection::recv`]).
     pub fn send<L: Local + ?Sized>(&self, local: &L) -> Result<()> {
-        let sge = self.checked(local, "SEND")?;
-        self.one("SEND", sge, SendOp::Send).map(|_| ())
+        let sge = self.checked(local, Verb::Send)?;
+        self.one(sge, SendOp::Send).map(|_| ())
     }
 
     /// SEND with immediate data.
     pub fn send_with_imm<L: Local + ?Sized>(&self, local: &L, imm: u32) -> Result<()> {
-        let sge = self.checked(local, "SEND with immediate")?;
-        self.one("SEND with immediate", sge, SendOp::SendWithImm(imm)).map(|_| ())
+        let sge = self.checked(local, Verb::SendWithImm)?;
+        self.one(sge, SendOp::SendWithImm(imm)).map(|_| ())
     }
 
     /// Posts a receive into `local` and waits for a SEND to fill it.
     pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
-        let sge = self.checked(&*local, "receive")?;
+        let sge = self.checked(&*local, Verb::Recv)?;
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
         // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
         let id = unsafe { self.post_recv_raw(Some(sge))? };
@@ -131,32 +131,32 @@ impl Connection {
 
     fn atomic(
         &self,
-        op: &'static str,
+        verb: Verb,
         remote: &RemoteBuf,
         offset: u64,
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> Result<u64> {
-        let to = atomic_target(op, remote, offset)?;
+        let to = atomic_target(verb, remote, offset)?;
         let scratch = self.scratch.lock();
         let sge = scratch.sge(0..8)?;
-        self.one(op, sge, what(to))?;
+        self.one(sge, what(to))?;
         Ok(u64::from_ne_bytes(scratch[..8].try_into().expect("8 bytes")))
     }
 
     /// Atomically adds `add` to the 64-bit word at `offset` in `remote`; returns its old value.
     pub fn fetch_add(&self, remote: &RemoteBuf, offset: u64, add: u64) -> Result<u64> {
-        self.atomic("fetch-and-add", remote, offset, |r| SendOp::FetchAdd { remote: r, add })
+        self.atomic(Verb::FetchAdd, remote, offset, |r| SendOp::FetchAdd { remote: r, add })
     }
 
     /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
     /// returns its old value (equal to `compare` when the swap happened).
     pub fn compare_swap(&self, remote: &RemoteBuf, offset: u64, compare: u64, swap: u64) -> Result<u64> {
-        self.atomic("compare-and-swap", remote, offset, |r| SendOp::CompareSwap { remote: r, compare, swap })
+        self.atomic(Verb::CompareSwap, remote, offset, |r| SendOp::CompareSwap { remote: r, compare, swap })
     }
 
-    pub(crate) fn checked<L: Local + ?Sized>(&self, local: &L, op: &str) -> Result<Sge> {
+    pub(crate) fn checked<L: Local + ?Sized>(&self, local: &L, verb: Verb) -> Result<Sge> {
         self.check()?;
-        nonempty(local.local_len(), op)?;
+        nonempty(local.local_len(), verb)?;
         sge_of(local, &self.pd)
     }
 }

@@ -14,7 +14,7 @@ use crate::transfer::iobuf::{IoBuf, IoBufMut};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::{nonempty, Received};
 use crate::transfer::Connection;
-use crate::verbs::{SendOp, Sge};
+use crate::verbs::{SendOp, Sge, Verb};
 
 /// A post that was refused before reaching the NIC, or an operation that failed: the error, and
 /// the buffer back.
@@ -102,19 +102,19 @@ impl<B: IoBuf> Drop for Pending<'_, B> {
 
 impl Connection {
     /// A bounds-checked SGE for an owned buffer, or the typed error saying why not.
-    pub(crate) fn checked_owned<B: IoBuf>(&self, buf: &B, op: &str) -> Result<Sge> {
+    pub(crate) fn checked_owned<B: IoBuf>(&self, buf: &B, verb: Verb) -> Result<Sge> {
         self.check()?;
-        nonempty(buf.bytes_len(), op)?;
+        nonempty(buf.bytes_len(), verb)?;
         sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(&self.pd))
     }
 
     fn post_owned<B: IoBuf>(
         &self,
         buf: B,
-        op: &'static str,
+        verb: Verb,
         what: impl FnOnce(u64) -> Result<SendOp>,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let prepared = self.checked_owned(&buf, op).and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
+        let prepared = self.checked_owned(&buf, verb).and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
         let (sge, w) = match prepared {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
@@ -122,7 +122,7 @@ impl Connection {
         let flags = self.inline_flag(&w, sge.len() as usize);
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
-        match unsafe { self.post_chain(op, &[sge], &[w], flags) } {
+        match unsafe { self.post_chain(&[sge], &[w], flags) } {
             Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: true, buf: Some(buf) }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
@@ -144,7 +144,7 @@ impl Connection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, "RDMA WRITE", |len| Ok(SendOp::Write(remote.at(offset, len)?)))
+        self.post_owned(buf, Verb::Write, |len| Ok(SendOp::Write(remote.at(offset, len)?)))
     }
 
     /// Starts an RDMA WRITE with immediate.
@@ -158,7 +158,7 @@ impl Connection {
         offset: u64,
         imm: u32,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, "RDMA WRITE with immediate", |len| Ok(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
+        self.post_owned(buf, Verb::WriteWithImm, |len| Ok(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
     }
 
     /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`.
@@ -171,7 +171,7 @@ impl Connection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, "RDMA READ", |len| Ok(SendOp::Read(remote.at(offset, len)?)))
+        self.post_owned(buf, Verb::Read, |len| Ok(SendOp::Read(remote.at(offset, len)?)))
     }
 
     /// Starts a SEND of all of `buf`.
@@ -179,7 +179,7 @@ impl Connection {
     /// # Errors
     /// As [`Connection::post_write`] (no remote range).
     pub fn post_send<B: IoBuf>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, "SEND", |_| Ok(SendOp::Send))
+        self.post_owned(buf, Verb::Send, |_| Ok(SendOp::Send))
     }
 
     /// Posts `buf` as a receive buffer; the returned `Pending` completes when a SEND fills it.
@@ -189,7 +189,7 @@ impl Connection {
     /// As [`Connection::post_write`], and [`Error::InvalidArgument`] when the receive queue is
     /// full.
     pub fn post_recv<B: IoBufMut>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = match self.checked_owned(&buf, "receive") {
+        let sge = match self.checked_owned(&buf, Verb::Recv) {
             Ok(s) => s,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };

@@ -37,4 +37,4 @@ pub fn leaked_mappings() -> u64 {
 pub use mw::Mw;
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Qp, QpBuilder, QpCaps, QpState};
-pub use wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge};
+pub use wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge, Verb};

@@ -115,6 +115,79 @@ pub enum SendOp {
     },
 }
 
+/// What a work request does, without its operands: the name an operation has in errors and
+/// logs, known before its operands are (a transfer checks its local buffer before it computes
+/// the remote range).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// [`SendOp::Send`].
+    Send,
+    /// [`SendOp::SendWithImm`].
+    SendWithImm,
+    /// [`SendOp::Write`].
+    Write,
+    /// [`SendOp::WriteWithImm`].
+    WriteWithImm,
+    /// [`SendOp::Read`].
+    Read,
+    /// [`SendOp::FetchAdd`].
+    FetchAdd,
+    /// [`SendOp::CompareSwap`].
+    CompareSwap,
+    /// [`SendOp::BindMw`].
+    BindMw,
+    /// [`SendOp::LocalInvalidate`].
+    LocalInvalidate,
+    /// A receive-queue request.
+    Recv,
+}
+
+impl Verb {
+    /// The operation's name, as errors print it ("RDMA WRITE", "receive", ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Verb::Send => "SEND",
+            Verb::SendWithImm => "SEND with immediate",
+            Verb::Write => "RDMA WRITE",
+            Verb::WriteWithImm => "RDMA WRITE with immediate",
+            Verb::Read => "RDMA READ",
+            Verb::FetchAdd => "fetch-and-add",
+            Verb::CompareSwap => "compare-and-swap",
+            Verb::BindMw => "memory window bind",
+            Verb::LocalInvalidate => "memory window invalidate",
+            Verb::Recv => "receive",
+        }
+    }
+}
+
+impl std::fmt::Display for Verb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl SendOp {
+    /// What this request does.
+    pub const fn verb(&self) -> Verb {
+        match self {
+            SendOp::Send => Verb::Send,
+            SendOp::SendWithImm(_) => Verb::SendWithImm,
+            SendOp::Write(_) => Verb::Write,
+            SendOp::WriteWithImm(..) => Verb::WriteWithImm,
+            SendOp::Read(_) => Verb::Read,
+            SendOp::FetchAdd { .. } => Verb::FetchAdd,
+            SendOp::CompareSwap { .. } => Verb::CompareSwap,
+            SendOp::BindMw { .. } => Verb::BindMw,
+            SendOp::LocalInvalidate(_) => Verb::LocalInvalidate,
+        }
+    }
+
+    /// The request's name, as errors print it.
+    pub const fn name(&self) -> &'static str {
+        self.verb().name()
+    }
+}
+
 /// Flags of a send-queue work request (`IBV_SEND_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SendFlags(u32);

@@ -59,7 +59,7 @@ impl Backlog {
             let what = req.what.expect("only send-queue requests wait here");
             // SAFETY: the caller's contract: the memory stays valid until the ticket is taken
             // (then the operation owns the posted request) or cancelled (then it parks it).
-            match unsafe { conn.try_post_one(req.op, req.send_sge(), what) } {
+            match unsafe { conn.try_post_one(req.send_sge(), what) } {
                 Ok(None) => break,
                 Ok(Some(id)) => self.resolved.push((t, Ok(id))),
                 Err(e) => self.resolved.push((t, Err(e))),

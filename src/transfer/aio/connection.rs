@@ -16,7 +16,7 @@ use crate::transfer::aio::{control, driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
 use crate::transfer::{Connection, IoBuf, IoBufMut, Options, Received, Rejected, WaitMode};
-use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp};
+use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Verb};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
 /// share the connection, which closes when the last clone and the last operation are gone.
@@ -220,11 +220,11 @@ impl AsyncConnection {
     }
 
     /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
-    fn start<B: IoBuf>(&self, buf: B, op: &'static str, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
+    fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
         let conn = self.conn();
         let req = conn
-            .checked_owned(&buf, op)
-            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { op, sge: Some(sge), what }));
+            .checked_owned(&buf, verb)
+            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
         match req {
             Ok(req) => Op::start(self.shared.clone(), buf, req),
             Err(e) => Op::refused(self.shared.clone(), buf, e),
@@ -244,7 +244,7 @@ impl AsyncConnection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "RDMA WRITE", |len| Ok(Some(SendOp::Write(remote.at(offset, len)?))));
+        let op = self.start(buf, Verb::Write, |len| Ok(Some(SendOp::Write(remote.at(offset, len)?))));
         async move { op.await.map(|(b, _)| b) }
     }
 
@@ -259,9 +259,8 @@ impl AsyncConnection {
         offset: u64,
         imm: u32,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "RDMA WRITE with immediate", |len| {
-            Ok(Some(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
-        });
+        let op =
+            self.start(buf, Verb::WriteWithImm, |len| Ok(Some(SendOp::WriteWithImm(remote.at(offset, len)?, imm))));
         async move { op.await.map(|(b, _)| b) }
     }
 
@@ -275,7 +274,7 @@ impl AsyncConnection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "RDMA READ", |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
+        let op = self.start(buf, Verb::Read, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
         async move { op.await.map(|(b, _)| b) }
     }
 
@@ -284,7 +283,7 @@ impl AsyncConnection {
     /// # Errors
     /// As [`AsyncConnection::write`] (no remote range).
     pub fn send<B: IoBuf>(&self, buf: B) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "SEND", |_| Ok(Some(SendOp::Send)));
+        let op = self.start(buf, Verb::Send, |_| Ok(Some(SendOp::Send)));
         async move { op.await.map(|(b, _)| b) }
     }
 
@@ -297,7 +296,7 @@ impl AsyncConnection {
         buf: B,
         imm: u32,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "SEND with immediate", |_| Ok(Some(SendOp::SendWithImm(imm))));
+        let op = self.start(buf, Verb::SendWithImm, |_| Ok(Some(SendOp::SendWithImm(imm))));
         async move { op.await.map(|(b, _)| b) }
     }
 
@@ -310,7 +309,7 @@ impl AsyncConnection {
         &self,
         buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, "receive", |_| Ok(None));
+        let op = self.start(buf, Verb::Recv, |_| Ok(None));
         async move { op.await.map(|(b, c)| (b, c.into())) }
     }
 
@@ -321,7 +320,7 @@ impl AsyncConnection {
     /// As [`AsyncConnection::recv`]; [`Error::Protocol`] if the peer sent an empty SEND without
     /// an immediate (a SEND with bytes fails the receive: it has no room).
     pub fn recv_imm(&self) -> impl Future<Output = Result<u32>> + Send + 'static {
-        let op = Op::start(self.shared.clone(), NoBytes, Request { op: "receive", sge: None, what: None });
+        let op = Op::start(self.shared.clone(), NoBytes, Request { sge: None, what: None });
         async move {
             let (_, got) = op.await.map_err(|r| r.error)?;
             immediate_of(got)
@@ -330,14 +329,14 @@ impl AsyncConnection {
 
     fn atomic(
         &self,
-        op: &'static str,
+        verb: Verb,
         remote: &RemoteBuf,
         offset: u64,
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        let started = atomic_target(op, remote, offset).and_then(|to| {
+        let started = atomic_target(verb, remote, offset).and_then(|to| {
             let word = self.shared.words.take()?;
-            Ok(self.start(word, op, |_| Ok(Some(what(to)))))
+            Ok(self.start(word, verb, |_| Ok(Some(what(to)))))
         });
         async move {
             let (word, _) = started?.await.map_err(|r| r.error)?;
@@ -356,7 +355,7 @@ impl AsyncConnection {
         offset: u64,
         add: u64,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        self.atomic("fetch-and-add", remote, offset, move |r| SendOp::FetchAdd { remote: r, add })
+        self.atomic(Verb::FetchAdd, remote, offset, move |r| SendOp::FetchAdd { remote: r, add })
     }
 
     /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
@@ -371,7 +370,7 @@ impl AsyncConnection {
         compare: u64,
         swap: u64,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        self.atomic("compare-and-swap", remote, offset, move |r| SendOp::CompareSwap { remote: r, compare, swap })
+        self.atomic(Verb::CompareSwap, remote, offset, move |r| SendOp::CompareSwap { remote: r, compare, swap })
     }
 
     /// Closes the connection: later operations fail with [`Error::Closed`]; completes once the

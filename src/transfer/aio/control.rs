@@ -276,7 +276,7 @@ fn start_bind(
         Err(error) => return Err(Rejected { error, buf: Some(buf) }),
     };
     let handle = cs.lending.lock().insert(Lent { mw, buf, rkey, announced: false });
-    let req = Request { op: "memory window bind", sge: None, what: Some(bind) };
+    let req = Request { sge: None, what: Some(bind) };
     Ok((Op::start(sh.clone(), NoBytes, req), handle, rkey))
 }
 
@@ -286,7 +286,7 @@ fn start_bind(
 /// frees the entry).
 async fn unlend(cs: &ControlShared, sh: &Arc<Shared>, handle: u64) -> Option<Buffer> {
     let rkey = cs.lending.lock().lent.get(&handle).filter(|l| l.announced)?.rkey;
-    let inv = Request { op: "memory window invalidate", sge: None, what: Some(SendOp::LocalInvalidate(rkey)) };
+    let inv = Request { sge: None, what: Some(SendOp::LocalInvalidate(rkey)) };
     Op::start(sh.clone(), NoBytes, inv).await.ok()?;
     let Lent { mw, buf, .. } = cs.lending.lock().remove(handle)?;
     drop(mw);

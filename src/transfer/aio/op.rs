@@ -17,7 +17,6 @@ use crate::verbs::{SendOp, Sge};
 /// What is still to be posted.
 #[derive(Clone, Copy)]
 pub(crate) struct Request {
-    pub(crate) op: &'static str,
     /// `None`: no memory (a receive for an immediate only).
     pub(crate) sge: Option<Sge>,
     /// `None`: a receive.
@@ -96,7 +95,7 @@ impl<B: IoBuf> Op<B> {
                 let _ = conn.core.drain();
                 let mut backlog = sh.backlog.lock();
                 if backlog.is_empty() {
-                    match unsafe { conn.try_post_one(req.op, req.send_sge(), what) } {
+                    match unsafe { conn.try_post_one(req.send_sge(), what) } {
                         Ok(Some(id)) => Ok((id, true)),
                         Ok(None) => {
                             op.stage = Stage::Queued(backlog.push(req));
