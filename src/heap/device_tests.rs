@@ -20,7 +20,7 @@ fn bind_window(conn: &Connection, pd: &Pd, mr: *mut rdma_sys::ibv_mr, addr: u64,
         SendOp::BindMw { mw: mw.as_raw(), rkey: mw.next_rkey(), mr, addr, len, access: Access::REMOTE_WRITE.bits() };
     // SAFETY: a bind touches no local memory.
     let id = unsafe { conn.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.unwrap();
-    conn.wait_send(id).unwrap();
+    conn.wait(id).unwrap();
     mw
 }
 

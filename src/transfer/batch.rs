@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::connection::{abort_borrowed, InFlight};
+use crate::transfer::borrowed::{abort_borrowed, InFlight};
 use crate::transfer::local::{Local, LocalMut};
 use crate::transfer::Connection;
 use crate::verbs::{SendFlags, SendOp, Sge, Verb};
@@ -103,7 +103,7 @@ impl<'b> Batch<'_, 'b> {
     pub fn submit(self) -> Result<()> {
         let depth = self.conn.options().send_depth as usize;
         let chunk = (depth / 4).max(1);
-        let mut guard = InFlight::new(self.conn, true);
+        let mut guard = InFlight::new(self.conn);
         let mut tails = Vec::new();
         let mut first_err: Option<Error> = None;
         for (sges, ops) in self.sges.chunks(chunk).zip(self.ops.chunks(chunk)) {
@@ -124,7 +124,7 @@ impl<'b> Batch<'_, 'b> {
             }
         }
         for t in tails {
-            let r = self.conn.wait_send(t);
+            let r = self.conn.wait(t);
             guard.claimed(t);
             match r {
                 Ok(_) => {}

@@ -87,7 +87,7 @@ impl Drop for Id {
 }
 
 /// The CM objects a connection keeps alive (the id before its channel).
-pub(crate) struct CmHold {
+struct CmHold {
     _id: Id,
     _channel: Channel,
 }
@@ -288,7 +288,7 @@ fn established(
 ) -> Result<Connection> {
     let peer = peer_endpoint(&prepared.0, peer_qpn);
     let mut conn = Connection::wrap(pd, opts, prepared, peer, blob)?;
-    conn._cm = Some(hold);
+    conn.keep(hold);
     Ok(conn)
 }
 

@@ -62,6 +62,26 @@ impl Failure {
 
 pub(crate) type Outcome = std::result::Result<Completed, Failure>;
 
+/// A posted request's claim on its outcome: its work request and the queue it is on. Posting
+/// returns one; every way of waiting takes one — busy polling, sleeping on the completion
+/// channel or for a poller thread ([`crate::transfer::Connection`]'s blocking wait), or a
+/// future (the async front end) — and an abandoned one parks its buffer here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    pub(crate) wr_id: u64,
+    pub(crate) send: bool,
+}
+
+impl Ticket {
+    pub(crate) fn send(wr_id: u64) -> Ticket {
+        Ticket { wr_id, send: true }
+    }
+
+    pub(crate) fn recv(wr_id: u64) -> Ticket {
+        Ticket { wr_id, send: false }
+    }
+}
+
 /// A buffer owned by an operation nobody waits for.
 pub(crate) type Parked = Box<dyn Send>;
 
@@ -277,7 +297,7 @@ impl Core {
     }
 
     /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
-    pub(crate) fn try_claim(&self, wr_id: u64, send: bool) -> Result<Option<Outcome>> {
+    pub(crate) fn try_claim(&self, Ticket { wr_id, send }: Ticket) -> Result<Option<Outcome>> {
         self.with(send, |c, q| {
             if let Some(o) = q.done.remove(wr_id) {
                 return Ok(Some(o));
@@ -288,7 +308,7 @@ impl Core {
     }
 
     /// Whether `wr_id` has completed, leaving its outcome for its waiter.
-    pub(crate) fn is_done(&self, wr_id: u64, send: bool) -> Result<bool> {
+    pub(crate) fn is_done(&self, Ticket { wr_id, send }: Ticket) -> Result<bool> {
         self.with(send, |c, q| {
             if q.done.0.iter().any(|(k, _)| *k == wr_id) {
                 return Ok(true);
@@ -300,7 +320,7 @@ impl Core {
 
     /// Hands `buf` to the connection until `wr_id` completes (at once if it already has).
     /// Never blocks on the NIC.
-    pub(crate) fn park(&self, wr_id: u64, send: bool, buf: Parked) {
+    pub(crate) fn park(&self, Ticket { wr_id, send }: Ticket, buf: Parked) {
         self.with(send, |_, q| {
             if q.done.remove(wr_id).is_some() {
                 q.released.push(buf);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome};
+use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
 use crate::transfer::{Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcStatus};
 
@@ -27,20 +27,20 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// operations nobody waits for.
 pub struct Connection {
     /// Destroyed in `Drop`, before the buffers still held are released.
-    pub(crate) qp: ManuallyDrop<Qp>,
-    pub(crate) pd: Pd,
-    pub(crate) peer: Endpoint,
-    pub(crate) peer_blob: Vec<u8>,
-    pub(crate) opts: Options,
-    pub(crate) core: Arc<Core>,
+    qp: ManuallyDrop<Qp>,
+    pd: Pd,
+    peer: Endpoint,
+    peer_blob: Vec<u8>,
+    opts: Options,
+    core: Arc<Core>,
     next_id: AtomicU64,
     /// 8-byte landing zone for atomics' old values.
-    pub(crate) scratch: Mutex<RegisteredBuf>,
-    pub(crate) _tcp: Option<TcpStream>,
-    /// RDMA CM objects (connections made with `connect_cm` / `CmListener`).
-    pub(crate) _cm: Option<crate::transfer::cm::CmHold>,
+    scratch: Mutex<RegisteredBuf>,
+    /// What the setup path must keep alive as long as the connection (its TCP stream, its RDMA
+    /// CM id and channel), dropped after the QP is destroyed.
+    kept: Vec<Box<dyn Send + Sync>>,
     /// The control channel (see the `control` module), until the async front end takes it.
-    pub(crate) control: Option<Box<Connection>>,
+    control: Option<Box<Connection>>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -62,64 +62,6 @@ enum Attempt {
     /// The device accepted only the first `n` requests (the connection must be failed and their
     /// flush awaited).
     Partial(Error, u32),
-}
-
-/// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
-/// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
-pub(crate) struct InFlight<'c> {
-    conn: &'c Connection,
-    send: bool,
-    ids: Vec<u64>,
-}
-
-impl<'c> InFlight<'c> {
-    pub(crate) fn new(conn: &'c Connection, send: bool) -> InFlight<'c> {
-        InFlight { conn, send, ids: Vec::new() }
-    }
-
-    /// Covers one more posted request (its completion must be claimed before the borrow ends).
-    pub(crate) fn push(&mut self, id: u64) {
-        self.ids.push(id);
-    }
-
-    /// `id`'s completion was claimed: nothing to wait for on unwinding.
-    pub(crate) fn claimed(&mut self, id: u64) {
-        self.ids.retain(|&i| i != id);
-    }
-
-    /// The normal path: every request was claimed.
-    pub(crate) fn disarm(mut self) {
-        self.ids.clear();
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if self.ids.is_empty() {
-            return;
-        }
-        self.conn.fail(Failure::Op {
-            op: "an operation abandoned by a panic",
-            wr_id: self.ids[0],
-            status: WcStatus::GeneralErr,
-            vendor_err: 0,
-        });
-        for &id in &self.ids {
-            if let Err(Error::FlushLost { .. }) = self.conn.wait(id, self.send) {
-                abort_borrowed(id);
-            }
-        }
-    }
-}
-
-/// The one way out when the NIC may still use *borrowed* memory: returning would hand that
-/// memory back to safe code.
-pub(crate) fn abort_borrowed(wr_id: u64) -> ! {
-    eprintln!(
-        "mralloc: the RDMA device did not flush work request {wr_id} after its queue pair was moved to the error \
-         state; its borrowed memory may still be written: aborting"
-    );
-    std::process::abort();
 }
 
 impl Connection {
@@ -153,7 +95,9 @@ impl Connection {
     ) -> Result<Connection> {
         qp.connect(&peer, &opts.connect_options())?;
         let mut conn = Connection::wrap(pd, opts, (qp, send_cq, recv_cq), peer, peer_blob)?;
-        conn._tcp = tcp;
+        if let Some(s) = tcp {
+            conn.keep(s);
+        }
         Ok(conn)
     }
 
@@ -187,8 +131,7 @@ impl Connection {
             core,
             next_id: AtomicU64::new(1),
             scratch: Mutex::new(scratch),
-            _tcp: None,
-            _cm: None,
+            kept: Vec::new(),
             control: None,
         })
     }
@@ -207,6 +150,37 @@ impl Connection {
     /// The PD local memory must be registered in.
     pub fn pd(&self) -> &Pd {
         &self.pd
+    }
+
+    /// The completion engine: routing, parking, waiting.
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// The landing word of blocking atomics.
+    pub(crate) fn scratch(&self) -> &Mutex<RegisteredBuf> {
+        &self.scratch
+    }
+
+    /// Keeps `x` (a TCP stream, RDMA CM objects) until the connection is dropped, after its QP.
+    pub(crate) fn keep(&mut self, x: impl Send + Sync + 'static) {
+        self.kept.push(Box::new(x));
+    }
+
+    /// Fault injection: a connection that believes its queues are other than they are.
+    #[cfg(test)]
+    pub(crate) fn options_mut(&mut self) -> &mut Options {
+        &mut self.opts
+    }
+
+    /// Attaches the control channel set up with this connection.
+    pub(crate) fn set_control(&mut self, control: Connection) {
+        self.control = Some(Box::new(control));
+    }
+
+    /// Takes the control channel (the async front end drives it).
+    pub(crate) fn take_control(&mut self) -> Option<Connection> {
+        self.control.take().map(|c| *c)
     }
 
     /// The peer's endpoint.
@@ -301,16 +275,16 @@ impl Connection {
     }
 
     /// Posts `wrs` (the last one signaled) as one chain, waiting for send-queue room first.
-    /// Returns the id of the signaled tail.
+    /// Returns the signaled tail's ticket.
     ///
     /// If the device accepts only part of the chain, the connection is failed and the accepted
     /// part's flush is awaited before the error is returned.
     ///
     /// # Safety
     /// As [`Qp::post_send`]: the memory behind every SGE must stay valid and untouched until the
-    /// tail's completion has been claimed with [`Connection::wait_send`] — and, if this returns
+    /// tail's completion has been claimed with [`Connection::wait`] — and, if this returns
     /// [`Error::FlushLost`], forever (leak or abort).
-    pub(crate) unsafe fn post_chain(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<u64> {
+    pub(crate) unsafe fn post_chain(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Ticket> {
         debug_assert_eq!(sges.len(), ops.len());
         let k = ops.len() as u32;
         let Some(tail) = ops.last().filter(|_| k <= self.opts.send_depth) else {
@@ -323,7 +297,7 @@ impl Connection {
             self.check()?;
             // SAFETY: the caller's contract.
             match unsafe { self.attempt(sges, ops, flags, true)? } {
-                Attempt::Posted(tail) => return Ok(tail),
+                Attempt::Posted(tail) => return Ok(Ticket::send(tail)),
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
             }
@@ -340,12 +314,12 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
-    pub(crate) unsafe fn try_post_one(&self, sge: Sge, what: SendOp) -> Result<Option<u64>> {
+    pub(crate) unsafe fn try_post_one(&self, sge: Sge, what: SendOp) -> Result<Option<Ticket>> {
         self.check()?;
         let flags = self.inline_flag(&what, sge.len() as usize);
         // SAFETY: the caller's contract.
         match unsafe { self.attempt(&[sge], &[what], flags, false)? } {
-            Attempt::Posted(id) => Ok(Some(id)),
+            Attempt::Posted(id) => Ok(Some(Ticket::send(id))),
             Attempt::Full => Ok(None),
             // A single request is accepted or refused whole (qp.rs reports a refused first
             // request as a plain verbs error); should a device report otherwise, the accepted
@@ -443,7 +417,7 @@ impl Connection {
                 }
             });
             if posted {
-                return self.wait(id, true);
+                return self.wait(Ticket::send(id));
             }
             if start.elapsed() > FLUSH_WAIT {
                 return Err(Error::FlushLost { wr_id: id, waited: start.elapsed() });
@@ -454,49 +428,14 @@ impl Connection {
         }
     }
 
-    /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
-    /// operations post. Returns only when the NIC is done with the memory; aborts the process
-    /// if the device never releases it.
-    pub(crate) fn post_and_wait_borrowed(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
-        // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
-        // before the tail's completion (or its flush) is claimed; FlushLost aborts.
-        let id = match unsafe { self.post_chain(sges, ops, flags) } {
-            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
-            r => r?,
-        };
-        self.wait_borrowed(id, true)
-    }
-
-    /// Waits for `wr_id`, posted on *borrowed* memory: unwinding out of the wait waits for the
-    /// flush too (the `InFlight` guard), and a flush that never comes aborts the process rather
-    /// than end the borrow.
-    pub(crate) fn wait_borrowed(&self, wr_id: u64, send: bool) -> Result<Completed> {
-        let mut guard = InFlight::new(self, send);
-        guard.push(wr_id);
-        let r = self.wait(wr_id, send);
-        guard.disarm();
-        match r {
-            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
-            r => r,
-        }
-    }
-
-    /// Waits for the completion of the signaled send request `wr_id`.
-    pub(crate) fn wait_send(&self, wr_id: u64) -> Result<Completed> {
-        self.wait(wr_id, true)
-    }
-
-    /// Waits for the receive `wr_id`.
-    pub(crate) fn wait_recv(&self, wr_id: u64) -> Result<Completed> {
-        self.wait(wr_id, false)
-    }
-
-    /// Waits for `wr_id`'s completion. Whatever goes wrong (the operation timeout, a failing
+    /// Waits for `ticket`'s completion, the way the connection's [`WaitMode`] says (busy
+    /// polling, the completion channel, the poller thread). Whatever goes wrong (the operation timeout, a failing
     /// `ibv_poll_cq` or completion-channel call) fails the connection and *keeps waiting* for the
     /// request's flush, so that when this returns the NIC no longer uses the request's memory —
     /// except with [`Error::FlushLost`], when the flush never came: then the caller must leak
     /// the memory (owned) or abort (borrowed).
-    pub(crate) fn wait(&self, wr_id: u64, send: bool) -> Result<Completed> {
+    pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
+        let Ticket { wr_id, send } = ticket;
         let start = Instant::now();
         // The local failure (timeout, verbs error) that made this wait fail the connection.
         let mut local: Option<(Error, Instant)> = None;
@@ -506,7 +445,7 @@ impl Connection {
             panic!("injected panic while work request {wr_id} is in flight");
         }
         loop {
-            match self.core.try_claim(wr_id, send) {
+            match self.core.try_claim(ticket) {
                 Ok(Some(o)) => return self.settle(o, local.map(|(e, _)| e)),
                 Ok(None) => {}
                 Err(e) => self.fail_locally(&mut local, e),
@@ -551,12 +490,12 @@ impl Connection {
         }
     }
 
-    /// Posts one receive. Returns its id.
+    /// Posts one receive. Returns its ticket.
     ///
     /// # Safety
     /// The SGE's memory must stay valid and untouched until the receive is claimed with
-    /// [`Connection::wait_recv`] (or its buffer is parked with the connection).
-    pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<u64> {
+    /// [`Connection::wait`] (or its buffer is parked with the connection).
+    pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<Ticket> {
         self.check()?;
         let id = self.next_wr_id();
         let list: &[Sge] = match &sge {
@@ -567,7 +506,7 @@ impl Connection {
             // SAFETY: the caller keeps the memory valid until the receive is claimed.
             unsafe { self.qp.post_recv(id, list) }
         })?;
-        Ok(id)
+        Ok(Ticket::recv(id))
     }
 }
 

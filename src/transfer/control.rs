@@ -63,7 +63,7 @@ impl Prepared {
         let mut conn = Connection::finish(pd, opts, self.data, peer, peer_blob, tcp)?;
         if let (Some(mine), Some(theirs)) = (self.control, peer_control) {
             let control = Connection::finish(pd, &options(opts), mine, theirs, Vec::new(), None)?;
-            conn.control = Some(Box::new(control));
+            conn.set_control(control);
         }
         Ok(conn)
     }
@@ -78,10 +78,5 @@ impl Connection {
         let a = a.finish(pd, opts, eb, cb, Vec::new(), None)?;
         let b = b.finish(pd, opts, ea, ca, Vec::new(), None)?;
         Ok((a, b))
-    }
-
-    /// Takes the control channel (the async front end drives it).
-    pub(crate) fn take_control(&mut self) -> Option<Connection> {
-        self.control.take().map(|c| *c)
     }
 }

@@ -39,7 +39,7 @@ fn device_partially_accepted_chain_is_flushed_before_the_error() {
     // Make the connection believe its queue is far deeper: a batch chunk (depth / 4) of 1024
     // requests then overflows the real send queue, and the device refuses the chain partway.
     let n = 1024;
-    a.opts.send_depth = 4 * n as u32;
+    a.options_mut().send_depth = 4 * n as u32;
     let dst = heap.alloc(64 * n).unwrap().expose().unwrap();
     let remote = dst.remote();
     let mut src = heap.alloc(64).unwrap();
@@ -51,7 +51,7 @@ fn device_partially_accepted_chain_is_flushed_before_the_error() {
     let err = batch.submit().unwrap_err();
     let Error::PartialPost { posted, total, .. } = err else { panic!("expected a partial post, got {err:?}") };
     assert!(posted > 0 && posted < total && total == n, "posted {posted} of {total}");
-    assert!(a.core.quiet(), "every accepted request was flushed before submit returned");
+    assert!(a.core().quiet(), "every accepted request was flushed before submit returned");
     assert!(a.error().is_some(), "the connection is failed");
     assert!(a.write(&src, &remote).is_err(), "later posts fail fast");
 }
@@ -63,11 +63,11 @@ fn device_failing_polls_keep_an_owned_buffer_until_the_flush() {
     let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
     let remote = dst.remote();
     let p = a.post_write(heap.alloc(1 << 20).unwrap(), &remote, 0).unwrap();
-    a.core.fail_polls.store(3, Ordering::Relaxed);
+    a.core().fail_polls.store(3, Ordering::Relaxed);
     let rej = p.wait().unwrap_err();
     assert!(matches!(rej.error, Error::Verbs { verb: "ibv_poll_cq", .. }), "{:?}", rej.error);
     assert!(rej.buf.is_some(), "the flush came: the buffer is handed back");
-    assert!(a.core.quiet(), "the write's completion was reaped before its buffer came back");
+    assert!(a.core().quiet(), "the write's completion was reaped before its buffer came back");
     assert!(a.error().is_some());
 }
 
@@ -78,10 +78,10 @@ fn device_failing_polls_keep_a_borrow_until_the_flush() {
     let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
     let remote = dst.remote();
     let src = heap.alloc(1 << 20).unwrap();
-    a.core.fail_polls.store(2, Ordering::Relaxed);
+    a.core().fail_polls.store(2, Ordering::Relaxed);
     let err = a.write(&src, &remote).unwrap_err();
     assert!(matches!(err, Error::Verbs { verb: "ibv_poll_cq", .. }), "{err:?}");
-    assert!(a.core.quiet(), "the write was reaped before the borrow ended");
+    assert!(a.core().quiet(), "the write was reaped before the borrow ended");
 }
 
 #[test]
@@ -89,9 +89,9 @@ fn device_failing_polls_keep_a_borrow_until_the_flush() {
 fn device_unwinding_out_of_a_blocking_receive_waits_for_its_flush() {
     let (heap, _a, b) = setup();
     let mut inbox = heap.alloc(4096).unwrap();
-    b.core.panic_in_wait.store(true, Ordering::Relaxed);
+    b.core().panic_in_wait.store(true, Ordering::Relaxed);
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| b.recv(&mut inbox)));
     assert!(r.is_err(), "the injected panic unwound out of recv");
-    assert!(b.core.quiet(), "the posted receive was flushed before the borrow of `inbox` ended");
+    assert!(b.core().quiet(), "the posted receive was flushed before the borrow of `inbox` ended");
     assert!(b.error().is_some(), "the connection was failed to flush it");
 }

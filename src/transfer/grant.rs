@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::heap::mr_of;
 use crate::remote::RemoteBuf;
-use crate::transfer::completion::Failure;
+use crate::transfer::completion::{Failure, Ticket};
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
@@ -50,7 +50,7 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// Posts the invalidation. If it cannot be posted (a failed connection, no send-queue room
     /// within the operation timeout), the connection is failed: a QP in the error state serves
     /// no remote access through its windows, so the buffer is unreachable either way.
-    fn post_invalidate(&self) -> Result<u64> {
+    fn post_invalidate(&self) -> Result<Ticket> {
         // SAFETY: LOCAL_INV touches no local memory.
         let r = unsafe {
             self.conn.post_chain(&[Sge::new(0, 0, 0)], &[SendOp::LocalInvalidate(self.remote.rkey)], SendFlags::NONE)
@@ -71,7 +71,7 @@ impl<B: IoBufMut> Grant<'_, B> {
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let mw = self.mw.take().expect("a live grant holds its window");
         let buf = self.buf.take().expect("a live grant holds its buffer");
-        let r = self.post_invalidate().and_then(|id| self.conn.wait_send(id).map(|_| ()));
+        let r = self.post_invalidate().and_then(|id| self.conn.wait(id).map(|_| ()));
         match r {
             Ok(()) => {
                 drop(mw);
@@ -82,7 +82,7 @@ impl<B: IoBufMut> Grant<'_, B> {
                 Err(Rejected { error, buf: None })
             }
             Err(error) => {
-                self.conn.core.park_until_destroyed(Box::new(Held { _mw: mw, _buf: buf }));
+                self.conn.core().park_until_destroyed(Box::new(Held { _mw: mw, _buf: buf }));
                 Err(Rejected { error, buf: None })
             }
         }
@@ -94,11 +94,11 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
         let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
         let held = Box::new(Held { _mw: mw, _buf: buf });
         match self.post_invalidate() {
-            Ok(id) => self.conn.core.park(id, true, held),
+            Ok(id) => self.conn.core().park(id, held),
             Err(Error::FlushLost { .. }) => std::mem::forget(held),
             Err(e) => {
                 tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is destroyed");
-                self.conn.core.park_until_destroyed(held);
+                self.conn.core().park_until_destroyed(held);
             }
         }
     }
@@ -141,7 +141,7 @@ impl Connection {
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
         let prepared = self.check().and_then(|()| {
             crate::transfer::ops::nonempty(len, crate::verbs::Verb::BindMw)?;
-            window_for(&self.pd, ptr, len, access)
+            window_for(self.pd(), ptr, len, access)
         });
         let (mw, op, rkey) = match prepared {
             Ok(x) => x,
@@ -149,8 +149,7 @@ impl Connection {
         };
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
         // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
-        let r =
-            unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.and_then(|id| self.wait_send(id));
+        let r = unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.and_then(|id| self.wait(id));
         match r {
             Ok(_) => Ok(Grant {
                 conn: self,

@@ -33,6 +33,7 @@
 mod aio;
 mod auth;
 mod batch;
+mod borrowed;
 mod cm;
 mod completion;
 mod connection;

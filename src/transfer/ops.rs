@@ -55,7 +55,7 @@ impl Connection {
     pub(crate) fn inline_flag(&self, what: &SendOp, len: usize) -> SendFlags {
         let payload =
             matches!(what, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
-        if payload && len <= self.opts.max_inline as usize {
+        if payload && len <= self.options().max_inline as usize {
             SendFlags::INLINE
         } else {
             SendFlags::NONE
@@ -117,16 +117,16 @@ impl Connection {
         let sge = self.checked(&*local, Verb::Recv)?;
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
         // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
-        let id = unsafe { self.post_recv_raw(Some(sge))? };
-        self.wait_borrowed(id, false).map(Received::from)
+        let t = unsafe { self.post_recv_raw(Some(sge))? };
+        self.wait_borrowed(t).map(Received::from)
     }
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty
     /// SEND with immediate); returns the immediate.
     pub fn recv_imm(&self) -> Result<u32> {
         // SAFETY: a receive without memory.
-        let id = unsafe { self.post_recv_raw(None)? };
-        immediate_of(self.wait_recv(id)?)
+        let t = unsafe { self.post_recv_raw(None)? };
+        immediate_of(self.wait(t)?)
     }
 
     fn atomic(
@@ -137,7 +137,7 @@ impl Connection {
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> Result<u64> {
         let to = atomic_target(verb, remote, offset)?;
-        let scratch = self.scratch.lock();
+        let scratch = self.scratch().lock();
         let sge = scratch.sge(0..8)?;
         self.one(sge, what(to))?;
         Ok(u64::from_ne_bytes(scratch[..8].try_into().expect("8 bytes")))
@@ -157,6 +157,6 @@ impl Connection {
     pub(crate) fn checked<L: Local + ?Sized>(&self, local: &L, verb: Verb) -> Result<Sge> {
         self.check()?;
         nonempty(local.local_len(), verb)?;
-        sge_of(local, &self.pd)
+        sge_of(local, self.pd())
     }
 }

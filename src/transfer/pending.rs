@@ -10,6 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
+use crate::transfer::completion::Ticket;
 use crate::transfer::iobuf::{IoBuf, IoBufMut};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::{nonempty, Received};
@@ -52,21 +53,20 @@ impl<B> From<Rejected<B>> for Error {
 #[must_use = "dropping a Pending leaves the operation running; its buffer is freed when it completes"]
 pub struct Pending<'c, B: IoBuf> {
     conn: &'c Connection,
-    wr_id: u64,
-    send: bool,
+    ticket: Ticket,
     buf: Option<B>,
 }
 
 impl<B: IoBuf> std::fmt::Debug for Pending<'_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("wr_id", &self.wr_id).field("send", &self.send).finish()
+        f.debug_struct("Pending").field("wr_id", &self.ticket.wr_id).field("send", &self.ticket.send).finish()
     }
 }
 
 impl<'c, B: IoBuf> Pending<'c, B> {
     /// Whether the completion has arrived (polls the CQ once).
     pub fn is_done(&self) -> bool {
-        matches!(self.conn.core.is_done(self.wr_id, self.send), Ok(true))
+        matches!(self.conn.core().is_done(self.ticket), Ok(true))
     }
 
     /// Waits for the completion and returns the buffer (also when the operation failed: the NIC
@@ -78,7 +78,7 @@ impl<'c, B: IoBuf> Pending<'c, B> {
     /// connection is failed and flushed first), [`Error::Verbs`] (the completion path failed);
     /// or [`Error::FlushLost`] without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
-        let r = self.conn.wait(self.wr_id, self.send);
+        let r = self.conn.wait(self.ticket);
         let buf = self.buf.take().expect("a Pending holds its buffer until waited");
         match r {
             Ok(c) => Ok((buf, c.into())),
@@ -95,7 +95,7 @@ impl<'c, B: IoBuf> Pending<'c, B> {
 impl<B: IoBuf> Drop for Pending<'_, B> {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
-            self.conn.core.park(self.wr_id, self.send, Box::new(buf));
+            self.conn.core().park(self.ticket, Box::new(buf));
         }
     }
 }
@@ -105,7 +105,7 @@ impl Connection {
     pub(crate) fn checked_owned<B: IoBuf>(&self, buf: &B, verb: Verb) -> Result<Sge> {
         self.check()?;
         nonempty(buf.bytes_len(), verb)?;
-        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(&self.pd))
+        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(self.pd()))
     }
 
     fn post_owned<B: IoBuf>(
@@ -123,7 +123,7 @@ impl Connection {
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: true, buf: Some(buf) }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf) }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })
@@ -195,7 +195,7 @@ impl Connection {
         };
         // SAFETY: as in post_owned (a refused receive post touches nothing).
         match unsafe { self.post_recv_raw(Some(sge)) } {
-            Ok(wr_id) => Ok(Pending { conn: self, wr_id, send: false, buf: Some(buf) }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf) }),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
     }

@@ -94,7 +94,7 @@ impl Listener {
         let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob, None)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
-        conn._tcp = Some(s);
+        conn.keep(s);
         Ok(conn)
     }
 }
@@ -140,7 +140,7 @@ impl Connection {
         let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob, None)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        conn._tcp = Some(s);
+        conn.keep(s);
         Ok(conn)
     }
 }

@@ -165,7 +165,7 @@ impl AsyncConnection {
         mut conn: Connection,
         serving: Option<(crate::heap::Heap, crate::transfer::RemoteLimits)>,
     ) -> Result<AsyncConnection> {
-        let channel = conn.core.channel().cloned().ok_or_else(|| {
+        let channel = conn.core().channel().cloned().ok_or_else(|| {
             Error::InvalidArgument("an async connection needs CQs on a completion channel (WaitMode::Event)".into())
         })?;
         let control = conn.take_control().map(AsyncConnection::wrap).transpose()?.map(control::new);
@@ -391,10 +391,10 @@ impl AsyncConnection {
         conn.qp().set_error()?;
         poll_fn(|cx| {
             self.shared.waiters.register(cx.waker());
-            let _ = conn.core.drain();
+            let _ = conn.core().drain();
             // Requests still waiting for room are refused now (the connection is closed).
             self.shared.pump();
-            if conn.core.quiet() {
+            if conn.core().quiet() {
                 // Nothing reaches lent memory through a flushed queue pair in the error state.
                 if let Some(cs) = &self.shared.control {
                     drop(cs.take_lent());

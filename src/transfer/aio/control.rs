@@ -384,9 +384,9 @@ async fn peer_gone(cs: &ControlShared, weak: &Weak<Shared>, why: Error) {
     }
     let start = Instant::now();
     loop {
-        let _ = conn.core.drain();
+        let _ = conn.core().drain();
         sh.pump();
-        if conn.core.quiet() {
+        if conn.core().quiet() {
             break;
         }
         if start.elapsed() > FLUSH_WAIT {

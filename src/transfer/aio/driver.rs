@@ -120,7 +120,7 @@ enum Round {
 /// Arms both CQs, reaps until they are empty, wakes every waiter.
 fn round(weak: &Weak<Shared>) -> Round {
     let Some(sh) = weak.upgrade() else { return Round::Gone };
-    let core = &sh.conn().core;
+    let core = sh.conn().core();
     // Reap even if arming failed: the flush after the failure must still be collected.
     let armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
     let r = core.drain().and(armed);
@@ -182,7 +182,7 @@ async fn degraded(weak: &Weak<Shared>, e: Error, stop: &Notify) {
         if let Round::Gone = round(weak) {
             return;
         }
-        if weak.upgrade().is_none_or(|sh| sh.conn().core.quiet()) || start.elapsed() > FLUSH_WAIT {
+        if weak.upgrade().is_none_or(|sh| sh.conn().core().quiet()) || start.elapsed() > FLUSH_WAIT {
             break;
         }
         tokio::task::yield_now().await;

@@ -77,7 +77,7 @@ impl Drop for Shared {
             // What is still lent may be reachable until the queue pair is destroyed.
             let lent = cs.take_lent();
             if !lent.is_empty() {
-                conn.core.park_until_destroyed(Box::new(lent));
+                conn.core().park_until_destroyed(Box::new(lent));
             }
         }
         // Closing waits for the device to flush what is outstanding, and destroying the QP, CQs

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::Error;
 use crate::transfer::aio::backlog::Cancelled;
 use crate::transfer::aio::Shared;
-use crate::transfer::completion::Failure;
+use crate::transfer::completion::{Failure, Ticket};
 use crate::transfer::{Completed, IoBuf, Rejected};
 use crate::verbs::{SendOp, Sge};
 
@@ -37,11 +37,10 @@ impl Request {
 unsafe impl Send for Request {}
 
 enum Stage {
-    /// Waiting in the connection's backlog for send-queue room (this ticket).
+    /// Waiting in the connection's backlog for send-queue room (this place).
     Queued(u64),
     Posted {
-        wr_id: u64,
-        send: bool,
+        ticket: Ticket,
         at: Instant,
     },
     Finished,
@@ -64,8 +63,8 @@ pub struct Op<B: IoBuf> {
 impl<B: IoBuf> std::fmt::Debug for Op<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let stage = match self.stage {
-            Stage::Queued(t) => format!("waiting for send-queue room (ticket {t})"),
-            Stage::Posted { wr_id, send, .. } => {
+            Stage::Queued(t) => format!("waiting for send-queue room (place {t})"),
+            Stage::Posted { ticket: Ticket { wr_id, send }, .. } => {
                 format!("posted wr_id {wr_id} ({})", if send { "send" } else { "recv" })
             }
             Stage::Finished => "finished".into(),
@@ -89,14 +88,14 @@ impl<B: IoBuf> Op<B> {
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
         let posted = match req.what {
-            None => unsafe { conn.post_recv_raw(req.sge) }.map(|id| (id, false)),
+            None => unsafe { conn.post_recv_raw(req.sge) },
             Some(what) => {
                 // Room comes from reaping, which may free buffers: not under the backlog's lock.
-                let _ = conn.core.drain();
+                let _ = conn.core().drain();
                 let mut backlog = sh.backlog.lock();
                 if backlog.is_empty() {
                     match unsafe { conn.try_post_one(req.send_sge(), what) } {
-                        Ok(Some(id)) => Ok((id, true)),
+                        Ok(Some(ticket)) => Ok(ticket),
                         Ok(None) => {
                             op.stage = Stage::Queued(backlog.push(req));
                             return op;
@@ -112,7 +111,7 @@ impl<B: IoBuf> Op<B> {
             }
         };
         match posted {
-            Ok((wr_id, send)) => op.stage = Stage::Posted { wr_id, send, at: Instant::now() },
+            Ok(ticket) => op.stage = Stage::Posted { ticket, at: Instant::now() },
             Err(e) => op.refuse(e),
         }
         op
@@ -152,7 +151,7 @@ impl<B: IoBuf> Op<B> {
         if sh.driver_alive.load(Ordering::Acquire) {
             return;
         }
-        let _ = sh.conn().core.drain();
+        let _ = sh.conn().core().drain();
         sh.pump();
         sh.waiters.wake_all();
         cx.waker().wake_by_ref();
@@ -176,15 +175,15 @@ impl<B: IoBuf> Future for Op<B> {
                     }
                     return this.finish(Err(e));
                 }
-                Stage::Queued(ticket) => {
+                Stage::Queued(place) => {
                     // Register first: room freed (and our post, by someone else) wakes us.
                     this.shared.waiters.register(cx.waker());
                     let sh = this.shared.clone();
-                    let _ = sh.conn().core.drain();
+                    let _ = sh.conn().core().drain();
                     sh.pump();
-                    let mine = sh.backlog.lock().take(ticket);
+                    let mine = sh.backlog.lock().take(place);
                     match mine {
-                        Some(Ok(wr_id)) => this.stage = Stage::Posted { wr_id, send: true, at: Instant::now() },
+                        Some(Ok(ticket)) => this.stage = Stage::Posted { ticket, at: Instant::now() },
                         Some(Err(e)) => this.refuse(e),
                         None => {
                             this.no_driver(cx);
@@ -192,13 +191,14 @@ impl<B: IoBuf> Future for Op<B> {
                         }
                     }
                 }
-                Stage::Posted { wr_id, send, at } => {
+                Stage::Posted { ticket, at } => {
+                    let send = ticket.send;
                     let sh = this.shared.clone();
                     let conn = sh.conn();
                     let until = at + sh.spin.budget(send);
                     let mut registered = false;
                     loop {
-                        match conn.core.try_claim(wr_id, send) {
+                        match conn.core().try_claim(ticket) {
                             Ok(Some(o)) => {
                                 sh.spin.observe(send, at.elapsed());
                                 let r = match (o, this.local.take()) {
@@ -241,13 +241,13 @@ impl<B: IoBuf> Drop for Op<B> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
         match self.stage {
-            Stage::Posted { wr_id, send, .. } => self.shared.conn().core.park(wr_id, send, Box::new(buf)),
-            Stage::Queued(ticket) => {
+            Stage::Posted { ticket, .. } => self.shared.conn().core().park(ticket, Box::new(buf)),
+            Stage::Queued(place) => {
                 // Under the backlog's lock: no pump can post the request after this.
-                let cancelled = self.shared.backlog.lock().cancel(ticket);
+                let cancelled = self.shared.backlog.lock().cancel(place);
                 match cancelled {
                     Cancelled::NotPosted => drop(buf),
-                    Cancelled::Posted(wr_id) => self.shared.conn().core.park(wr_id, true, Box::new(buf)),
+                    Cancelled::Posted(ticket) => self.shared.conn().core().park(ticket, Box::new(buf)),
                     Cancelled::Lost => std::mem::forget(buf),
                 }
             }

@@ -1,0 +1,94 @@
+//! Operations on *borrowed* memory (the blocking API): the one place they post and wait, and
+//! what makes sure a borrow never ends while the NIC may still use the memory — unwinding
+//! waits for the flush, and a device that never flushes aborts the process.
+
+use crate::error::{Error, Result};
+use crate::transfer::completion::{Completed, Failure, Ticket};
+use crate::transfer::Connection;
+use crate::verbs::{SendFlags, SendOp, Sge, WcStatus};
+
+/// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
+/// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
+pub(crate) struct InFlight<'c> {
+    conn: &'c Connection,
+    tickets: Vec<Ticket>,
+}
+
+impl<'c> InFlight<'c> {
+    pub(crate) fn new(conn: &'c Connection) -> InFlight<'c> {
+        InFlight { conn, tickets: Vec::new() }
+    }
+
+    /// Covers one more posted request (its completion must be claimed before the borrow ends).
+    pub(crate) fn push(&mut self, t: Ticket) {
+        self.tickets.push(t);
+    }
+
+    /// `t`'s completion was claimed: nothing to wait for on unwinding.
+    pub(crate) fn claimed(&mut self, t: Ticket) {
+        self.tickets.retain(|&i| i != t);
+    }
+
+    /// The normal path: every request was claimed.
+    pub(crate) fn disarm(mut self) {
+        self.tickets.clear();
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.tickets.is_empty() {
+            return;
+        }
+        self.conn.fail(Failure::Op {
+            op: "an operation abandoned by a panic",
+            wr_id: self.tickets[0].wr_id,
+            status: WcStatus::GeneralErr,
+            vendor_err: 0,
+        });
+        for &t in &self.tickets {
+            if let Err(Error::FlushLost { .. }) = self.conn.wait(t) {
+                abort_borrowed(t.wr_id);
+            }
+        }
+    }
+}
+
+/// The one way out when the NIC may still use *borrowed* memory: returning would hand that
+/// memory back to safe code.
+pub(crate) fn abort_borrowed(wr_id: u64) -> ! {
+    eprintln!(
+        "mralloc: the RDMA device did not flush work request {wr_id} after its queue pair was moved to the error \
+         state; its borrowed memory may still be written: aborting"
+    );
+    std::process::abort();
+}
+
+impl Connection {
+    /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
+    /// operations post. Returns only when the NIC is done with the memory; aborts the process
+    /// if the device never releases it.
+    pub(crate) fn post_and_wait_borrowed(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
+        // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
+        // before the tail's completion (or its flush) is claimed; FlushLost aborts.
+        let t = match unsafe { self.post_chain(sges, ops, flags) } {
+            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+            r => r?,
+        };
+        self.wait_borrowed(t)
+    }
+
+    /// Waits for `t`, posted on *borrowed* memory: unwinding out of the wait waits for the
+    /// flush too (the `InFlight` guard), and a flush that never comes aborts the process rather
+    /// than end the borrow.
+    pub(crate) fn wait_borrowed(&self, t: Ticket) -> Result<Completed> {
+        let mut guard = InFlight::new(self);
+        guard.push(t);
+        let r = self.wait(t);
+        guard.disarm();
+        match r {
+            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+            r => r,
+        }
+    }
+}
