@@ -310,7 +310,7 @@ impl Connection {
 
     /// Posts one request if the send queue has room (`Ok(None)`: full, nothing posted), without
     /// waiting and without reaping (the async front end posts under its backlog's lock, where
-    /// buffers released by a reap must not be dropped: reap first). Returns the request's id.
+    /// buffers released by a reap must not be dropped: reap first). Returns the request's ticket.
     ///
     /// # Safety
     /// As [`Connection::post_chain`].

@@ -119,6 +119,7 @@ pub enum SendOp {
 /// logs, known before its operands are (a transfer checks its local buffer before it computes
 /// the remote range).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verb {
     /// [`SendOp::Send`].
     Send,

@@ -58,7 +58,7 @@ impl Shared {
     /// waiters if any was posted or refused. Reap first (not under the backlog's lock: reaping
     /// may drop released buffers) for the room to be seen.
     pub(crate) fn pump(&self) {
-        // SAFETY: every queued request belongs to a live Op that cancels its ticket under the
+        // SAFETY: every queued request belongs to a live Op that cancels its place under the
         // backlog's lock before dropping its memory.
         let moved = unsafe { self.backlog.lock().pump(&self.conn) };
         if moved {
