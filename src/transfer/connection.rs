@@ -1,7 +1,6 @@
 //! `Connection`: one RC queue pair with its CQs, completion routing and failure state.
 
 use std::mem::ManuallyDrop;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -91,14 +90,9 @@ impl Connection {
         (qp, send_cq, recv_cq): (Qp, Cq, Cq),
         peer: Endpoint,
         peer_blob: Vec<u8>,
-        tcp: Option<TcpStream>,
     ) -> Result<Connection> {
         qp.connect(&peer, &opts.connect_options())?;
-        let mut conn = Connection::wrap(pd, opts, (qp, send_cq, recv_cq), peer, peer_blob)?;
-        if let Some(s) = tcp {
-            conn.keep(s);
-        }
-        Ok(conn)
+        Connection::wrap(pd, opts, (qp, send_cq, recv_cq), peer, peer_blob)
     }
 
     /// Wraps a QP that is already connected (RTS).

@@ -5,8 +5,6 @@
 //! Both sides must ask for it: a side that does not (a blocking [`Connection`]) sends no control
 //! endpoint, and neither side then creates one.
 
-use std::net::TcpStream;
-
 use crate::error::Result;
 use crate::transfer::{Connection, Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
@@ -58,11 +56,10 @@ impl Prepared {
         peer: Endpoint,
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
-        tcp: Option<TcpStream>,
     ) -> Result<Connection> {
-        let mut conn = Connection::finish(pd, opts, self.data, peer, peer_blob, tcp)?;
+        let mut conn = Connection::finish(pd, opts, self.data, peer, peer_blob)?;
         if let (Some(mine), Some(theirs)) = (self.control, peer_control) {
-            let control = Connection::finish(pd, &options(opts), mine, theirs, Vec::new(), None)?;
+            let control = Connection::finish(pd, &options(opts), mine, theirs, Vec::new())?;
             conn.set_control(control);
         }
         Ok(conn)
@@ -75,8 +72,8 @@ impl Connection {
         let a = Prepared::new(pd, opts, control)?;
         let b = Prepared::new(pd, opts, control)?;
         let ((ea, ca), (eb, cb)) = (a.endpoints(), b.endpoints());
-        let a = a.finish(pd, opts, eb, cb, Vec::new(), None)?;
-        let b = b.finish(pd, opts, ea, ca, Vec::new(), None)?;
+        let a = a.finish(pd, opts, eb, cb, Vec::new())?;
+        let b = b.finish(pd, opts, ea, ca, Vec::new())?;
         Ok((a, b))
     }
 }

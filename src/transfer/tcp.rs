@@ -91,7 +91,7 @@ impl Listener {
         // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
         // QP connected. The client posts nothing before this side's Ready, sent once it is.
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob, None)?;
+        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
         conn.keep(s);
@@ -137,7 +137,7 @@ impl Connection {
             let (me, control) = prepared.endpoints();
             Ok((prepared, me, control))
         })?;
-        let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob, None)?;
+        let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
         conn.keep(s);
