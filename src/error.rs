@@ -184,8 +184,8 @@ pub enum Error {
         limit: u64,
     },
     /// Remote memory was asked of a connection without a control channel: its peer is not an
-    /// async connection (a blocking `Connection`, or an RDMA CM connection).
-    #[error("the connection has no control channel: remote memory needs async connections on both sides, set up over TCP or with AsyncConnection::pair")]
+    /// async connection (a blocking `Connection`, `Listener` or `CmListener`).
+    #[error("the connection has no control channel: remote memory needs async connections on both sides (AsyncListener / AsyncConnection::connect, AsyncCmListener / AsyncConnection::connect_cm, or AsyncConnection::pair)")]
     NoControlChannel,
     /// A range lies outside the buffer it refers to.
     #[error("range of {len} bytes at offset {offset} is outside the {size}-byte buffer")]

@@ -253,3 +253,113 @@ async fn device_remote_memory_peer_killed_while_holding() {
     drop(theirs);
     assert_eq!(conn.remote_memory_stats().held_buffers, 0);
 }
+
+/// RDMA CM: an async listener accepts concurrent async clients without blocking an executor
+/// thread; the control channel rides in the CM's private data, so remote memory works as over
+/// TCP. A blocking client (or a blocking listener) has no control channel: a typed refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run scripts/test"]
+async fn device_remote_memory_over_async_rdma_cm() {
+    use mralloc::transfer::{AsyncCmListener, CmListener, MAX_ASYNC_CM_BLOB};
+    let ip = std::env::var("MRALLOC_CM_ADDR")
+        .expect("MRALLOC_CM_ADDR: an IP address of the RDMA device (scripts/softroce sets it)");
+    let (pd, heap) = setup();
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let mut l = AsyncCmListener::bind((ip.as_str(), port), &pd, rights(rw())).unwrap();
+    let lender = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::MW_BIND).build().unwrap();
+    l.serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
+    let baseline = lender.stats().live_bytes;
+    let l = std::sync::Arc::new(l);
+
+    // Four clients connect at once; each blob (the longest an async CM request carries) names
+    // its client, and the accept answers with it.
+    const CLIENTS: usize = 4;
+    let server = {
+        let l = l.clone();
+        tokio::spawn(async move {
+            let mut conns = Vec::new();
+            for _ in 0..CLIENTS {
+                let c = l.accept().await.unwrap();
+                conns.push(c);
+            }
+            conns
+        })
+    };
+    let mut clients = Vec::new();
+    for i in 0..CLIENTS {
+        let (ip, pd, heap) = (ip.clone(), pd.clone(), heap.clone());
+        clients.push(tokio::spawn(async move {
+            let blob = vec![i as u8; MAX_ASYNC_CM_BLOB];
+            let c = AsyncConnection::connect_cm((ip.as_str(), port), &pd, rights(rw()), blob).await.unwrap();
+            let n = 64 << 10;
+            let mem = c.request_remote(n as u64, rw()).await.unwrap();
+            let want = pattern(40 + i as u64, n);
+            let mut src = heap.alloc(n).unwrap();
+            src.copy_from_slice(&want);
+            c.write(src, &mem.remote(), 0).await.unwrap();
+            let back = c.read(heap.alloc(n).unwrap(), &mem.remote(), 0).await.unwrap();
+            assert_bytes_eq(&back, &want, &format!("client {i}: remote memory over RDMA CM"));
+            drop(mem);
+            c
+        }));
+    }
+    let conns = tokio::time::timeout(Duration::from_secs(60), server).await.expect("four accepts").unwrap();
+    let mut blobs: Vec<Vec<u8>> = conns.iter().map(|c| c.peer_blob().to_vec()).collect();
+    blobs.sort();
+    assert_eq!(blobs, (0..CLIENTS).map(|i| vec![i as u8; MAX_ASYNC_CM_BLOB]).collect::<Vec<_>>());
+    let mut held = Vec::new();
+    for c in clients {
+        held.push(c.await.unwrap());
+    }
+    until("every grant over RDMA CM is released", || conns.iter().all(|c| c.remote_memory_stats().lent_buffers == 0))
+        .await;
+    until("the lender's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
+
+    // The server side asks too: the control channel works both ways.
+    held[0].serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
+    let peer = conns.iter().find(|c| c.peer_blob()[0] == 0).unwrap();
+    let back = peer.request_remote(4096, rw()).await.unwrap();
+    assert_eq!(held[0].remote_memory_stats().lent_buffers, 1);
+    drop(back);
+    until("released", || held[0].remote_memory_stats().lent_buffers == 0).await;
+
+    // A longer blob is refused before anything is sent.
+    let long = vec![0; MAX_ASYNC_CM_BLOB + 1];
+    let r = AsyncConnection::connect_cm((ip.as_str(), port), &pd, rights(rw()), long).await;
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+
+    // A blocking client: no control channel on either side.
+    let (ip2, pd2) = (ip.clone(), pd.clone());
+    let blocking = tokio::task::spawn_blocking(move || {
+        Connection::connect_cm_with((ip2.as_str(), port), &pd2, rights(rw()), b"b")
+    });
+    let async_side = l.accept().await.unwrap();
+    let _blocking = blocking.await.unwrap().unwrap();
+    assert_eq!(async_side.peer_blob(), b"b");
+    assert!(matches!(async_side.request_remote(64, rw()).await, Err(Error::NoControlChannel)));
+
+    // A blocking listener ignores the offer: the async client has no control channel either.
+    let port2 = port + 1;
+    let (ip3, pd3) = (ip.clone(), pd.clone());
+    let listener = std::thread::spawn(move || {
+        let mut l = CmListener::bind((ip3.as_str(), port2), &pd3, rights(rw())).unwrap();
+        let c = l.accept_with(b"blocking").unwrap();
+        assert_eq!(c.peer_blob(), b"a");
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let mut tries = 0;
+    let c = loop {
+        match AsyncConnection::connect_cm((ip.as_str(), port2), &pd, rights(rw()), b"a".to_vec()).await {
+            Ok(c) => break c,
+            Err(e) if tries < 50 => {
+                tries += 1;
+                println!("blocking listener not up yet ({e}); retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("connecting to a blocking CmListener: {e}"),
+        }
+    };
+    assert_eq!(c.peer_blob(), b"blocking");
+    assert!(matches!(c.request_remote(64, rw()).await, Err(Error::NoControlChannel)));
+    tokio::task::spawn_blocking(move || listener.join().unwrap()).await.unwrap();
+}

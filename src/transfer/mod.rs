@@ -15,7 +15,7 @@
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
 //! - Completions: busy polling (default), sleeping on the completion channel
 //!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
-//! - Async (feature `tokio`): `AsyncConnection` and `AsyncListener`, the same operations as
+//! - Async (feature `tokio`): `AsyncConnection`, `AsyncListener` and `AsyncCmListener`, the same operations as
 //!   futures over owned buffers, which give the buffer back with the result; cancelling a
 //!   future never frees memory the NIC may touch.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
@@ -52,10 +52,10 @@ mod poller;
 mod tcp;
 
 #[cfg(feature = "tokio")]
-pub use aio::{AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};
+pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use auth::Secret;
 pub use batch::Batch;
-pub use cm::{CmListener, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
+pub use cm::{CmListener, MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 pub use completion::Completed;
 pub use connection::Connection;
 pub use grant::Grant;

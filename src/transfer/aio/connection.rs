@@ -117,18 +117,24 @@ impl AsyncConnection {
             .await
     }
 
-    /// Connects through the RDMA connection manager to a [`crate::transfer::CmListener`]
-    /// (run on tokio's blocking pool).
+    /// Connects through the RDMA connection manager to an [`crate::transfer::AsyncCmListener`]
+    /// or a [`crate::transfer::CmListener`] at `addr` (an IP address of the peer's RDMA device),
+    /// sending `blob` (≤ [`crate::transfer::MAX_ASYNC_CM_BLOB`] bytes). The CM exchange runs on
+    /// tokio's blocking pool. It offers a control channel in the CM's private data: with an
+    /// `AsyncCmListener` remote memory works as over TCP; a blocking `CmListener` ignores the
+    /// offer, and remote memory calls then fail with [`Error::NoControlChannel`].
     ///
     /// # Errors
-    /// As [`Connection::connect_cm_with`].
+    /// As [`Connection::connect_cm_with`] (with the smaller blob limit);
+    /// [`Error::Io`] if the runtime has no I/O driver.
     pub async fn connect_cm(
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
         blob: Vec<u8>,
     ) -> Result<AsyncConnection> {
-        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_cm_with(a, pd, o, b)).await
+        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_cm_offering(a, pd, o, b, true))
+            .await
     }
 
     /// Resolves `addr`, runs the blocking `connect` on tokio's blocking pool, wraps the result.

@@ -1,8 +1,9 @@
 //! Async RDMA on tokio (feature `tokio`): [`AsyncConnection`] (operations as futures over owned
-//! buffers), [`AsyncListener`], and what they share — the per-connection driver task, the
+//! buffers), [`AsyncListener`] and [`AsyncCmListener`], and what they share — the per-connection driver task, the
 //! cancel-safe operation future [`Op`], the adaptive poll, and the atomics' landing words.
 
 mod backlog;
+mod cm_listener;
 mod connection;
 mod control;
 mod driver;
@@ -24,6 +25,7 @@ use tokio::sync::Notify;
 
 use crate::transfer::Connection;
 
+pub use cm_listener::AsyncCmListener;
 pub use connection::AsyncConnection;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;

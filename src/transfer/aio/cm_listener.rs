@@ -1,0 +1,142 @@
+//! `AsyncCmListener`: accepts RDMA CM connections without blocking an executor thread.
+
+use std::os::fd::{AsRawFd, RawFd};
+
+use tokio::io::unix::AsyncFd;
+
+use crate::error::{Error, Result};
+use crate::heap::Heap;
+use crate::transfer::aio::connection::{async_options, blocking};
+use crate::transfer::aio::lending::{check_lending_heap, RemoteLimits};
+use crate::transfer::cm::{accept_request, CmListener, MAX_ASYNC_CM_ACCEPT_BLOB};
+use crate::transfer::{AsyncConnection, Options};
+use crate::verbs::Pd;
+
+/// The listener's event channel, as tokio's reactor sees it.
+struct ListenerFd(CmListener);
+
+impl AsRawFd for ListenerFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.fd()
+    }
+}
+
+/// Accepts connections through the RDMA connection manager, as [`CmListener`] does, for tokio:
+/// connect requests are awaited on the reactor (the CM event channel is non-blocking) and each
+/// accepted connection is set up on tokio's blocking pool. Peers connect with
+/// [`AsyncConnection::connect_cm`] (then both sides have a control channel, and remote memory
+/// works as over TCP) or [`crate::transfer::Connection::connect_cm`] (then they have none:
+/// remote memory calls fail with [`Error::NoControlChannel`]).
+///
+/// ```no_run
+/// # async fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
+/// use mralloc::transfer::{AsyncCmListener, Options};
+/// // An IP address of the local RDMA device (RDMA CM routes by address).
+/// let listener = AsyncCmListener::bind("192.168.1.10:7471", pd, Options::default())?;
+/// loop {
+///     let conn = listener.accept().await?;
+///     tokio::spawn(async move { /* serve `conn` */ drop(conn) });
+/// }
+/// # }
+/// ```
+pub struct AsyncCmListener {
+    fd: AsyncFd<ListenerFd>,
+    pd: Pd,
+    opts: Options,
+    serving: Option<(Heap, RemoteLimits)>,
+}
+
+impl std::fmt::Debug for AsyncCmListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncCmListener").field("fd", &self.fd.get_ref().0.fd()).finish_non_exhaustive()
+    }
+}
+
+impl AsyncCmListener {
+    /// Listens on `addr` (an IP address of a local RDMA device, and a port). Call it inside a
+    /// tokio runtime with I/O enabled.
+    ///
+    /// # Errors
+    /// As [`CmListener::bind`]; [`Error::Io`] if there is no tokio runtime with I/O enabled.
+    pub fn bind(addr: impl std::net::ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncCmListener> {
+        let opts = async_options(opts);
+        let listener = CmListener::bind(addr, pd, opts.clone())?;
+        listener.set_nonblocking()?;
+        let no_io = |why: String| Error::Io {
+            what: "registering an RDMA CM event channel with tokio (it needs a runtime with I/O enabled)".into(),
+            source: std::io::Error::other(why),
+        };
+        let handle = tokio::runtime::Handle::try_current().map_err(|e| no_io(e.to_string()))?;
+        let _guard = handle.enter();
+        // tokio panics (rather than failing) on a runtime built without I/O: keep that typed.
+        let registered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the descriptor belongs to the listener's event channel inside the
+            // ListenerFd, which the AsyncFd owns: it stays open, and is the same descriptor,
+            // until the AsyncFd is dropped.
+            unsafe { AsyncFd::register_with_interest(ListenerFd(listener), tokio::io::Interest::READABLE) }
+                .map_err(|e| e.to_string())
+        }));
+        let fd = match registered {
+            Ok(Ok(fd)) => fd,
+            Ok(Err(e)) => return Err(no_io(e)),
+            Err(_) => return Err(no_io("the runtime has no I/O driver".into())),
+        };
+        Ok(AsyncCmListener { fd, pd: pd.clone(), opts, serving: None })
+    }
+
+    /// Makes every connection accepted from now on lend its peer memory of `heap` within
+    /// `limits`, as [`crate::transfer::AsyncListener::serve_remote_memory`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `heap` was not built with
+    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD.
+    pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
+        check_lending_heap(heap, &self.pd)?;
+        self.serving = Some((heap.clone(), limits));
+        Ok(())
+    }
+
+    /// Accepts the next connection.
+    ///
+    /// # Errors
+    /// As [`AsyncCmListener::accept_with`].
+    pub async fn accept(&self) -> Result<AsyncConnection> {
+        self.accept_with(Vec::new()).await
+    }
+
+    /// Accepts the next connection, answering with `blob` (≤ [`MAX_ASYNC_CM_ACCEPT_BLOB`]
+    /// bytes: the rest of the CM's private data offers the control channel).
+    ///
+    /// Cancelling the future while it waits for a connect request loses nothing; once a request
+    /// is taken, the accept runs to the end on the blocking pool and a cancelled accept drops
+    /// the finished connection (the peer sees it close).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
+    /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
+    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request;
+    /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the event channel
+    /// cannot be read.
+    pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
+        if blob.len() > MAX_ASYNC_CM_ACCEPT_BLOB {
+            return Err(Error::InvalidArgument(format!(
+                "an async RDMA CM accept blob holds at most {MAX_ASYNC_CM_ACCEPT_BLOB} bytes, got {}",
+                blob.len()
+            )));
+        }
+        let req = loop {
+            let mut ready = self
+                .fd
+                .readable()
+                .await
+                .map_err(|source| Error::Io { what: "waiting for an RDMA CM connect request".into(), source })?;
+            match ready.get_inner().0.try_request()? {
+                Some(req) => break req,
+                None => ready.clear_ready(),
+            }
+        };
+        let (pd, opts) = (self.pd.clone(), self.opts.clone());
+        let conn = blocking(move || accept_request(req, &pd, &opts, &blob, true)).await?;
+        AsyncConnection::wrap_serving(conn, self.serving.clone())
+    }
+}

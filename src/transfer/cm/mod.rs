@@ -1,0 +1,291 @@
+//! Connection setup through the RDMA connection manager (librdmacm, via rdma-sys).
+//!
+//! librdmacm opens device contexts of its own, so a QP in the caller's PD cannot be attached to
+//! the `rdma_cm_id`; it stays external: its number travels in `rdma_conn_param.qp_num`, and its
+//! RTR/RTS attributes come from `rdma_init_qp_attr`. The application blob rides in the CM
+//! private data (at most [`MAX_CM_BLOB`] bytes), and so does the control channel's QP number
+//! when both sides are async (see `private`): the control QP is connected with the data QP's
+//! attributes and the peer's control QP number.
+
+mod private;
+mod raw;
+
+use std::net::ToSocketAddrs;
+use std::os::fd::RawFd;
+use std::time::Instant;
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::transfer::control::{self, Prepared};
+use crate::transfer::{Connection, Options};
+use crate::verbs::Pd;
+
+pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
+
+use private::{check_blob, frame, unframe};
+use raw::{
+    check_device, cm_connect, cm_connect_control, conn_param, expect_event, expect_kind, peer_endpoint, resolve,
+    sockaddr, try_event, Channel, CmHold, Id,
+};
+
+/// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
+/// connect unauthenticated.
+fn check_no_secret(opts: &Options) -> Result<()> {
+    if opts.secret.is_some() {
+        return Err(Error::InvalidArgument(
+            "Options::secret is only supported by the TCP exchange (Listener / Connection::connect), not by RDMA CM"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Wraps the connected data QP (and the control QP, if `control` is `Some((mine, peer qpn))`,
+/// already connected) into a connection that keeps the CM objects.
+fn established(
+    pd: &Pd,
+    opts: &Options,
+    prepared: Prepared,
+    peer_qpn: u32,
+    peer_control: Option<u32>,
+    blob: Vec<u8>,
+    hold: CmHold,
+) -> Result<Connection> {
+    let peer = peer_endpoint(&prepared.data.0, peer_qpn);
+    let mut conn = Connection::wrap(pd, opts, prepared.data, peer, blob)?;
+    if let (Some(mine), Some(qpn)) = (prepared.control, peer_control) {
+        let peer = peer_endpoint(&mine.0, qpn);
+        conn.set_control(Connection::wrap(pd, &control::options(opts), mine, peer, Vec::new())?);
+    }
+    conn.keep(hold);
+    Ok(conn)
+}
+
+impl Connection {
+    /// Connects through the RDMA connection manager to a [`CmListener`] at `addr` (an IP address
+    /// of the peer's RDMA device), in `pd`.
+    ///
+    /// # Errors
+    /// As [`Connection::connect_cm_with`].
+    pub fn connect_cm(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Connection> {
+        Connection::connect_cm_with(addr, pd, opts, &[])
+    }
+
+    /// As [`Connection::connect_cm`], sending `blob` (≤ [`MAX_CM_BLOB`] bytes) to the peer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `blob` is too long, [`Options::secret`] is set (the shared
+    /// secret needs the TCP exchange) or the address routes through another device than `pd`'s;
+    /// [`Error::Timeout`] if the peer does not answer within [`Options::connect_timeout`];
+    /// [`Error::Protocol`] if it rejects the connection; [`Error::Verbs`] if an RDMA CM or verbs
+    /// call fails.
+    pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
+        Connection::connect_cm_offering(addr, pd, opts, blob, false)
+    }
+
+    /// As [`Connection::connect_cm_with`]; with `control`, offers a control channel (set up if
+    /// the listener offers one too), which leaves [`MAX_ASYNC_CM_BLOB`] bytes for `blob`.
+    pub(crate) fn connect_cm_offering(
+        addr: impl ToSocketAddrs,
+        pd: &Pd,
+        opts: Options,
+        blob: &[u8],
+        control: bool,
+    ) -> Result<Connection> {
+        let max = if control { MAX_ASYNC_CM_BLOB } else { MAX_CM_BLOB };
+        check_blob(blob, max, "an RDMA CM connect blob")?;
+        check_no_secret(&opts)?;
+        let target = resolve(addr)?;
+        let deadline = Instant::now() + opts.connect_timeout;
+        let left = || Some(deadline.saturating_duration_since(Instant::now()));
+        let channel = Channel::new()?;
+        let id = Id::new(&channel)?;
+        let mut dst = sockaddr(target);
+        let ms = opts.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: live id; dst is a valid sockaddr.
+        if unsafe {
+            ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
+        } != 0
+        {
+            return Err(Error::verbs("rdma_resolve_addr", 0));
+        }
+        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, left())?;
+        // SAFETY: live, address-resolved id.
+        if unsafe { ffi::rdma_resolve_route(id.0, ms) } != 0 {
+            return Err(Error::verbs("rdma_resolve_route", 0));
+        }
+        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, left())?;
+        check_device(id.0, pd)?;
+        let prepared = Prepared::new(pd, &opts, control)?;
+        let framed = frame(blob, prepared.control.as_ref().map(|c| c.0.qpn()));
+        let mut param = conn_param(&prepared.data.0, pd, &opts, &framed)?;
+        // SAFETY: live, route-resolved id; param (and the data it points at) outlive the call.
+        if unsafe { ffi::rdma_connect(id.0, &mut param) } != 0 {
+            return Err(Error::verbs("rdma_connect", 0));
+        }
+        let resp = expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE, left())?;
+        let (peer_blob, peer_control) = unframe(&resp.private)?;
+        cm_connect(id.0, &prepared.data.0)?;
+        // The control QP is ready before the listener learns the connection is established.
+        if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
+            cm_connect_control(id.0, &mine.0, qpn)?;
+        }
+        // SAFETY: live id that received its connect response.
+        if unsafe { ffi::rdma_establish(id.0) } != 0 {
+            return Err(Error::verbs("rdma_establish", 0));
+        }
+        let hold = CmHold { _id: id, _channel: channel };
+        established(pd, &opts, prepared, resp.qp_num, peer_control, peer_blob, hold)
+    }
+}
+
+/// A connect request taken from a listener, its id already moved to an event channel of its
+/// own (so requests and the events of connections being accepted never mix).
+pub(crate) struct CmRequest {
+    child: Id,
+    own: Channel,
+    private: Vec<u8>,
+    qp_num: u32,
+}
+
+// SAFETY: the request owns its id and channel outright (nothing else refers to them); librdmacm
+// objects may be used from any thread.
+unsafe impl Send for CmRequest {}
+
+/// Accepts RDMA CM connections on an address of a local RDMA device.
+pub struct CmListener {
+    // Kept for its Drop (the listening id); events arrive on `channel`.
+    _id: Id,
+    channel: Channel,
+    pd: Pd,
+    opts: Options,
+}
+
+// SAFETY: the listener's id and channel move with it; reading its channel is safe from any
+// thread (each read takes one whole event).
+unsafe impl Send for CmListener {}
+// SAFETY: shared use only reads events from the channel (see above) or its descriptor.
+unsafe impl Sync for CmListener {}
+
+impl CmListener {
+    /// Listens on `addr` (an IP address of a local RDMA device, and a port).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if [`Options::secret`] is set (the shared secret needs the TCP
+    /// exchange); [`Error::Verbs`] if binding or listening fails.
+    pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<CmListener> {
+        check_no_secret(&opts)?;
+        let at = resolve(addr)?;
+        let channel = Channel::new()?;
+        let id = Id::new(&channel)?;
+        let mut sa = sockaddr(at);
+        // SAFETY: live id; valid sockaddr.
+        if unsafe { ffi::rdma_bind_addr(id.0, (&mut sa as *mut libc::sockaddr_storage).cast()) } != 0 {
+            return Err(Error::verbs("rdma_bind_addr", 0));
+        }
+        // SAFETY: bound id.
+        if unsafe { ffi::rdma_listen(id.0, 16) } != 0 {
+            return Err(Error::verbs("rdma_listen", 0));
+        }
+        Ok(CmListener { _id: id, channel, pd: pd.clone(), opts })
+    }
+
+    /// Accepts the next connection.
+    ///
+    /// # Errors
+    /// As [`CmListener::accept_with`].
+    pub fn accept(&mut self) -> Result<Connection> {
+        self.accept_with(&[])
+    }
+
+    /// Accepts the next connection, answering with `blob` (≤ [`MAX_CM_ACCEPT_BLOB`] bytes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
+    /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
+    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request or an
+    /// unexpected event; [`Error::Verbs`] if an RDMA CM or verbs call fails.
+    pub fn accept_with(&mut self, blob: &[u8]) -> Result<Connection> {
+        check_blob(blob, MAX_CM_ACCEPT_BLOB, "an RDMA CM accept blob")?;
+        let req = self.next_request()?;
+        accept_request(req, &self.pd, &self.opts, blob, false)
+    }
+
+    /// Waits for the next connect request.
+    fn next_request(&self) -> Result<CmRequest> {
+        let e = raw::next_event(&self.channel, None)?;
+        take_request(e)
+    }
+
+    /// The next connect request, if one is queued (the channel must be non-blocking).
+    pub(crate) fn try_request(&self) -> Result<Option<CmRequest>> {
+        try_event(&self.channel)?.map(take_request).transpose()
+    }
+
+    /// Makes the listener's event channel non-blocking, for a reactor to watch [`Self::fd`].
+    pub(crate) fn set_nonblocking(&self) -> Result<()> {
+        self.channel.set_nonblocking()
+    }
+
+    /// The event channel's descriptor (readable when a request is queued).
+    pub(crate) fn fd(&self) -> RawFd {
+        self.channel.fd()
+    }
+}
+
+/// A listener's event must be a connect request; its id moves to a channel of its own.
+fn take_request(e: raw::Event) -> Result<CmRequest> {
+    let e = expect_kind(e, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST)?;
+    let child = Id(e.id);
+    let own = Channel::new()?;
+    child.migrate(&own)?;
+    Ok(CmRequest { child, own, private: e.private, qp_num: e.qp_num })
+}
+
+/// Accepts `req`, answering with `blob`, and waits (at most [`Options::connect_timeout`]) until
+/// the connection is established; with `control`, offers a control channel (set up if the peer
+/// offered one too). Blocks.
+pub(crate) fn accept_request(
+    req: CmRequest,
+    pd: &Pd,
+    opts: &Options,
+    blob: &[u8],
+    control: bool,
+) -> Result<Connection> {
+    let max = if control { MAX_ASYNC_CM_ACCEPT_BLOB } else { MAX_CM_ACCEPT_BLOB };
+    check_blob(blob, max, "an RDMA CM accept blob")?;
+    let CmRequest { child, own, private, qp_num } = req;
+    let (peer_blob, peer_control) = unframe(&private)?;
+    check_device(child.0, pd)?;
+    // A control QP only if the peer offered one: nothing is created that cannot be connected.
+    let prepared = Prepared::new(pd, opts, control && peer_control.is_some())?;
+    cm_connect(child.0, &prepared.data.0)?;
+    if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
+        cm_connect_control(child.0, &mine.0, qpn)?;
+    }
+    let framed = frame(blob, prepared.control.as_ref().map(|c| c.0.qpn()));
+    let mut param = conn_param(&prepared.data.0, pd, opts, &framed)?;
+    // SAFETY: the child id of a connect request; param (and the data it points at) outlive the
+    // call.
+    if unsafe { ffi::rdma_accept(child.0, &mut param) } != 0 {
+        return Err(Error::verbs("rdma_accept", 0));
+    }
+    let est = expect_event(&own, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, Some(opts.connect_timeout))?;
+    if est.id != child.0 {
+        return Err(Error::Protocol("RDMA CM: ESTABLISHED for another connection".into()));
+    }
+    established(pd, opts, prepared, qp_num, peer_control, peer_blob, CmHold { _id: child, _channel: own })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_refused() {
+        assert!(check_no_secret(&Options::default()).is_ok());
+        let secret = Some(crate::transfer::Secret::new("k").unwrap());
+        assert!(matches!(check_no_secret(&Options { secret, ..Options::default() }), Err(Error::InvalidArgument(_))));
+    }
+}
