@@ -34,8 +34,11 @@ impl AsRawFd for ListenerFd {
 /// // An IP address of the local RDMA device (RDMA CM routes by address).
 /// let listener = AsyncCmListener::bind("192.168.1.10:7471", pd, Options::default())?;
 /// loop {
-///     let conn = listener.accept().await?;
-///     tokio::spawn(async move { /* serve `conn` */ drop(conn) });
+///     match listener.accept().await {
+///         Ok(conn) => drop(tokio::spawn(async move { /* serve `conn` */ drop(conn) })),
+///         // One peer's failure (a malformed request, a client that gave up): go on.
+///         Err(e) => eprintln!("accept: {e}"),
+///     }
 /// }
 /// # }
 /// ```
@@ -114,9 +117,11 @@ impl AsyncCmListener {
     /// # Errors
     /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
     /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
-    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request;
+    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request, a peer
+    /// that rejected or dropped the connection meanwhile, or the listener's device removed;
     /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the event channel
-    /// cannot be read.
+    /// cannot be read. Only a removed device ends the listener: after any other error (one
+    /// peer's), accept the next connection.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
         if blob.len() > MAX_ASYNC_CM_ACCEPT_BLOB {
             return Err(Error::InvalidArgument(format!(

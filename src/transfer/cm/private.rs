@@ -13,9 +13,8 @@ pub const MAX_CM_ACCEPT_BLOB: usize = 195;
 /// Bytes the control channel's QP number takes after the blob.
 const CONTROL_LEN: usize = 4;
 const CONTROL_MARKER: u8 = 0xc7;
-/// Largest blob an async RDMA CM connect request carries
-/// ([`AsyncConnection::connect_cm`](crate::transfer::AsyncConnection::connect_cm), feature
-/// `tokio`): [`MAX_CM_BLOB`] less the 4 bytes that offer the control channel.
+/// Largest blob an async RDMA CM connect request carries (`AsyncConnection::connect_cm`,
+/// feature `tokio`): [`MAX_CM_BLOB`] less the 4 bytes that offer the control channel.
 pub const MAX_ASYNC_CM_BLOB: usize = MAX_CM_BLOB - CONTROL_LEN;
 /// Largest blob an async RDMA CM accept carries (`AsyncCmListener`, feature `tokio`):
 /// [`MAX_CM_ACCEPT_BLOB`] less the 4 bytes that offer the control channel.

@@ -91,7 +91,7 @@ impl Drop for Id {
 
 /// The CM objects a connection keeps alive, kept for their Drop (the id before its channel).
 pub(crate) struct CmHold {
-    pub(crate) _id: Id,
+    pub(crate) id: Id,
     pub(crate) _channel: Channel,
 }
 
@@ -119,8 +119,8 @@ pub(crate) fn event_name(kind: u32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// Takes the next event without waiting: `None` if none is queued (the channel must be
-/// non-blocking, or known readable).
+/// Takes the next event: `None` if none is queued and the channel is non-blocking (on a
+/// blocking channel this waits for one).
 pub(crate) fn try_event(ch: &Channel) -> Result<Option<Event>> {
     let mut ev: *mut ffi::rdma_cm_event = std::ptr::null_mut();
     // SAFETY: a live channel; ev is an out-pointer.
@@ -148,23 +148,31 @@ pub(crate) fn try_event(ch: &Channel) -> Result<Option<Event>> {
     Ok(Some(out))
 }
 
-/// Waits (at most `timeout`, `None`: forever) for the next event.
+/// Waits (at most `timeout`, `None`: forever) for the next event. Interrupted waits resume
+/// with the time left.
 pub(crate) fn next_event(ch: &Channel, timeout: Option<Duration>) -> Result<Event> {
-    let mut pfd = libc::pollfd { fd: ch.fd(), events: libc::POLLIN, revents: 0 };
-    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
     loop {
+        let ms = deadline.map_or(-1, |d| {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            // Round up: a wait of 0 ms that has not reached the deadline would spin.
+            left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+        });
+        let mut pfd = libc::pollfd { fd: ch.fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
         let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
         if rc == 0 {
             return Err(Error::Timeout(timeout.unwrap_or_default(), "an RDMA CM event"));
         }
         if rc < 0 {
-            return Err(Error::Io {
-                what: "polling the RDMA CM channel".into(),
-                source: std::io::Error::last_os_error(),
-            });
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Io { what: "polling the RDMA CM channel".into(), source: e });
         }
-        // Readable: an event is queued unless another reader took it (then poll again).
+        // Readable: an event is queued unless another reader of a non-blocking channel took it
+        // first (then wait again).
         if let Some(e) = try_event(ch)? {
             return Ok(e);
         }
@@ -172,7 +180,7 @@ pub(crate) fn next_event(ch: &Channel, timeout: Option<Duration>) -> Result<Even
 }
 
 /// Checks that `e` is a `want` event.
-pub(crate) fn expect_kind(e: Event, want: u32) -> Result<Event> {
+fn expect_kind(e: Event, want: u32) -> Result<Event> {
     if e.kind != want {
         return Err(Error::Protocol(format!(
             "RDMA CM: expected {}, got {} (status {})",
