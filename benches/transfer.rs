@@ -15,7 +15,10 @@
 //!
 //! With the `tokio` feature, `async_write_bw` and `async_write_lat` run the same loops through
 //! `AsyncConnection` on a 2-worker tokio runtime: every post is an operation future, every
-//! completion is awaited.
+//! completion is awaited. `--workers N` sets the runtime's worker threads (0: a current-thread
+//! runtime, bandwidth only) and `--spin-us N` the connection's `Options::async_spin`, to see what limits them.
+//! `async_many --conns K` drives K connections from one task (one WRITE in flight on each per
+//! round) and prints `MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>`.
 
 mod common;
 
@@ -29,16 +32,32 @@ use mralloc::heap::{Buffer, Exposed, Heap};
 use mralloc::transfer::{Connection, Options, Pending};
 use mralloc::verbs::{Access, Pd};
 
+#[derive(Clone)]
 struct Args {
     test: String,
     size: usize,
     iters: usize,
     depth: u32,
     inline: u32,
+    /// Async tests: tokio worker threads (0: a current-thread runtime).
+    workers: usize,
+    /// Async tests: `Options::async_spin` in µs (None: the default).
+    spin_us: Option<u64>,
+    /// `async_many`: connections driven by one task.
+    conns: usize,
 }
 
 fn args() -> Args {
-    let mut a = Args { test: String::new(), size: 65536, iters: 1000, depth: 128, inline: 0 };
+    let mut a = Args {
+        test: String::new(),
+        size: 65536,
+        iters: 1000,
+        depth: 128,
+        inline: 0,
+        workers: 2,
+        spin_us: None,
+        conns: 64,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
@@ -46,6 +65,9 @@ fn args() -> Args {
             "--iters" => a.iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
             "--depth" => a.depth = it.next().and_then(|v| v.parse().ok()).expect("--depth N"),
             "--inline" => a.inline = it.next().and_then(|v| v.parse().ok()).expect("--inline BYTES"),
+            "--workers" => a.workers = it.next().and_then(|v| v.parse().ok()).expect("--workers N"),
+            "--conns" => a.conns = it.next().and_then(|v| v.parse().ok()).expect("--conns N"),
+            "--spin-us" => a.spin_us = Some(it.next().and_then(|v| v.parse().ok()).expect("--spin-us N")),
             "--bench" => {}
             t if !t.starts_with('-') && a.test.is_empty() => a.test = t.to_string(),
             _ => {}
@@ -244,7 +266,7 @@ fn main() -> mralloc::Result<()> {
             println!("MRALLOC send_lat {typical:.2} {p99:.2} {}", inline_used(&a));
         }
         #[cfg(feature = "tokio")]
-        "async_write_bw" | "async_write_lat" => asynchronous::run(&a, &pd, &heap, &opts)?,
+        "async_write_bw" | "async_write_lat" | "async_many" => asynchronous::run(&a, &pd, &heap, &opts)?,
         other => {
             eprintln!("transfer: unknown test {other}");
             std::process::exit(2);
@@ -266,17 +288,39 @@ mod asynchronous {
     use super::{inline_used, perftest_latency, spin_until, Args};
 
     pub fn run(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+        if a.workers == 0 && a.test == "async_write_lat" {
+            // Both sides spin on their inboxes: on one thread the ping would wait for itself.
+            eprintln!("transfer: async_write_lat needs --workers 1 or more");
+            std::process::exit(2);
+        }
+        let mut builder = if a.workers == 0 {
+            tokio::runtime::Builder::new_current_thread()
+        } else {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(a.workers);
+            b
+        };
+        let rt = builder
             .enable_all()
             .build()
             .map_err(|source| mralloc::Error::Io { what: "building the tokio runtime".into(), source })?;
+        let mut opts = opts.clone();
+        if let Some(us) = a.spin_us {
+            opts.async_spin = std::time::Duration::from_micros(us);
+        }
         rt.block_on(async {
-            let (x, y) = AsyncConnection::pair(pd, opts)?;
-            match a.test.as_str() {
-                "async_write_bw" => write_bw(a, heap, &x).await,
-                _ => write_lat(a, heap, x, y).await,
+            if a.test == "async_many" {
+                return many(a, pd, heap, &opts).await;
             }
+            let (x, y) = AsyncConnection::pair(pd, &opts)?;
+            if a.test == "async_write_lat" {
+                // The ping side spins on its inbox between operations: in block_on, not on a
+                // worker (a worker spinning would starve a task woken into its LIFO slot).
+                return write_lat(a, heap, x, y).await;
+            }
+            // The loop runs as a task (on a worker, as a service's would), not in block_on.
+            let (a, heap) = (a.clone(), heap.clone());
+            tokio::spawn(async move { write_bw(&a, &heap, &x).await }).await.expect("the benchmark task")
         })
     }
 
@@ -303,6 +347,38 @@ mod asynchronous {
         }
         let secs = t.elapsed().as_secs_f64();
         println!("MRALLOC async_write_bw {:.2}", (n * a.iters) as f64 / secs / (1u64 << 20) as f64);
+        Ok(())
+    }
+
+    /// Many connections, one task: `conns` connected pairs; every round posts one `size`-byte
+    /// WRITE on each connection (each into its own slice of one exposed buffer), then awaits
+    /// them all in order. Prints the rounds' median and p99 (µs) and operations per second.
+    async fn many(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
+        let (n, k) = (a.size, a.conns);
+        let pairs = (0..k).map(|_| AsyncConnection::pair(pd, opts)).collect::<mralloc::Result<Vec<_>>>()?;
+        let dst = heap.alloc(n * k)?.expose()?;
+        let remote = dst.remote();
+        let mut bufs = (0..k).map(|_| heap.alloc(n)).collect::<mralloc::Result<Vec<_>>>()?;
+        let mut rounds = Vec::with_capacity(a.iters);
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            let r = Instant::now();
+            let ops: Vec<_> = pairs
+                .iter()
+                .zip(bufs.drain(..))
+                .enumerate()
+                .map(|(i, ((x, _), b))| x.write(b, &remote, (i * n) as u64))
+                .collect();
+            for op in ops {
+                bufs.push(op.await?);
+            }
+            rounds.push(r.elapsed());
+        }
+        let secs = t.elapsed().as_secs_f64();
+        rounds.sort();
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        let (p50, p99) = (rounds[rounds.len() / 2], rounds[(rounds.len() * 99 / 100).min(rounds.len() - 1)]);
+        println!("MRALLOC async_many {k} {:.2} {:.2} {:.0}", us(p50), us(p99), (k * a.iters) as f64 / secs);
         Ok(())
     }
 

@@ -319,13 +319,16 @@ impl Core {
     }
 
     /// Hands `buf` to the connection until `wr_id` completes (at once if it already has).
-    /// Never blocks on the NIC.
-    pub(crate) fn park(&self, Ticket { wr_id, send }: Ticket, buf: Parked) {
+    /// Never blocks on the NIC. Returns whether it is parked (waits for a completion not yet
+    /// reaped).
+    pub(crate) fn park(&self, Ticket { wr_id, send }: Ticket, buf: Parked) -> bool {
         self.with(send, |_, q| {
             if q.done.remove(wr_id).is_some() {
                 q.released.push(buf);
+                false
             } else {
                 q.parked.insert(wr_id, buf);
+                true
             }
         })
     }
@@ -360,6 +363,11 @@ impl Core {
         let s = self.send.lock();
         let r = self.recv.lock();
         s.used == 0 && r.used == 0 && s.parked.is_empty() && r.parked.is_empty()
+    }
+
+    /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
+    pub(crate) fn has_parked(&self) -> bool {
+        !self.send.lock().parked.is_empty() || !self.recv.lock().parked.is_empty()
     }
 
     /// Takes every buffer still held (parked or kept until the QP is destroyed).

@@ -94,7 +94,9 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
         let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
         let held = Box::new(Held { _mw: mw, _buf: buf });
         match self.post_invalidate() {
-            Ok(id) => self.conn.core().park(id, held),
+            Ok(id) => {
+                self.conn.core().park(id, held);
+            }
             Err(Error::FlushLost { .. }) => std::mem::forget(held),
             Err(e) => {
                 tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is destroyed");

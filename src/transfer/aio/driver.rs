@@ -1,19 +1,27 @@
 //! The task that turns completion-channel events into wake-ups, and the waiters it wakes.
 //!
-//! One driver task per [`crate::transfer::AsyncConnection`]: it keeps both CQs armed, sleeps on
-//! the completion channel's file descriptor through tokio's reactor ([`AsyncFd`]), reaps what
-//! arrived (which also releases the buffers of cancelled operations) and wakes every waiting
-//! future. Futures re-check their own request after a wake-up; a spurious wake-up costs one
-//! look at a short list.
+//! One driver task per [`crate::transfer::AsyncConnection`]: it sleeps on the completion
+//! channel's file descriptor through tokio's reactor ([`AsyncFd`]), reaps what arrived (which
+//! also releases the buffers of cancelled operations) and wakes every waiting future. Futures
+//! re-check their own request after a wake-up; a spurious wake-up costs one look at a short list.
 //!
-//! No completion is missed: the driver arms both CQs, then reaps, then wakes. A completion that
-//! arrives after the arm raises an event (another round); one that arrived before it is reaped
-//! (or already was, by a spinning future) before the wake-up, which every future registered by
-//! then receives. A future registers before it looks at its request, so one that registers after
-//! the wake-up finds its outcome already routed.
+//! **CQs are armed on demand.** An armed CQ raises an event (a reactor wake-up, a read, a
+//! re-arm: several system calls) for every completion, even those a spinning future claims
+//! itself. So the driver arms only while someone needs events: a future that goes to sleep,
+//! a parked buffer waiting for its completion, or requests waiting in the backlog for room
+//! (which the driver posts even if nobody polls them). A future that claims its completion
+//! within its spin costs the driver nothing.
+//!
+//! No completion is missed. The driver arms, then reaps, then wakes every registered future.
+//! A completion that arrives after the arm raises an event (another round); one that arrived
+//! before it is reaped (or already was, by a spinning future) before the wake-up. A future
+//! registers before it looks at its request, then asks for events if the CQs are not known to
+//! be armed ([`Waiters::register`]); the driver marks them unarmed before it decides whether to
+//! arm (a Dekker pair: one of the two sees the other), so a future that registers after that
+//! decision asks for another round.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::Waker;
 
@@ -27,22 +35,45 @@ use crate::transfer::completion::Failure;
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::verbs::CompChannel;
 
-/// Futures waiting for completions on one connection.
+/// Futures waiting for completions on one connection, and whether they will get events.
 #[derive(Default)]
-pub(crate) struct Waiters(Mutex<Vec<Waker>>);
+pub(crate) struct Waiters {
+    list: Mutex<Vec<Waker>>,
+    /// Whether the CQs are armed (set by the driver after arming, cleared before it decides
+    /// whether to arm again).
+    armed: AtomicBool,
+    /// Asks the driver for a round that arms the CQs.
+    want: Arc<Notify>,
+}
 
 impl Waiters {
-    /// Adds `w` unless an equivalent waker is already registered.
+    /// Adds `w` unless an equivalent waker is already registered, and makes sure the CQs will
+    /// raise an event. The caller looks at its request once more afterwards.
     pub(crate) fn register(&self, w: &Waker) {
-        let mut v = self.0.lock();
-        if !v.iter().any(|x| x.will_wake(w)) {
-            v.push(w.clone());
+        {
+            let mut v = self.list.lock();
+            if !v.iter().any(|x| x.will_wake(w)) {
+                v.push(w.clone());
+            }
         }
+        self.want_events();
+    }
+
+    /// Asks the driver to arm the CQs unless they are armed: someone now needs completions
+    /// reaped without polling for them (a sleeping future, a parked buffer).
+    pub(crate) fn want_events(&self) {
+        if !self.armed.load(Ordering::SeqCst) {
+            self.want.notify_one();
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.list.lock().is_empty()
     }
 
     /// Wakes (and forgets) every registered waker.
     pub(crate) fn wake_all(&self) {
-        let woken = std::mem::take(&mut *self.0.lock());
+        let woken = std::mem::take(&mut *self.list.lock());
         for w in woken {
             w.wake();
         }
@@ -91,7 +122,8 @@ pub(crate) fn spawn(shared: &Arc<Shared>, channel: CompChannel, stop: Arc<Notify
     };
     let weak = Arc::downgrade(shared);
     shared.driver_alive.store(true, Ordering::Release);
-    handle.spawn(drive(Alive(weak), fd, stop));
+    let want = shared.waiters.want.clone();
+    handle.spawn(drive(Alive(weak), fd, stop, want));
     Ok(())
 }
 
@@ -112,41 +144,60 @@ impl Drop for Alive {
 enum Round {
     /// The connection is gone.
     Gone,
-    Armed,
+    /// A round ran (and armed the CQs if anyone needed events).
+    Done,
     /// The CQs could not be armed or polled: no event can be relied on.
     Broken(Error),
 }
 
-/// Arms both CQs, reaps until they are empty, wakes every waiter.
-fn round(weak: &Weak<Shared>) -> Round {
+/// Arms both CQs if anyone needs events (see the module docs), reaps until they are empty,
+/// posts what waits for room, wakes every waiter. `force` arms in any case.
+fn round(weak: &Weak<Shared>, force: bool, after_event: bool) -> Round {
     let Some(sh) = weak.upgrade() else { return Round::Gone };
     let core = sh.conn().core();
-    // Reap even if arming failed: the flush after the failure must still be collected.
-    let armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
+    if after_event {
+        // The event that woke us disarmed a CQ: cleared before the decision (see the module
+        // docs). Only then: a round asked for by a future leaves the flag alone, so futures
+        // woken by it that register again do not ask for round after round.
+        sh.waiters.armed.store(false, Ordering::SeqCst);
+    }
+    let wanted = force || !sh.waiters.is_empty() || core.has_parked() || !sh.backlog.lock().is_empty();
+    let mut armed = Ok(());
+    if wanted {
+        // Reap even if arming failed: the flush after the failure must still be collected.
+        armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
+        sh.waiters.armed.store(armed.is_ok(), Ordering::SeqCst);
+    }
     let r = core.drain().and(armed);
     // Reaped completions made room: post what waits for it, in order.
     sh.pump();
     sh.waiters.wake_all();
     match r {
-        Ok(_) => Round::Armed,
+        Ok(_) => Round::Done,
         Err(e) => Round::Broken(e),
     }
 }
 
-async fn drive(alive: Alive, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>) {
+async fn drive(alive: Alive, fd: AsyncFd<ChannelFd>, stop: Arc<Notify>, want: Arc<Notify>) {
     let weak = &alive.0;
     let channel = &fd.get_ref().0;
+    let mut after_event = false;
     loop {
-        match round(weak) {
+        match round(weak, false, after_event) {
             Round::Gone => return,
             Round::Broken(e) => return degraded(weak, e, &stop).await,
-            Round::Armed => {}
+            Round::Done => {}
         }
         let ready = tokio::select! {
             biased;
             () = stop.notified() => return,
+            () = want.notified() => {
+                after_event = false;
+                continue;
+            }
             r = fd.readable() => r,
         };
+        after_event = true;
         let drained = match ready {
             Ok(mut guard) => loop {
                 // Take every pending event (each is acknowledged): an edge is reported once.
@@ -179,7 +230,7 @@ async fn degraded(weak: &Weak<Shared>, e: Error, stop: &Notify) {
     }
     let start = std::time::Instant::now();
     loop {
-        if let Round::Gone = round(weak) {
+        if let Round::Gone = round(weak, true, true) {
             return;
         }
         if weak.upgrade().is_none_or(|sh| sh.conn().core().quiet()) || start.elapsed() > FLUSH_WAIT {

@@ -98,6 +98,10 @@ impl<B: IoBuf> Op<B> {
                         Ok(Some(ticket)) => Ok(ticket),
                         Ok(None) => {
                             op.stage = Stage::Queued(backlog.push(req));
+                            drop(backlog);
+                            // Room comes from reaping: the driver must reap (and post) even if
+                            // nobody polls this operation.
+                            sh.waiters.want_events();
                             return op;
                         }
                         Err(e) => Err(e),
@@ -105,6 +109,7 @@ impl<B: IoBuf> Op<B> {
                 } else {
                     op.stage = Stage::Queued(backlog.push(req));
                     drop(backlog);
+                    sh.waiters.want_events();
                     sh.pump();
                     return op;
                 }
@@ -240,18 +245,22 @@ impl<B: IoBuf> Future for Op<B> {
 impl<B: IoBuf> Drop for Op<B> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
-        match self.stage {
-            Stage::Posted { ticket, .. } => self.shared.conn().core().park(ticket, Box::new(buf)),
+        let ticket = match self.stage {
+            Stage::Posted { ticket, .. } => ticket,
             Stage::Queued(place) => {
                 // Under the backlog's lock: no pump can post the request after this.
                 let cancelled = self.shared.backlog.lock().cancel(place);
                 match cancelled {
-                    Cancelled::NotPosted => drop(buf),
-                    Cancelled::Posted(ticket) => self.shared.conn().core().park(ticket, Box::new(buf)),
-                    Cancelled::Lost => std::mem::forget(buf),
+                    Cancelled::NotPosted => return drop(buf),
+                    Cancelled::Posted(ticket) => ticket,
+                    Cancelled::Lost => return std::mem::forget(buf),
                 }
             }
-            Stage::Finished => drop(buf),
+            Stage::Finished => return drop(buf),
+        };
+        if self.shared.conn().core().park(ticket, Box::new(buf)) {
+            // The parked buffer is freed when its completion is reaped: the driver must see it.
+            self.shared.waiters.want_events();
         }
     }
 }
