@@ -8,7 +8,8 @@ use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::transfer::aio::connection::{async_options, blocking};
 use crate::transfer::aio::lending::{check_lending_heap, RemoteLimits};
-use crate::transfer::cm::{accept_request, CmListener, MAX_ASYNC_CM_ACCEPT_BLOB};
+use crate::transfer::aio::reactor::register_readable;
+use crate::transfer::cm::{accept_request, check_accept_blob, CmListener};
 use crate::transfer::{AsyncConnection, Options};
 use crate::verbs::Pd;
 
@@ -65,25 +66,13 @@ impl AsyncCmListener {
         let opts = async_options(opts);
         let listener = CmListener::bind(addr, pd, opts.clone())?;
         listener.set_nonblocking()?;
-        let no_io = |why: String| Error::Io {
-            what: "registering an RDMA CM event channel with tokio (it needs a runtime with I/O enabled)".into(),
-            source: std::io::Error::other(why),
-        };
-        let handle = tokio::runtime::Handle::try_current().map_err(|e| no_io(e.to_string()))?;
-        let _guard = handle.enter();
-        // tokio panics (rather than failing) on a runtime built without I/O: keep that typed.
-        let registered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: the descriptor belongs to the listener's event channel inside the
-            // ListenerFd, which the AsyncFd owns: it stays open, and is the same descriptor,
-            // until the AsyncFd is dropped.
-            unsafe { AsyncFd::register_with_interest(ListenerFd(listener), tokio::io::Interest::READABLE) }
-                .map_err(|e| e.to_string())
-        }));
-        let fd = match registered {
-            Ok(Ok(fd)) => fd,
-            Ok(Err(e)) => return Err(no_io(e)),
-            Err(_) => return Err(no_io("the runtime has no I/O driver".into())),
-        };
+        let what = "registering an RDMA CM event channel with tokio (it needs a runtime with I/O enabled)";
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|e| Error::Io { what: what.into(), source: std::io::Error::other(e.to_string()) })?;
+        // SAFETY: the descriptor belongs to the listener's event channel inside the ListenerFd,
+        // which the AsyncFd owns: it stays open, and is the same descriptor, until the AsyncFd
+        // is dropped.
+        let fd = unsafe { register_readable(&handle, ListenerFd(listener), what) }?;
         Ok(AsyncCmListener { fd, pd: pd.clone(), opts, serving: None })
     }
 
@@ -107,8 +96,9 @@ impl AsyncCmListener {
         self.accept_with(Vec::new()).await
     }
 
-    /// Accepts the next connection, answering with `blob` (≤ [`MAX_ASYNC_CM_ACCEPT_BLOB`]
-    /// bytes: the rest of the CM's private data offers the control channel).
+    /// Accepts the next connection, answering with `blob` (at most
+    /// [`crate::transfer::MAX_ASYNC_CM_ACCEPT_BLOB`] bytes: the rest of the CM's private data
+    /// offers the control channel).
     ///
     /// Cancelling the future while it waits for a connect request loses nothing; once a request
     /// is taken, the accept runs to the end on the blocking pool and a cancelled accept drops
@@ -123,12 +113,7 @@ impl AsyncCmListener {
     /// cannot be read. Only a removed device ends the listener: after any other error (one
     /// peer's), accept the next connection.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
-        if blob.len() > MAX_ASYNC_CM_ACCEPT_BLOB {
-            return Err(Error::InvalidArgument(format!(
-                "an async RDMA CM accept blob holds at most {MAX_ASYNC_CM_ACCEPT_BLOB} bytes, got {}",
-                blob.len()
-            )));
-        }
+        check_accept_blob(&blob, true)?;
         let req = loop {
             let mut ready = self
                 .fd

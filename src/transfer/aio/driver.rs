@@ -30,6 +30,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
+use crate::transfer::aio::reactor::register_readable;
 use crate::transfer::aio::Shared;
 use crate::transfer::completion::Failure;
 use crate::transfer::connection::FLUSH_WAIT;
@@ -101,25 +102,15 @@ pub(crate) fn spawn(shared: &Arc<Shared>, channel: CompChannel, stop: Arc<Notify
         source: std::io::Error::other(e),
     })?;
     channel.set_nonblocking()?;
-    let no_io = |why: String| Error::Io {
-        what: "registering a completion channel with tokio (the runtime needs I/O enabled)".into(),
-        source: std::io::Error::other(why),
-    };
-    let registered = {
-        let _guard = handle.enter();
-        // tokio panics (rather than failing) on a runtime built without I/O: keep that typed.
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: the descriptor belongs to the channel inside the ChannelFd, which the
-            // AsyncFd owns: it stays open, and is the same descriptor, until the AsyncFd is
-            // dropped.
-            unsafe { AsyncFd::register_with_interest(ChannelFd(channel), tokio::io::Interest::READABLE) }
-        }))
-    };
-    let fd = match registered {
-        Ok(Ok(fd)) => fd,
-        Ok(Err(e)) => return Err(no_io(e.to_string())),
-        Err(_) => return Err(no_io("the runtime has no I/O driver".into())),
-    };
+    // SAFETY: the descriptor belongs to the channel inside the ChannelFd, which the AsyncFd
+    // owns: it stays open, and is the same descriptor, until the AsyncFd is dropped.
+    let fd = unsafe {
+        register_readable(
+            &handle,
+            ChannelFd(channel),
+            "registering a completion channel with tokio (the runtime needs I/O enabled)",
+        )
+    }?;
     let weak = Arc::downgrade(shared);
     shared.driver_alive.store(true, Ordering::Release);
     let want = shared.waiters.want.clone();

@@ -1,6 +1,7 @@
 //! Async RDMA on tokio (feature `tokio`): [`AsyncConnection`] (operations as futures over owned
-//! buffers), [`AsyncListener`] and [`AsyncCmListener`], and what they share — the per-connection driver task, the
-//! cancel-safe operation future [`Op`], the adaptive poll, and the atomics' landing words.
+//! buffers), [`AsyncListener`] and [`AsyncCmListener`], and what they share — the
+//! per-connection driver task, the cancel-safe operation future [`Op`], the adaptive poll, the
+//! atomics' landing words, and registration with tokio's reactor.
 
 mod backlog;
 mod cm_listener;
@@ -10,6 +11,7 @@ mod driver;
 mod lending;
 mod listener;
 mod op;
+mod reactor;
 mod remote;
 mod scratch;
 mod spin;

@@ -93,25 +93,21 @@ impl<B: IoBuf> Op<B> {
                 // Room comes from reaping, which may free buffers: not under the backlog's lock.
                 let _ = conn.core().drain();
                 let mut backlog = sh.backlog.lock();
-                if backlog.is_empty() {
-                    match unsafe { conn.try_post_one(req.send_sge(), what) } {
-                        Ok(Some(ticket)) => Ok(ticket),
-                        Ok(None) => {
-                            op.stage = Stage::Queued(backlog.push(req));
-                            drop(backlog);
-                            // Room comes from reaping: the driver must reap (and post) even if
-                            // nobody polls this operation.
-                            sh.waiters.want_events();
-                            return op;
-                        }
-                        Err(e) => Err(e),
+                // Behind waiting requests, or without room: queue.
+                let now =
+                    if backlog.is_empty() { unsafe { conn.try_post_one(req.send_sge(), what) } } else { Ok(None) };
+                match now {
+                    Ok(Some(ticket)) => Ok(ticket),
+                    Err(e) => Err(e),
+                    Ok(None) => {
+                        op.stage = Stage::Queued(backlog.push(req));
+                        drop(backlog);
+                        // Room comes from reaping: the driver must reap (and post) even if
+                        // nobody polls this operation.
+                        sh.waiters.want_events();
+                        sh.pump();
+                        return op;
                     }
-                } else {
-                    op.stage = Stage::Queued(backlog.push(req));
-                    drop(backlog);
-                    sh.waiters.want_events();
-                    sh.pump();
-                    return op;
                 }
             }
         };

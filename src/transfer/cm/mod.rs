@@ -23,6 +23,7 @@ use crate::verbs::Pd;
 
 pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 
+pub(crate) use private::check_accept_blob;
 use private::{check_blob, frame, unframe};
 use raw::{
     check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_endpoint, resolve, sockaddr,
@@ -41,8 +42,8 @@ fn check_no_secret(opts: &Options) -> Result<()> {
     Ok(())
 }
 
-/// Wraps the connected data QP (and the control QP, if `control` is `Some((mine, peer qpn))`,
-/// already connected) into a connection that keeps the CM objects.
+/// Wraps the connected data QP (and the prepared control QP, connected to `peer_control`, if
+/// both sides offered one) into a connection that keeps the CM objects.
 fn established(
     pd: &Pd,
     opts: &Options,
@@ -223,7 +224,7 @@ impl CmListener {
     /// channel cannot be read. Only a removed device ends the listener: after any other error,
     /// accept the next connection.
     pub fn accept_with(&mut self, blob: &[u8]) -> Result<Connection> {
-        check_blob(blob, MAX_CM_ACCEPT_BLOB, "an RDMA CM accept blob")?;
+        check_accept_blob(blob, false)?;
         let req = self.next_request()?;
         accept_request(req, &self.pd, &self.opts, blob, false)
     }
@@ -284,7 +285,8 @@ impl CmListener {
 
 /// Accepts `req`, answering with `blob`, and waits (at most [`Options::connect_timeout`]) until
 /// the connection is established; with `control`, offers a control channel (set up if the peer
-/// offered one too). Blocks.
+/// offered one too). `blob` passed [`check_accept_blob`] before the request was taken (a
+/// caller's mistake must not cost a peer its connection). Blocks.
 pub(crate) fn accept_request(
     req: CmRequest,
     pd: &Pd,
@@ -292,8 +294,6 @@ pub(crate) fn accept_request(
     blob: &[u8],
     control: bool,
 ) -> Result<Connection> {
-    let max = if control { MAX_ASYNC_CM_ACCEPT_BLOB } else { MAX_CM_ACCEPT_BLOB };
-    check_blob(blob, max, "an RDMA CM accept blob")?;
     let CmRequest { child, own, private, qp_num } = req;
     // From here on the id and its channel drop together, the id first (on every error path).
     let hold = CmHold { id: child, _channel: own };

@@ -51,6 +51,16 @@ pub(crate) fn unframe(private: &[u8]) -> Result<(Vec<u8>, Option<u32>)> {
     Ok((blob.to_vec(), control))
 }
 
+/// Refuses an accept blob longer than what the REP carries, with the control channel's offer
+/// (`control`) or without.
+pub(crate) fn check_accept_blob(blob: &[u8], control: bool) -> Result<()> {
+    if control {
+        check_blob(blob, MAX_ASYNC_CM_ACCEPT_BLOB, "an async RDMA CM accept blob")
+    } else {
+        check_blob(blob, MAX_CM_ACCEPT_BLOB, "an RDMA CM accept blob")
+    }
+}
+
 /// Refuses a blob longer than `max` bytes.
 pub(crate) fn check_blob(blob: &[u8], max: usize, what: &str) -> Result<()> {
     if blob.len() > max {
