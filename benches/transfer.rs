@@ -24,7 +24,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::perftest_latency;
+use common::{perftest_latency, Stamps};
 
 use std::collections::VecDeque;
 
@@ -184,7 +184,7 @@ fn main() -> mralloc::Result<()> {
             let inbox_y = heap.alloc(n)?.expose()?;
             let (rx, ry) = (inbox_x.remote(), inbox_y.remote());
             let spin = |inbox: &Exposed, tag: u8| spin_until(inbox, n, tag);
-            let mut posted = Vec::with_capacity(a.iters);
+            let mut posted = Stamps::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
                     let mut out = heap.alloc(n)?;
@@ -201,7 +201,7 @@ fn main() -> mralloc::Result<()> {
                 for i in 0..a.iters {
                     let tag = (i % 251 + 1) as u8;
                     out[n - 1] = tag;
-                    posted.push(Instant::now());
+                    posted.push();
                     let p = x.post_write(out, &ry, 0)?;
                     spin(&inbox_x, tag);
                     out = p.wait()?.0;
@@ -213,9 +213,9 @@ fn main() -> mralloc::Result<()> {
         }
         "read_lat" => {
             let mut back = heap.alloc(n)?;
-            let mut posted = Vec::with_capacity(a.iters);
+            let mut posted = Stamps::with_capacity(a.iters);
             for _ in 0..a.iters {
-                posted.push(Instant::now());
+                posted.push();
                 x.read(&mut back, &remote)?;
             }
             let (typical, p99) = perftest_latency(&posted, 1.0);
@@ -229,7 +229,7 @@ fn main() -> mralloc::Result<()> {
             let rx_depth = a.iters.min(512);
             let ready = std::sync::Barrier::new(2);
             let pre = |c| prepost(c, &heap, n, rx_depth);
-            let mut posted = Vec::with_capacity(a.iters);
+            let mut posted = Stamps::with_capacity(a.iters);
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let pong = s.spawn(|| -> mralloc::Result<()> {
                     let mut rx = pre(&y)?;
@@ -251,7 +251,7 @@ fn main() -> mralloc::Result<()> {
                 let mut out = heap.alloc(n)?;
                 ready.wait();
                 for _ in 0..a.iters {
-                    posted.push(Instant::now());
+                    posted.push();
                     let sent = x.post_send(out)?;
                     let (inbox, _) = rx.pop_front().expect("a posted receive").wait()?;
                     if reposted < a.iters {
@@ -285,7 +285,7 @@ mod asynchronous {
     use mralloc::transfer::{AsyncConnection, Options};
     use mralloc::verbs::Pd;
 
-    use super::{inline_used, perftest_latency, spin_until, Args};
+    use super::{inline_used, perftest_latency, spin_until, Args, Stamps};
 
     pub fn run(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
         if a.workers == 0 && a.test == "async_write_lat" {
@@ -402,11 +402,11 @@ mod asynchronous {
             Ok::<(), mralloc::Error>(())
         });
         let mut out = heap.alloc(n)?;
-        let mut posted = Vec::with_capacity(iters);
+        let mut posted = Stamps::with_capacity(iters);
         for i in 0..iters {
             let tag = (i % 251 + 1) as u8;
             out[n - 1] = tag;
-            posted.push(Instant::now());
+            posted.push();
             let op = x.write(out, &ry, 0);
             spin_until(&inbox_x, n, tag);
             out = op.await?;

@@ -126,6 +126,7 @@
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod clock;
 mod error;
 pub mod heap;
 mod mmap;

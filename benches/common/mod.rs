@@ -48,15 +48,60 @@ pub fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Latency statistics computed as perftest's `print_report_lat` does, from the instants at which
+/// Post timestamps taken the way perftest takes them: the CPU's cycle counter (`rdtsc` on
+/// x86_64), which costs no system call where the clock does (the Soft-RoCE VM's clocksource is
+/// not the TSC, so `Instant::now` enters the kernel there, which perftest's loop never does).
+/// Cycles become time by calibration against the clock over the whole run, which perftest
+/// instead reads from /proc/cpuinfo. Elsewhere the clock itself.
+pub struct Stamps {
+    t0: std::time::Instant,
+    c0: u64,
+    ticks: Vec<u64>,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn cycles() -> u64 {
+    // SAFETY: rdtsc has no preconditions on x86_64.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cycles() -> u64 {
+    static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    T0.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
+}
+
+impl Stamps {
+    pub fn with_capacity(n: usize) -> Stamps {
+        Stamps { t0: std::time::Instant::now(), c0: cycles(), ticks: Vec::with_capacity(n) }
+    }
+
+    /// Records the moment of a post.
+    #[inline]
+    pub fn push(&mut self) {
+        self.ticks.push(cycles());
+    }
+
+    /// The posts' moments in µs since the first, the counter calibrated against the clock
+    /// from construction to now.
+    pub fn micros(&self) -> Vec<f64> {
+        let ns = self.t0.elapsed().as_nanos() as f64;
+        let per_us = (cycles() - self.c0) as f64 / ns * 1e3;
+        let first = self.ticks.first().copied().unwrap_or(0);
+        self.ticks.iter().map(|&c| (c - first) as f64 / per_us).collect()
+    }
+}
+
+/// Latency statistics computed as perftest's `print_report_lat` does, from the moments at which
 /// each iteration's first work request was posted: one sample per interval between consecutive
 /// posts (so a sample includes everything the loop does: the wait for the peer, reaping the own
 /// completion, re-posting the receive), sorted, the two largest dropped, each divided by
 /// `rtt_factor` (2 for ping-pong tests, 1 for READ). Returns (typical = perftest's median, p99)
 /// in µs. Panics with fewer than 4 posts.
-pub fn perftest_latency(posted: &[std::time::Instant], rtt_factor: f64) -> (f64, f64) {
+pub fn perftest_latency(posted: &Stamps, rtt_factor: f64) -> (f64, f64) {
+    let posted = posted.micros();
     assert!(posted.len() >= 4, "need at least 4 iterations");
-    let mut delta: Vec<f64> = posted.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / rtt_factor).collect();
+    let mut delta: Vec<f64> = posted.windows(2).map(|w| (w[1] - w[0]) / rtt_factor).collect();
     delta.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     let n = delta.len() - 2; // LAT_MEASURE_TAIL
     let typical = if (n - 1) % 2 == 1 { (delta[n / 2] + delta[n / 2 - 1]) / 2.0 } else { delta[n / 2] };

@@ -195,6 +195,11 @@ impl Core {
         }
     }
 
+    /// How a waiting thread waits.
+    pub(crate) fn mode(&self) -> Mode {
+        self.mode
+    }
+
     /// The completion channel the CQs raise events on (connections in event mode).
     pub(crate) fn channel(&self) -> Option<&CompChannel> {
         self.channel.as_ref()

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::clock::Stopwatch;
 use crate::error::{Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
 use crate::transfer::{Options, WaitMode};
@@ -286,7 +287,9 @@ impl Connection {
         };
         // A chain is reported by its signaled tail.
         let op = tail.name();
-        let start = Instant::now();
+        // Started by the first full queue: a post that finds room reads no clock.
+        let mut watch = Stopwatch::new();
+        let exact = self.core.mode() != Mode::BusyPoll;
         loop {
             self.check()?;
             // SAFETY: the caller's contract.
@@ -295,7 +298,7 @@ impl Connection {
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
             }
-            if start.elapsed() > self.opts.op_timeout {
+            if watch.elapsed(exact) > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
             self.core.pause(&mut 0, Duration::from_millis(1))?;
@@ -430,49 +433,56 @@ impl Connection {
     /// the memory (owned) or abort (borrowed).
     pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
         let Ticket { wr_id, send } = ticket;
-        let start = Instant::now();
-        // The local failure (timeout, verbs error) that made this wait fail the connection.
-        let mut local: Option<(Error, Instant)> = None;
+        // Started by the first poll that finds nothing: a completion claimed at once costs no
+        // clock read. Loops that sleep read the clock on every round.
+        let mut watch = Stopwatch::new();
+        let exact = self.core.mode() != Mode::BusyPoll;
+        // The local failure (timeout, verbs error) that made this wait fail the connection, and
+        // when (on the watch).
+        let mut local: Option<(Error, Duration)> = None;
         let mut spins = 0u32;
         #[cfg(test)]
         if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
             panic!("injected panic while work request {wr_id} is in flight");
         }
         loop {
-            match self.core.try_claim(ticket) {
-                Ok(Some(o)) => return self.settle(o, local.map(|(e, _)| e)),
-                Ok(None) => {}
-                Err(e) => self.fail_locally(&mut local, e),
+            let claimed = self.core.try_claim(ticket);
+            if let Ok(Some(o)) = claimed {
+                return self.settle(o, local.map(|(e, _)| e));
             }
-            let now = Instant::now();
-            if local.is_none() && now.duration_since(start) > self.opts.op_timeout {
+            let now = watch.elapsed(exact);
+            if let Err(e) = claimed {
+                self.fail_locally(&mut local, e, now);
+            }
+            if local.is_none() && now > self.opts.op_timeout {
                 let what = if send { "waiting for a send completion" } else { "waiting for a receive" };
                 self.fail(Failure::Op { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
                 local = Some((Error::Timeout(self.opts.op_timeout, "a completion"), now));
             }
             let left = match &local {
                 Some((_, since)) => {
-                    let waited = now.duration_since(*since);
+                    let waited = now.saturating_sub(*since);
                     if waited > FLUSH_WAIT {
                         return Err(Error::FlushLost { wr_id, waited });
                     }
                     FLUSH_WAIT - waited
                 }
-                None => self.opts.op_timeout.saturating_sub(now.duration_since(start)),
+                None => self.opts.op_timeout.saturating_sub(now),
             };
             if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1))) {
-                self.fail_locally(&mut local, e);
+                self.fail_locally(&mut local, e, now);
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
     }
 
-    /// Records a local error of the completion path: fails the connection, starts the flush wait.
-    fn fail_locally(&self, local: &mut Option<(Error, Instant)>, e: Error) {
+    /// Records a local error of the completion path: fails the connection, starts the flush wait
+    /// (`now`, on the waiter's watch).
+    fn fail_locally(&self, local: &mut Option<(Error, Duration)>, e: Error, now: Duration) {
         if local.is_none() {
             tracing::debug!("completion path failed ({e}); failing the connection and waiting for the flush");
             self.fail(Failure::local(&e));
-            *local = Some((e, Instant::now()));
+            *local = Some((e, now));
         }
     }
 

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::transfer::aio::backlog::Cancelled;
@@ -39,12 +39,13 @@ unsafe impl Send for Request {}
 enum Stage {
     /// Waiting in the connection's backlog for send-queue room (this place).
     Queued(u64),
-    Posted {
-        ticket: Ticket,
-        at: Instant,
-    },
+    Posted(Ticket),
     Finished,
 }
+
+/// While spinning, the clock is read once in this many polls (a system call where the vDSO
+/// cannot read the clock, as in virtual machines whose clocksource is not the TSC).
+const POLLS_PER_CLOCK_READ: u32 = 8;
 
 /// An async operation in flight. It owns the buffer until the NIC is done with it: awaited to the
 /// end it gives the buffer back (also when the operation failed); dropped early (a cancelled
@@ -55,6 +56,9 @@ pub struct Op<B: IoBuf> {
     shared: Arc<Shared>,
     stage: Stage,
     buf: Option<B>,
+    /// When a poll first found the request not yet complete (`None`: not yet, or never). What
+    /// the adaptive spin learns from; a request complete at its first poll reads no clock.
+    since: Option<Instant>,
     /// A local failure of the completion path (the connection is failed; the flush is awaited),
     /// or why the post was refused.
     local: Option<Error>,
@@ -64,7 +68,7 @@ impl<B: IoBuf> std::fmt::Debug for Op<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let stage = match self.stage {
             Stage::Queued(t) => format!("waiting for send-queue room (place {t})"),
-            Stage::Posted { ticket: Ticket { wr_id, send }, .. } => {
+            Stage::Posted(Ticket { wr_id, send }) => {
                 format!("posted wr_id {wr_id} ({})", if send { "send" } else { "recv" })
             }
             Stage::Finished => "finished".into(),
@@ -83,19 +87,26 @@ impl<B: IoBuf> Op<B> {
     pub(crate) fn start(shared: Arc<Shared>, buf: B, req: Request) -> Op<B> {
         let sh = shared.clone();
         let conn = sh.conn();
-        let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), local: None };
+        let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), since: None, local: None };
         // SAFETY (both posts): the request's memory is `op.buf`, owned by this future from here
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
         let posted = match req.what {
             None => unsafe { conn.post_recv_raw(req.sge) },
             Some(what) => {
-                // Room comes from reaping, which may free buffers: not under the backlog's lock.
-                let _ = conn.core().drain();
                 let mut backlog = sh.backlog.lock();
                 // Behind waiting requests, or without room: queue.
-                let now =
+                let mut now =
                     if backlog.is_empty() { unsafe { conn.try_post_one(req.send_sge(), what) } } else { Ok(None) };
+                if matches!(now, Ok(None)) && backlog.is_empty() {
+                    // No room: completions not yet reaped may make some. Reaping may free
+                    // buffers, so not under the backlog's lock.
+                    drop(backlog);
+                    let _ = conn.core().drain();
+                    backlog = sh.backlog.lock();
+                    now =
+                        if backlog.is_empty() { unsafe { conn.try_post_one(req.send_sge(), what) } } else { Ok(None) };
+                }
                 match now {
                     Ok(Some(ticket)) => Ok(ticket),
                     Err(e) => Err(e),
@@ -112,7 +123,7 @@ impl<B: IoBuf> Op<B> {
             }
         };
         match posted {
-            Ok(ticket) => op.stage = Stage::Posted { ticket, at: Instant::now() },
+            Ok(ticket) => op.stage = Stage::Posted(ticket),
             Err(e) => op.refuse(e),
         }
         op
@@ -120,7 +131,7 @@ impl<B: IoBuf> Op<B> {
 
     /// A future that fails at once with `error`, giving `buf` back.
     pub(crate) fn refused(shared: Arc<Shared>, buf: B, error: Error) -> Op<B> {
-        Op { shared, stage: Stage::Finished, buf: Some(buf), local: Some(error) }
+        Op { shared, stage: Stage::Finished, buf: Some(buf), since: None, local: Some(error) }
     }
 
     /// The post was refused: the future finishes with `e` (and the buffer, unless a chain's
@@ -184,7 +195,7 @@ impl<B: IoBuf> Future for Op<B> {
                     sh.pump();
                     let mine = sh.backlog.lock().take(place);
                     match mine {
-                        Some(Ok(ticket)) => this.stage = Stage::Posted { ticket, at: Instant::now() },
+                        Some(Ok(ticket)) => this.stage = Stage::Posted(ticket),
                         Some(Err(e)) => this.refuse(e),
                         None => {
                             this.no_driver(cx);
@@ -192,16 +203,21 @@ impl<B: IoBuf> Future for Op<B> {
                         }
                     }
                 }
-                Stage::Posted { ticket, at } => {
+                Stage::Posted(ticket) => {
                     let send = ticket.send;
                     let sh = this.shared.clone();
                     let conn = sh.conn();
-                    let until = at + sh.spin.budget(send);
+                    // Only the first poll that finds the request incomplete spins; a poll after a
+                    // wake-up looks once and sleeps again.
+                    let budget = if this.since.is_none() { sh.spin.budget(send) } else { Duration::ZERO };
+                    let mut polls = 0u32;
                     let mut registered = false;
                     loop {
                         match conn.core().try_claim(ticket) {
                             Ok(Some(o)) => {
-                                sh.spin.observe(send, at.elapsed());
+                                if let Some(since) = this.since {
+                                    sh.spin.observe(send, since.elapsed());
+                                }
                                 let r = match (o, this.local.take()) {
                                     (_, Some(e)) => Err(e),
                                     (Ok(c), None) => Ok(c),
@@ -223,7 +239,9 @@ impl<B: IoBuf> Future for Op<B> {
                             this.no_driver(cx);
                             return Poll::Pending;
                         }
-                        if Instant::now() >= until {
+                        let since = *this.since.get_or_insert_with(Instant::now);
+                        polls += 1;
+                        if budget.is_zero() || polls % POLLS_PER_CLOCK_READ == 0 && since.elapsed() >= budget {
                             // Register, then look once more: a completion routed in between
                             // was reaped before the wake-up we would otherwise miss.
                             sh.waiters.register(cx.waker());
@@ -242,7 +260,7 @@ impl<B: IoBuf> Drop for Op<B> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
         let ticket = match self.stage {
-            Stage::Posted { ticket, .. } => ticket,
+            Stage::Posted(ticket) => ticket,
             Stage::Queued(place) => {
                 // Under the backlog's lock: no pump can post the request after this.
                 let cancelled = self.shared.backlog.lock().cancel(place);

@@ -2,8 +2,9 @@
 //!
 //! Sleeping costs a completion-channel event, a reactor wake-up and a task switch: several
 //! microseconds on real hardware, far more than a small RDMA operation takes. So a future whose
-//! request was just posted polls the CQ for a while first. How long adapts per connection and
-//! per queue: an average of how long recent operations took from post to completion, times 1.5,
+//! request is not complete at its first poll polls the CQ for a while first. How long adapts per
+//! connection and per queue: an average of how long recent operations that had to wait took from
+//! that first poll to their completion, times 1.5,
 //! capped at [`Options::async_spin`](crate::transfer::Options::async_spin). Operations that
 //! take longer than the cap (a receive waiting for a quiet peer) stop spinning altogether, so
 //! an idle server sleeps instead of burning its executor thread.
@@ -16,7 +17,8 @@ pub(crate) const MAX_SPIN: Duration = Duration::from_millis(1);
 
 pub(crate) struct Spin {
     cap_ns: u64,
-    /// Moving averages (1/8 weight per sample) of post-to-completion time, in ns.
+    /// Moving averages (1/8 weight per sample) of the wait from the first poll that found the
+    /// request incomplete to its completion, in ns.
     send_ns: AtomicU64,
     recv_ns: AtomicU64,
 }
@@ -37,7 +39,8 @@ impl Spin {
         }
     }
 
-    /// How long to poll before sleeping, counted from the post.
+    /// How long to poll before sleeping, counted from the first poll that found the request
+    /// incomplete.
     pub(crate) fn budget(&self, send: bool) -> Duration {
         let avg = self.avg(send).load(Ordering::Relaxed);
         if self.cap_ns == 0 || avg > self.cap_ns {
@@ -46,7 +49,8 @@ impl Spin {
         Duration::from_nanos((avg + avg / 2).min(self.cap_ns))
     }
 
-    /// Records how long an operation took from post to completion.
+    /// Records how long an operation waited, from the first poll that found it incomplete to
+    /// its completion.
     pub(crate) fn observe(&self, send: bool, took: Duration) {
         // Samples far above the cap count as just above it: one long wait must not take many
         // fast operations to forget, and one fast operation after long waits brings spinning back.
