@@ -86,9 +86,16 @@ impl Stamps {
     /// from construction to now.
     pub fn micros(&self) -> Vec<f64> {
         let ns = self.t0.elapsed().as_nanos() as f64;
-        let per_us = (cycles() - self.c0) as f64 / ns * 1e3;
+        let per_us = cycles().wrapping_sub(self.c0) as f64 / ns * 1e3;
         let first = self.ticks.first().copied().unwrap_or(0);
-        self.ticks.iter().map(|&c| (c - first) as f64 / per_us).collect()
+        // Signed: a counter that is not synchronised across CPUs could step back when the
+        // thread moves; such a step shows as a negative interval (reported, not wrapped).
+        let v: Vec<f64> = self.ticks.iter().map(|&c| c.wrapping_sub(first) as i64 as f64 / per_us).collect();
+        let back = v.windows(2).filter(|w| w[1] < w[0]).count();
+        if back > 0 {
+            eprintln!("warning: the cycle counter stepped back {back} times (not synchronised across CPUs?)");
+        }
+        v
     }
 }
 

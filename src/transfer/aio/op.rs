@@ -218,6 +218,7 @@ impl<B: IoBuf> Future for Op<B> {
                                 if let Some(since) = this.since {
                                     sh.spin.observe(send, since.elapsed());
                                 }
+                                sh.spin.claimed(send);
                                 let r = match (o, this.local.take()) {
                                     (_, Some(e)) => Err(e),
                                     (Ok(c), None) => Ok(c),
@@ -242,6 +243,11 @@ impl<B: IoBuf> Future for Op<B> {
                         let since = *this.since.get_or_insert_with(Instant::now);
                         polls += 1;
                         if budget.is_zero() || polls % POLLS_PER_CLOCK_READ == 0 && since.elapsed() >= budget {
+                            if !budget.is_zero() {
+                                // Futures polled next on this queue sleep at once, until a
+                                // completion is claimed: no spin after spin on a quiet queue.
+                                sh.spin.expire(send);
+                            }
                             // Register, then look once more: a completion routed in between
                             // was reaped before the wake-up we would otherwise miss.
                             sh.waiters.register(cx.waker());

@@ -9,7 +9,7 @@
 //! take longer than the cap (a receive waiting for a quiet peer) stop spinning altogether, so
 //! an idle server sleeps instead of burning its executor thread.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The longest [`Options::async_spin`](crate::transfer::Options::async_spin) is honoured.
@@ -21,6 +21,10 @@ pub(crate) struct Spin {
     /// request incomplete to its completion, in ns.
     send_ns: AtomicU64,
     recv_ns: AtomicU64,
+    /// Per queue (send, receive): a spin ran out without its completion, and no completion
+    /// was claimed since. Futures polled for the first time meanwhile (a `join_all` over many
+    /// receives from a quiet peer) sleep at once instead of spinning one after another.
+    expired: [AtomicBool; 2],
 }
 
 impl Spin {
@@ -28,7 +32,12 @@ impl Spin {
         // Spinning holds an executor thread: never longer than MAX_SPIN, whatever was asked.
         let cap_ns = u64::try_from(cap.min(MAX_SPIN).as_nanos()).unwrap_or(u64::MAX);
         // Start in the middle: the first operations spin, and the average settles from there.
-        Spin { cap_ns, send_ns: AtomicU64::new(cap_ns / 2), recv_ns: AtomicU64::new(cap_ns / 2) }
+        Spin {
+            cap_ns,
+            send_ns: AtomicU64::new(cap_ns / 2),
+            recv_ns: AtomicU64::new(cap_ns / 2),
+            expired: [AtomicBool::new(false), AtomicBool::new(false)],
+        }
     }
 
     fn avg(&self, send: bool) -> &AtomicU64 {
@@ -43,17 +52,33 @@ impl Spin {
     /// incomplete.
     pub(crate) fn budget(&self, send: bool) -> Duration {
         let avg = self.avg(send).load(Ordering::Relaxed);
-        if self.cap_ns == 0 || avg > self.cap_ns {
+        if self.cap_ns == 0 || avg > self.cap_ns || self.expired[usize::from(send)].load(Ordering::Relaxed) {
             return Duration::ZERO;
         }
         Duration::from_nanos((avg + avg / 2).min(self.cap_ns))
+    }
+
+    /// A spin on this queue ran out without its completion.
+    pub(crate) fn expire(&self, send: bool) {
+        self.expired[usize::from(send)].store(true, Ordering::Relaxed);
+    }
+
+    /// A completion on this queue was claimed: spinning may pay again.
+    #[inline]
+    pub(crate) fn claimed(&self, send: bool) {
+        let e = &self.expired[usize::from(send)];
+        // Load first: the common case writes nothing (no cache-line traffic between threads).
+        if e.load(Ordering::Relaxed) {
+            e.store(false, Ordering::Relaxed);
+        }
     }
 
     /// Records how long an operation waited, from the first poll that found it incomplete to
     /// its completion.
     pub(crate) fn observe(&self, send: bool, took: Duration) {
         // Samples far above the cap count as just above it: one long wait must not take many
-        // fast operations to forget, and one fast operation after long waits brings spinning back.
+        // fast operations to forget, and one operation that waited briefly after long waits
+        // brings spinning back.
         let sample = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX).min(self.cap_ns.saturating_mul(2));
         let a = self.avg(send);
         let old = a.load(Ordering::Relaxed);
@@ -84,6 +109,12 @@ mod tests {
         }
         assert!(s.budget(false) > Duration::ZERO, "fast receives bring spinning back");
         assert_eq!(Spin::new(Duration::ZERO).budget(true), Duration::ZERO, "a zero cap never spins");
+        let b = s.budget(true);
+        s.expire(true);
+        assert_eq!(s.budget(true), Duration::ZERO, "after a spin ran out, others sleep at once");
+        assert!(s.budget(false) > Duration::ZERO, "per queue");
+        s.claimed(true);
+        assert_eq!(s.budget(true), b, "a claimed completion brings spinning back");
         assert_eq!(Spin::new(Duration::MAX).budget(true), MAX_SPIN * 3 / 4, "the cap is clamped to MAX_SPIN");
     }
 }
