@@ -317,3 +317,105 @@ fn child_after_fork(heap: &Heap, data: *const u8, live: u64) -> i32 {
     }
     0
 }
+
+/// The front cache: a freed buffer comes back to the next allocation of its size class on the
+/// same thread (even for another size of that class), counted in `thread_cached_bytes`
+/// meanwhile and never in `live_bytes`.
+#[test]
+fn freed_buffers_come_back_from_the_thread_cache() {
+    let heap = Heap::builder().build().unwrap();
+    // (size, another size of its jemalloc class)
+    for (size, same_class) in [(1usize, 8usize), (100, 112), (4000, 4096), (57345, 61440), (1_044_481, 1 << 20)] {
+        let before = heap.stats().thread_cached_bytes;
+        let b = heap.alloc(size).unwrap();
+        let p = b.as_ptr();
+        drop(b);
+        let s = heap.stats();
+        assert_eq!(s.live_bytes, 0, "{size}");
+        assert_eq!(s.thread_cached_bytes, before + same_class as u64, "{size}: the class's bytes are cached");
+        let b = heap.alloc(same_class).unwrap();
+        assert_eq!(b.as_ptr(), p, "{size}: the cached block serves its class");
+        assert_eq!(heap.stats().thread_cached_bytes, before, "{size}");
+    }
+    let cached = heap.stats().thread_cached_bytes;
+    // Sizes past the cache and over-aligned requests go straight to jemalloc.
+    let big = heap.alloc(2 << 20).unwrap();
+    drop(big);
+    let layout = std::alloc::Layout::from_size_align(4096, 4096).unwrap();
+    let p = heap.allocate(layout).unwrap();
+    // SAFETY: allocated just above with this layout, freed once.
+    unsafe { heap.deallocate(p.cast(), layout) };
+    assert_eq!(heap.stats().thread_cached_bytes, cached, "not cached");
+}
+
+#[test]
+fn the_thread_cache_keeps_at_most_its_bound() {
+    let heap = Heap::builder().thread_cache(256 << 10).build().unwrap();
+    let bufs: Vec<_> = (0..64).map(|_| heap.alloc(16 << 10).unwrap()).collect();
+    drop(bufs);
+    let s = heap.stats();
+    assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes <= 256 << 10, "{}", s.thread_cached_bytes);
+    // A small class's magazine overflows: half of it goes back to jemalloc, the rest stays.
+    let small: Vec<_> = (0..1000).map(|_| heap.alloc(64).unwrap()).collect();
+    drop(small);
+    let s = heap.stats();
+    assert!(s.thread_cached_bytes <= 256 << 10, "{}", s.thread_cached_bytes);
+    assert_eq!(s.live_bytes, 0);
+
+    let off = Heap::builder().thread_cache(0).build().unwrap();
+    let b = off.alloc(64).unwrap();
+    let p = b.as_ptr();
+    drop(b);
+    assert_eq!(off.stats().thread_cached_bytes, 0, "thread_cache(0) keeps nothing");
+    drop(off.alloc(64).unwrap());
+    let _ = p;
+}
+
+/// Buffers freed on another thread go into that thread's cache; its exit returns them.
+#[test]
+fn a_thread_returns_its_cache_when_it_exits() {
+    let heap = Heap::builder().build().unwrap();
+    let bufs: Vec<_> = (0..8).map(|_| heap.alloc(4096).unwrap()).collect();
+    let h = &heap;
+    std::thread::scope(|s| {
+        // Joined explicitly: the scope's own wait ends before the thread's exit (its caches
+        // go back in thread-local destructors), a join waits for both.
+        s.spawn(move || {
+            drop(bufs);
+            assert!(h.stats().thread_cached_bytes >= 8 * 4096, "kept by the freeing thread");
+            // This thread's allocations take them back.
+            let again: Vec<_> = (0..8).map(|_| h.alloc(4096).unwrap()).collect();
+            assert_eq!(h.stats().thread_cached_bytes, 0);
+            drop(again);
+        })
+        .join()
+        .unwrap();
+    });
+    let s = heap.stats();
+    assert_eq!(s.thread_cached_bytes, 0, "the exited thread's cache went back to the heap");
+    assert_eq!(s.live_bytes, 0);
+}
+
+/// Dropping a heap returns the caches of threads that are still running; such a thread exiting
+/// later must not touch its (freed) cache.
+#[test]
+fn dropping_a_heap_returns_every_threads_cache() {
+    let heap = Heap::builder().build().unwrap();
+    let h2 = heap.clone();
+    let (cached_tx, cached_rx) = std::sync::mpsc::channel();
+    let (exit_tx, exit_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        let b = h2.alloc(4096).unwrap();
+        let addr = b.as_ptr() as usize;
+        drop(b);
+        drop(h2);
+        cached_tx.send(addr).unwrap();
+        exit_rx.recv().unwrap();
+    });
+    let addr = cached_rx.recv().unwrap();
+    assert!(heap.stats().thread_cached_bytes >= 4096);
+    drop(heap);
+    assert!(chunk_of(addr as *const u8).is_none(), "the heap was torn down with a thread's cache still full");
+    exit_tx.send(()).unwrap();
+    t.join().unwrap();
+}

@@ -8,7 +8,7 @@
 //!
 //! - [`Global`]: the process allocator (`#[global_allocator]`) over jemalloc's automatic arenas,
 //!   so every `Vec` is RDMA-ready after [`Global::bind`].
-//! - [`Heap`]: a scoped heap (one arena, explicit per-thread caches) behind a cheap, clonable
+//! - [`Heap`]: a scoped heap (one arena, per-thread caches of freed buffers) behind a cheap, clonable
 //!   handle, usable as an `allocator_api2` allocator (`Vec::new_in(heap.clone())` or `&heap`)
 //!   and through [`Buffer`]s, which have no lifetime and keep the heap alive.
 
@@ -18,6 +18,7 @@ mod chunk;
 mod device_tests;
 mod exposed;
 mod exposure;
+mod front;
 mod global;
 mod hooks;
 mod jemalloc;
@@ -34,6 +35,7 @@ pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
 pub use exposed::{ExposeError, Exposed};
+pub use front::DEFAULT_THREAD_CACHE;
 pub use global::Global;
 pub(crate) use keys::mr_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};

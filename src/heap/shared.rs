@@ -61,11 +61,12 @@ impl Shared {
         max_chunk: usize,
         access: Access,
         whole_chunks: bool,
+        thread_cache: usize,
     ) -> NonNull<Shared> {
         let s = Box::new(Shared {
             id: owner.id,
             owner,
-            tcaches: Arc::new(Registry::default()),
+            tcaches: Arc::new(Registry::new(thread_cache)),
             arena,
             max_chunk,
             access,

@@ -24,6 +24,9 @@ pub struct HeapStats {
     pub registered_bytes: [u64; MAX_PDS],
     /// Bytes handed out and not yet freed, as requested by the callers.
     pub live_bytes: u64,
+    /// Bytes of freed buffers kept in the threads' caches for reuse (see
+    /// [`crate::heap::HeapBuilder::thread_cache`]): neither live nor returned to the heap.
+    pub thread_cached_bytes: u64,
     /// Bytes jemalloc counts as allocated in the heap's arena (includes objects parked in
     /// thread caches and size-class rounding); `None` where jemalloc does not say.
     pub jemalloc_allocated: Option<u64>,
@@ -46,6 +49,7 @@ impl HeapStats {
             metadata_bytes: c.meta.load(Ordering::Relaxed),
             registered_bytes: std::array::from_fn(|i| c.registered[i].load(Ordering::Relaxed)),
             live_bytes,
+            thread_cached_bytes: 0,
             jemalloc_allocated,
             reg_mr_calls: c.reg_calls.load(Ordering::Relaxed),
             reg_mr_time: Duration::from_nanos(c.reg_nanos.load(Ordering::Relaxed)),
