@@ -419,3 +419,29 @@ fn dropping_a_heap_returns_every_threads_cache() {
     exit_tx.send(()).unwrap();
     t.join().unwrap();
 }
+
+/// Freed buffers parked in a thread's cache never make the heap's limit refuse an allocation:
+/// when a new chunk is refused, the thread hands its cache back and tries again.
+#[test]
+fn kept_buffers_do_not_make_the_limit_fail_early() {
+    let heap = Heap::builder().limit(8 << 20).thread_cache(64 << 20).build().unwrap();
+    // Buffers of many page classes (36 KiB .. 960 KiB; each class keeps at most 256 KiB) until
+    // the limit refuses one.
+    let mut held = Vec::new();
+    let mut size = 36 << 10;
+    loop {
+        match heap.alloc(size) {
+            Ok(b) => held.push(b),
+            Err(Error::LimitExceeded { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+        size = if size >= 960 << 10 { 36 << 10 } else { size + (36 << 10) };
+    }
+    drop(held);
+    let cached = heap.stats().thread_cached_bytes;
+    assert!(cached >= 2 << 20, "the test needs much kept to show anything: {cached}");
+    // 1 MiB is a class none of the kept buffers has: it needs memory the cache holds.
+    let big = heap.alloc(1 << 20).expect("kept memory was given back");
+    assert!(heap.stats().thread_cached_bytes < cached, "the allocation came from memory the cache had kept");
+    drop(big);
+}

@@ -116,6 +116,13 @@ impl Front {
         Front { tcache_flag: je::MALLOCX_TCACHE(tcache as usize), counter, mags, bytes: 0, limit }
     }
 
+    /// Whether this cache keeps anything (a bound above 0). A heap without caches does not round
+    /// requests to their class either.
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.limit != 0
+    }
+
     /// The thread's live-byte counter for the heap.
     #[inline]
     pub(crate) fn live(&self) -> *const AtomicI64 {
@@ -152,9 +159,9 @@ impl Front {
             if m.cap == 0 {
                 return Some(p);
             }
-            let keep = m.cap / 2;
+            // Hand back the older half (the bottom of the stack), keep the recently freed.
             let flag = self.tcache_flag;
-            for q in m.items.drain(keep..) {
+            for q in m.items.drain(..m.cap.div_ceil(2)) {
                 // SAFETY: a kept object is a live allocation of exactly class_size bytes from
                 // this heap's arena (mallocx(class_size) or a request of that class); it leaves
                 // the magazine here, so it is freed once.

@@ -12,7 +12,7 @@ use crate::heap::buffer::Buffer;
 use crate::heap::front::{class_of, Front, DEFAULT_THREAD_CACHE, MAX_CACHED};
 use crate::heap::keys::{keys_in_slot, Keys};
 use crate::heap::numa::{self, NumaPolicy};
-use crate::heap::owner::{take_hook_error, Owner};
+use crate::heap::owner::{take_hook_error, HookError, Owner};
 use crate::heap::pagemap::SLOT;
 use crate::heap::shared::Shared;
 use crate::heap::stats::HeapStats;
@@ -371,12 +371,13 @@ impl Heap {
         let size = layout.size();
         let align = jemalloc::align_flags(layout);
         let (tc, live, own) = match front(self.id, self.shared) {
-            Some(f) => {
-                // SAFETY: this thread's front for this heap, which lives while we hold a handle;
-                // only this thread uses it, and no other reference to it exists during this
-                // call (jemalloc never calls back into a scoped heap).
-                let f = unsafe { &mut *f.as_ptr() };
-                if align == 0 && size <= MAX_CACHED {
+            Some(fp) => {
+                // SAFETY (every `&mut *fp` below): this thread's front for this heap, which lives
+                // while we hold a handle; only this thread uses it, and each reference ends
+                // before jemalloc is called (whose hooks may run arbitrary allocators).
+                let f = unsafe { &mut *fp.as_ptr() };
+                let (flag, live) = (f.tcache_flag, f.live());
+                if align == 0 && size <= MAX_CACHED && f.enabled() {
                     let (idx, class) = class_of(size);
                     let p = match f.take(idx, class) {
                         Some(p) => {
@@ -388,19 +389,15 @@ impl Heap {
                         }
                         None => {
                             let zero = if zeroed { je::MALLOCX_ZERO } else { 0 };
-                            let flags = je::MALLOCX_ARENA(self.arena as usize) | f.tcache_flag | zero;
+                            let flags = je::MALLOCX_ARENA(self.arena as usize) | flag | zero;
                             // SAFETY: class > 0; flags name our arena and a tcache of ours.
-                            let p = unsafe { je::mallocx(class, flags) };
-                            match NonNull::new(p.cast::<u8>()) {
-                                Some(p) => p,
-                                None => return Err(take_hook_error().into_error(size)),
-                            }
+                            unsafe { mallocx_or_flush(Some(fp), class, flags) }.map_err(|e| e.into_error(size))?
                         }
                     };
-                    add_live(f.live(), true, size as i64);
+                    add_live(live, true, size as i64);
                     return Ok(p);
                 }
-                (f.tcache_flag, f.live(), true)
+                (flag, live, true)
             }
             None => (je::MALLOCX_TCACHE_NONE, &self.shared().owner.counters.orphan_live as *const AtomicI64, false),
         };
@@ -412,18 +409,15 @@ impl Heap {
             flags |= je::MALLOCX_ZERO;
         }
         // SAFETY: size > 0 (checked by callers); flags name our arena and a tcache of ours.
-        let p = unsafe { je::mallocx(size, flags) };
-        match NonNull::new(p.cast::<u8>()) {
-            Some(p) => {
-                if zero_here {
-                    // SAFETY: a fresh allocation of layout.size() bytes.
-                    unsafe { p.as_ptr().write_bytes(0, size) };
-                }
-                add_live(live, own, size as i64);
-                Ok(p)
-            }
-            None => Err(take_hook_error().into_error(size)),
+        let fp = if own { front(self.id, self.shared) } else { None };
+        // SAFETY: as above.
+        let p = unsafe { mallocx_or_flush(fp, size, flags) }.map_err(|e| e.into_error(size))?;
+        if zero_here {
+            // SAFETY: a fresh allocation of layout.size() bytes.
+            unsafe { p.as_ptr().write_bytes(0, size) };
         }
+        add_live(live, own, size as i64);
+        Ok(p)
     }
 
     /// The keys of the chunk holding `ptr` for the primary PD, if this heap handed it out.
@@ -501,6 +495,37 @@ pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
     keys_in_slot(rec, s.owner.slot_of(pd)?)
 }
 
+/// `mallocx(size, flags)`; if jemalloc fails (the heap's limit or the device refused a new
+/// chunk), this thread's kept objects (`front`) go back to the arena first and it tries once
+/// more: freed memory parked in the cache must not make an allocation fail. Returns the hook's
+/// error otherwise.
+///
+/// # Safety
+/// As `mallocx`: size > 0 and flags name the heap's arena and a tcache of this thread's for it;
+/// `front` is this thread's front for the heap, not referenced elsewhere during the call.
+unsafe fn mallocx_or_flush(
+    front: Option<NonNull<Front>>,
+    size: usize,
+    flags: libc::c_int,
+) -> std::result::Result<NonNull<u8>, HookError> {
+    // SAFETY: the caller's contract.
+    if let Some(p) = NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
+        return Ok(p);
+    }
+    let first = take_hook_error();
+    let Some(fp) = front else { return Err(first) };
+    // SAFETY: the caller's contract: this thread's front, no other reference to it now.
+    unsafe { &mut *fp.as_ptr() }.flush_all();
+    // SAFETY: the caller's contract.
+    match NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
+        Some(p) => Ok(p),
+        None => match take_hook_error() {
+            HookError::None => Err(first),
+            again => Err(again),
+        },
+    }
+}
+
 /// This thread's front cache for the heap; `None` while the thread exits (or if its caches
 /// could not be made): the caller then goes without, through the shared counter.
 #[inline]
@@ -542,7 +567,7 @@ unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: La
                 // freed is; only this thread uses it, and the reference ends before the
                 // counter store below (after which the heap may be torn down).
                 let f = unsafe { &mut *f.as_ptr() };
-                if align == 0 && size <= MAX_CACHED {
+                if align == 0 && size <= MAX_CACHED && f.enabled() {
                     let (idx, class) = class_of(size);
                     if let Some(p) = f.keep(idx, class, ptr) {
                         // SAFETY: ptr is an object of `class` from this heap's arena (the
