@@ -107,20 +107,24 @@ pub(crate) struct Front {
 
 impl Front {
     pub(crate) fn new(tcache: u32, counter: &Counter, limit: usize) -> Front {
-        let mags = (0..NCLASSES)
+        // A disabled cache (bound 0) has no magazines: `class_for` sends everything past it.
+        let n = if limit == 0 { 0 } else { NCLASSES };
+        let mags = (0..n)
             .map(|i| {
-                let cap = if limit == 0 { 0 } else { cap_of(class_size(i)) };
+                let cap = cap_of(class_size(i));
                 Magazine { items: Vec::with_capacity(cap), cap }
             })
             .collect();
         Front { tcache_flag: je::MALLOCX_TCACHE(tcache as usize), counter, mags, bytes: 0, limit }
     }
 
-    /// Whether this cache keeps anything (a bound above 0). A heap without caches does not round
-    /// requests to their class either.
+    /// The class (index, size) under which this cache serves a request of `size` bytes whose
+    /// jemalloc alignment flag is `align_flag`; `None`: not cached, the request takes the plain
+    /// path. Allocation and free ask the same question, so an object is always freed the way
+    /// it was allocated. A disabled cache (bound 0) serves nothing, and nothing is rounded.
     #[inline]
-    pub(crate) fn enabled(&self) -> bool {
-        self.limit != 0
+    pub(crate) fn class_for(&self, size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
+        (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_of(size))
     }
 
     /// The thread's live-byte counter for the heap.
@@ -156,9 +160,6 @@ impl Front {
         }
         let m = &mut self.mags[idx];
         if m.items.len() >= m.cap {
-            if m.cap == 0 {
-                return Some(p);
-            }
             // Hand back the older half (the bottom of the stack), keep the recently freed.
             let flag = self.tcache_flag;
             for q in m.items.drain(..m.cap.div_ceil(2)) {

@@ -9,7 +9,7 @@ use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
 use crate::heap::buffer::Buffer;
-use crate::heap::front::{class_of, Front, DEFAULT_THREAD_CACHE, MAX_CACHED};
+use crate::heap::front::{Front, DEFAULT_THREAD_CACHE};
 use crate::heap::keys::{keys_in_slot, Keys};
 use crate::heap::numa::{self, NumaPolicy};
 use crate::heap::owner::{take_hook_error, HookError, Owner};
@@ -370,15 +370,15 @@ impl Heap {
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         let size = layout.size();
         let align = jemalloc::align_flags(layout);
-        let (tc, live, own) = match front(self.id, self.shared) {
+        let fp = front(self.id, self.shared);
+        let (tc, live) = match fp {
             Some(fp) => {
                 // SAFETY (every `&mut *fp` below): this thread's front for this heap, which lives
                 // while we hold a handle; only this thread uses it, and each reference ends
                 // before jemalloc is called (whose hooks may run arbitrary allocators).
                 let f = unsafe { &mut *fp.as_ptr() };
                 let (flag, live) = (f.tcache_flag, f.live());
-                if align == 0 && size <= MAX_CACHED && f.enabled() {
-                    let (idx, class) = class_of(size);
+                if let Some((idx, class)) = f.class_for(size, align) {
                     let p = match f.take(idx, class) {
                         Some(p) => {
                             if zeroed {
@@ -397,9 +397,9 @@ impl Heap {
                     add_live(live, true, size as i64);
                     return Ok(p);
                 }
-                (flag, live, true)
+                (flag, live)
             }
-            None => (je::MALLOCX_TCACHE_NONE, &self.shared().owner.counters.orphan_live as *const AtomicI64, false),
+            None => (je::MALLOCX_TCACHE_NONE, &self.shared().owner.counters.orphan_live as *const AtomicI64),
         };
         let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | align;
         // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
@@ -409,14 +409,14 @@ impl Heap {
             flags |= je::MALLOCX_ZERO;
         }
         // SAFETY: size > 0 (checked by callers); flags name our arena and a tcache of ours.
-        let fp = if own { front(self.id, self.shared) } else { None };
         // SAFETY: as above.
         let p = unsafe { mallocx_or_flush(fp, size, flags) }.map_err(|e| e.into_error(size))?;
         if zero_here {
             // SAFETY: a fresh allocation of layout.size() bytes.
             unsafe { p.as_ptr().write_bytes(0, size) };
         }
-        add_live(live, own, size as i64);
+        // Without a front the counter is the shared fallback (several writers).
+        add_live(live, fp.is_some(), size as i64);
         Ok(p)
     }
 
@@ -567,8 +567,7 @@ unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: La
                 // freed is; only this thread uses it, and the reference ends before the
                 // counter store below (after which the heap may be torn down).
                 let f = unsafe { &mut *f.as_ptr() };
-                if align == 0 && size <= MAX_CACHED && f.enabled() {
-                    let (idx, class) = class_of(size);
+                if let Some((idx, class)) = f.class_for(size, align) {
                     if let Some(p) = f.keep(idx, class, ptr) {
                         // SAFETY: ptr is an object of `class` from this heap's arena (the
                         // caller's contract; cached requests are allocated as their class).

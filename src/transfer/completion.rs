@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::clock::Stopwatch;
 use crate::error::{Error, Result};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
@@ -195,9 +196,10 @@ impl Core {
         }
     }
 
-    /// How a waiting thread waits.
-    pub(crate) fn mode(&self) -> Mode {
-        self.mode
+    /// A stopwatch for a wait on this connection: busy polling reads the clock once in
+    /// [`crate::clock::BUSY`] polls, waits that sleep on every round.
+    pub(crate) fn stopwatch(&self) -> Stopwatch {
+        Stopwatch::new(if self.mode == Mode::BusyPoll { crate::clock::BUSY } else { 1 })
     }
 
     /// The completion channel the CQs raise events on (connections in event mode).

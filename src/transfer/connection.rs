@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::clock::Stopwatch;
 use crate::error::{Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
 use crate::transfer::{Options, WaitMode};
@@ -288,8 +287,7 @@ impl Connection {
         // A chain is reported by its signaled tail.
         let op = tail.name();
         // Started by the first full queue: a post that finds room reads no clock.
-        let mut watch = Stopwatch::new();
-        let exact = self.core.mode() != Mode::BusyPoll;
+        let mut watch = self.core.stopwatch();
         loop {
             self.check()?;
             // SAFETY: the caller's contract.
@@ -298,7 +296,7 @@ impl Connection {
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
             }
-            if watch.elapsed(exact) > self.opts.op_timeout {
+            if watch.elapsed() > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
             self.core.pause(&mut 0, Duration::from_millis(1))?;
@@ -435,8 +433,7 @@ impl Connection {
         let Ticket { wr_id, send } = ticket;
         // Started by the first poll that finds nothing: a completion claimed at once costs no
         // clock read. Loops that sleep read the clock on every round.
-        let mut watch = Stopwatch::new();
-        let exact = self.core.mode() != Mode::BusyPoll;
+        let mut watch = self.core.stopwatch();
         // The local failure (timeout, verbs error) that made this wait fail the connection, and
         // when (on the watch).
         let mut local: Option<(Error, Duration)> = None;
@@ -450,7 +447,7 @@ impl Connection {
             if let Ok(Some(o)) = claimed {
                 return self.settle(o, local.map(|(e, _)| e));
             }
-            let now = watch.elapsed(exact);
+            let now = watch.elapsed();
             if let Err(e) = claimed {
                 self.fail_locally(&mut local, e, now);
             }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::clock::Stopwatch;
+use crate::clock::{Stopwatch, BUSY};
 use crate::error::{Error, Result};
 use crate::verbs::{CompChannel, Context};
 
@@ -334,14 +334,14 @@ impl Cq {
     /// Busy-polls until at least one completion arrives or `timeout` passes.
     pub fn poll_wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         // A completion found at once costs no clock read (a system call on some VMs).
-        let mut watch = Stopwatch::new();
+        let mut watch = Stopwatch::new(BUSY);
         let mut spins = 0u32;
         loop {
             let n = self.poll(out)?;
             if n > 0 {
                 return Ok(n);
             }
-            if watch.elapsed(false) >= timeout {
+            if watch.elapsed() >= timeout {
                 return Err(Error::Timeout(timeout, "a work completion"));
             }
             spins = spins.wrapping_add(1);

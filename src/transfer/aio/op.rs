@@ -5,10 +5,11 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::clock::Stopwatch;
 use crate::error::Error;
-use crate::transfer::aio::backlog::Cancelled;
+use crate::transfer::aio::backlog::{Backlog, Cancelled};
 use crate::transfer::aio::Shared;
 use crate::transfer::completion::{Failure, Ticket};
 use crate::transfer::{Completed, IoBuf, Rejected};
@@ -47,6 +48,10 @@ enum Stage {
 /// cannot read the clock, as in virtual machines whose clocksource is not the TSC).
 const POLLS_PER_CLOCK_READ: u32 = 8;
 
+fn new_watch() -> Stopwatch {
+    Stopwatch::new(POLLS_PER_CLOCK_READ)
+}
+
 /// An async operation in flight. It owns the buffer until the NIC is done with it: awaited to the
 /// end it gives the buffer back (also when the operation failed); dropped early (a cancelled
 /// task, a `select!` that took another branch, a `timeout`) it parks the buffer with the
@@ -56,9 +61,9 @@ pub struct Op<B: IoBuf> {
     shared: Arc<Shared>,
     stage: Stage,
     buf: Option<B>,
-    /// When a poll first found the request not yet complete (`None`: not yet, or never). What
-    /// the adaptive spin learns from; a request complete at its first poll reads no clock.
-    since: Option<Instant>,
+    /// Started by the first poll that found the request not yet complete: what the adaptive
+    /// spin learns from; a request complete at its first poll reads no clock.
+    watch: Stopwatch,
     /// A local failure of the completion path (the connection is failed; the flush is awaited),
     /// or why the post was refused.
     local: Option<Error>,
@@ -87,25 +92,30 @@ impl<B: IoBuf> Op<B> {
     pub(crate) fn start(shared: Arc<Shared>, buf: B, req: Request) -> Op<B> {
         let sh = shared.clone();
         let conn = sh.conn();
-        let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), since: None, local: None };
+        let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), watch: new_watch(), local: None };
         // SAFETY (both posts): the request's memory is `op.buf`, owned by this future from here
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
         let posted = match req.what {
             None => unsafe { conn.post_recv_raw(req.sge) },
             Some(what) => {
+                // Behind waiting requests, or without room (`Ok(None)`): queue.
+                let attempt = |backlog: &Backlog| {
+                    if backlog.is_empty() {
+                        unsafe { conn.try_post_one(req.send_sge(), what) }
+                    } else {
+                        Ok(None)
+                    }
+                };
                 let mut backlog = sh.backlog.lock();
-                // Behind waiting requests, or without room: queue.
-                let mut now =
-                    if backlog.is_empty() { unsafe { conn.try_post_one(req.send_sge(), what) } } else { Ok(None) };
+                let mut now = attempt(&backlog);
                 if matches!(now, Ok(None)) && backlog.is_empty() {
                     // No room: completions not yet reaped may make some. Reaping may free
                     // buffers, so not under the backlog's lock.
                     drop(backlog);
                     let _ = conn.core().drain();
                     backlog = sh.backlog.lock();
-                    now =
-                        if backlog.is_empty() { unsafe { conn.try_post_one(req.send_sge(), what) } } else { Ok(None) };
+                    now = attempt(&backlog);
                 }
                 match now {
                     Ok(Some(ticket)) => Ok(ticket),
@@ -131,7 +141,7 @@ impl<B: IoBuf> Op<B> {
 
     /// A future that fails at once with `error`, giving `buf` back.
     pub(crate) fn refused(shared: Arc<Shared>, buf: B, error: Error) -> Op<B> {
-        Op { shared, stage: Stage::Finished, buf: Some(buf), since: None, local: Some(error) }
+        Op { shared, stage: Stage::Finished, buf: Some(buf), watch: new_watch(), local: Some(error) }
     }
 
     /// The post was refused: the future finishes with `e` (and the buffer, unless a chain's
@@ -209,14 +219,13 @@ impl<B: IoBuf> Future for Op<B> {
                     let conn = sh.conn();
                     // Only the first poll that finds the request incomplete spins; a poll after a
                     // wake-up looks once and sleeps again.
-                    let budget = if this.since.is_none() { sh.spin.budget(send) } else { Duration::ZERO };
-                    let mut polls = 0u32;
+                    let budget = if this.watch.started() { Duration::ZERO } else { sh.spin.budget(send) };
                     let mut registered = false;
                     loop {
                         match conn.core().try_claim(ticket) {
                             Ok(Some(o)) => {
-                                if let Some(since) = this.since {
-                                    sh.spin.observe(send, since.elapsed());
+                                if let Some(waited) = this.watch.exact() {
+                                    sh.spin.observe(send, waited);
                                 }
                                 sh.spin.claimed(send);
                                 let r = match (o, this.local.take()) {
@@ -240,9 +249,10 @@ impl<B: IoBuf> Future for Op<B> {
                             this.no_driver(cx);
                             return Poll::Pending;
                         }
-                        let since = *this.since.get_or_insert_with(Instant::now);
-                        polls += 1;
-                        if budget.is_zero() || polls % POLLS_PER_CLOCK_READ == 0 && since.elapsed() >= budget {
+                        // The first miss starts the watch; it reads the clock once in
+                        // POLLS_PER_CLOCK_READ polls.
+                        let waited = this.watch.elapsed();
+                        if budget.is_zero() || waited >= budget {
                             if !budget.is_zero() {
                                 // Futures polled next on this queue sleep at once, until a
                                 // completion is claimed: no spin after spin on a quiet queue.
