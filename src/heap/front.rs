@@ -19,12 +19,11 @@
 //! `sdallocx(class size)`, and serves any request of that class. Only requests whose alignment
 //! the class already guarantees are cached (no alignment flag, see `jemalloc::align_flags`).
 
+use std::cell::Cell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
 use tikv_jemalloc_sys as je;
-
-use crate::heap::tcache::Counter;
 
 /// The largest size the front caches.
 pub(crate) const MAX_CACHED: usize = 1 << 20;
@@ -40,8 +39,7 @@ const PAGE_CLASS: usize = 4096;
 /// quantum of 16 bytes and four classes per doubling; above, one class per page. Checked
 /// against jemalloc itself before any cache is used ([`classes_match_jemalloc`]).
 #[inline]
-pub(crate) fn class_of(size: usize) -> (usize, usize) {
-    debug_assert!(size > 0 && size <= MAX_CACHED);
+pub(crate) const fn class_of(size: usize) -> (usize, usize) {
     if size > 32 << 10 {
         let pages = size.div_ceil(PAGE_CLASS);
         return (pages + 32, pages * PAGE_CLASS);
@@ -73,7 +71,7 @@ pub(crate) fn classes_match_jemalloc() -> bool {
             let prev = if i == 0 { 0 } else { class_size(i - 1) };
             // SAFETY: nallocx only computes a size.
             let (at, after_prev) = unsafe { (je::nallocx(c, 0), je::nallocx(prev + 1, 0)) };
-            at == c && after_prev == c && class_of(c) == (i, c) && class_of(prev + 1) == (i, c)
+            at == c && after_prev == c && class_fast(c) == (i, c) && class_fast(prev + 1) == (i, c)
         });
         if !ok {
             tracing::warn!("jemalloc's size classes are not the ones mralloc expects: heaps run without front caches");
@@ -83,118 +81,207 @@ pub(crate) fn classes_match_jemalloc() -> bool {
 }
 
 /// How many objects of `class_size` a magazine keeps: 256 KiB worth, between 1 and 64.
-pub(crate) fn cap_of(class_size: usize) -> usize {
-    ((256 << 10) / class_size).clamp(1, 64)
+pub(crate) const fn cap_of(class_size: usize) -> usize {
+    let n = (256 << 10) / class_size;
+    if n > 64 {
+        64
+    } else if n < 1 {
+        1
+    } else {
+        n
+    }
 }
 
+/// Size of each class, by index.
+static CLASS_SIZE: [usize; NCLASSES] = {
+    let mut t = [0; NCLASSES];
+    let mut i = 0;
+    while i < NCLASSES {
+        t[i] = class_size(i);
+        i += 1;
+    }
+    t
+};
+
+/// Class index of the sizes up to [`SMALL_MAX`], in steps of 8 bytes: `SMALL_INDEX[(size + 7) / 8]`.
+/// One load instead of [`class_of`]'s arithmetic for the sizes allocated most often.
+static SMALL_INDEX: [u8; SMALL_MAX / 8 + 1] = {
+    let mut t = [0u8; SMALL_MAX / 8 + 1];
+    let mut i = 1;
+    while i <= SMALL_MAX / 8 {
+        t[i] = class_of(i * 8).0 as u8;
+        i += 1;
+    }
+    t
+};
+const SMALL_MAX: usize = 4096;
+
+/// [`class_of`], through [`SMALL_INDEX`] up to 4 KiB.
+#[inline(always)]
+fn class_fast(size: usize) -> (usize, usize) {
+    if size <= SMALL_MAX {
+        let idx = SMALL_INDEX[(size + 7) >> 3] as usize;
+        (idx, CLASS_SIZE[idx])
+    } else {
+        class_of(size)
+    }
+}
+
+/// One class's stack of free objects: `items[..len]`, at most `cap`.
 struct Magazine {
-    items: Vec<NonNull<u8>>,
-    cap: usize,
+    items: *mut NonNull<u8>,
+    len: Cell<u32>,
+    cap: u32,
 }
 
-/// One thread's front cache for one heap. Only its thread touches the magazines, except at
-/// teardown ([`Front::flush_all`]) when that thread is gone or can no longer use the heap.
+/// One thread's front cache for one heap. Only its thread changes it (through `&Front`: the
+/// magazines are `Cell`s); other threads read the two atomic counters, only under the heap's
+/// registry lock (which this front is freed under), and flush it at teardown
+/// ([`Front::flush_all`]) when its thread is gone or can no longer use the heap.
 pub(crate) struct Front {
+    /// Bytes this thread handed out minus bytes it freed, for this heap. One writer (the thread,
+    /// load + store); the registry sums it under its lock.
+    live: AtomicI64,
+    /// Bytes kept in the magazines (one writer, read for statistics).
+    bytes: AtomicUsize,
+    /// The bound on `bytes`; 0 turns the cache off.
+    limit: usize,
     /// The thread's jemalloc tcache for the heap (`MALLOCX_TCACHE` flag ready to use).
     pub(crate) tcache_flag: libc::c_int,
-    /// The thread's counters for the heap (owned by the heap's registry, which outlives this).
-    counter: *const Counter,
     mags: Box<[Magazine]>,
-    /// Bytes kept in the magazines, and the bound.
-    bytes: usize,
-    limit: usize,
+    /// The storage every magazine's `items` points into.
+    _slots: Box<[NonNull<u8>]>,
 }
 
 impl Front {
-    pub(crate) fn new(tcache: u32, counter: &Counter, limit: usize) -> Front {
+    pub(crate) fn new(tcache: u32, limit: usize) -> Front {
         // A disabled cache (bound 0) has no magazines: `class_for` sends everything past it.
         let n = if limit == 0 { 0 } else { NCLASSES };
+        let total: usize = (0..n).map(|i| cap_of(class_size(i))).sum();
+        let mut slots: Box<[NonNull<u8>]> = vec![NonNull::dangling(); total].into_boxed_slice();
+        let base = slots.as_mut_ptr();
+        let mut at = 0;
         let mags = (0..n)
             .map(|i| {
                 let cap = cap_of(class_size(i));
-                Magazine { items: Vec::with_capacity(cap), cap }
+                // SAFETY: at + cap <= total: the caps are summed in the same order.
+                let items = unsafe { base.add(at) };
+                at += cap;
+                Magazine { items, len: Cell::new(0), cap: cap as u32 }
             })
             .collect();
-        Front { tcache_flag: je::MALLOCX_TCACHE(tcache as usize), counter, mags, bytes: 0, limit }
+        Front {
+            live: AtomicI64::new(0),
+            bytes: AtomicUsize::new(0),
+            limit,
+            tcache_flag: je::MALLOCX_TCACHE(tcache as usize),
+            mags,
+            _slots: slots,
+        }
     }
 
     /// The class (index, size) under which this cache serves a request of `size` bytes whose
     /// jemalloc alignment flag is `align_flag`; `None`: not cached, the request takes the plain
     /// path. Allocation and free ask the same question, so an object is always freed the way
     /// it was allocated. A disabled cache (bound 0) serves nothing, and nothing is rounded.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn class_for(&self, size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
-        (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_of(size))
+        (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_fast(size))
     }
 
-    /// The thread's live-byte counter for the heap.
-    #[inline]
-    pub(crate) fn live(&self) -> *const AtomicI64 {
-        // SAFETY: the counter lives in the heap's registry as long as the heap, longer than
-        // any front of it.
-        unsafe { &(*self.counter).live }
+    /// Adds `delta` to this thread's live bytes. The release store publishes a free to the
+    /// thread that sums the counters at teardown: after it, the heap may be gone.
+    #[inline(always)]
+    pub(crate) fn add_live(&self, delta: i64) {
+        // This thread is the only writer: a plain load + store, no locked read-modify-write.
+        self.live.store(self.live.load(Ordering::Relaxed) + delta, Ordering::Release);
     }
 
-    /// Publishes `bytes` for statistics (this thread is the only writer).
-    #[inline]
-    fn show(&self) {
-        // SAFETY: as in `live`.
-        unsafe { &(*self.counter).cached }.store(self.bytes as u64, Ordering::Relaxed);
+    /// This thread's live bytes (read under the registry lock).
+    pub(crate) fn live(&self) -> i64 {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// Bytes kept (read under the registry lock).
+    pub(crate) fn cached(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    #[inline(always)]
+    fn add_bytes(&self, delta: isize) {
+        self.bytes.store(self.bytes.load(Ordering::Relaxed).wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     /// A kept object of class `idx` (of `class_size` bytes), if any.
-    #[inline]
-    pub(crate) fn take(&mut self, idx: usize, class_size: usize) -> Option<NonNull<u8>> {
-        let p = self.mags[idx].items.pop()?;
-        self.bytes -= class_size;
-        self.show();
+    #[inline(always)]
+    pub(crate) fn take(&self, idx: usize, class_size: usize) -> Option<NonNull<u8>> {
+        let m = &self.mags[idx];
+        let len = m.len.get().checked_sub(1)?;
+        m.len.set(len);
+        // SAFETY: len < cap, and items[..=len] were written by `keep`.
+        let p = unsafe { *m.items.add(len as usize) };
+        self.add_bytes(-(class_size as isize));
         Some(p)
     }
 
     /// Keeps `p`, an object of class `idx`; gives it back if the cache is full (the caller frees
     /// it to jemalloc). A full magazine first hands half of its objects back to jemalloc.
-    #[inline]
-    pub(crate) fn keep(&mut self, idx: usize, class_size: usize, p: NonNull<u8>) -> Option<NonNull<u8>> {
-        if self.bytes + class_size > self.limit {
+    #[inline(always)]
+    pub(crate) fn keep(&self, idx: usize, class_size: usize, p: NonNull<u8>) -> Option<NonNull<u8>> {
+        if self.bytes.load(Ordering::Relaxed) + class_size > self.limit {
             return Some(p);
         }
-        let m = &mut self.mags[idx];
-        if m.items.len() >= m.cap {
-            // Hand back the older half (the bottom of the stack), keep the recently freed.
-            let flag = self.tcache_flag;
-            for q in m.items.drain(..m.cap.div_ceil(2)) {
-                // SAFETY: a kept object is a live allocation of exactly class_size bytes from
-                // this heap's arena (mallocx(class_size) or a request of that class); it leaves
-                // the magazine here, so it is freed once.
-                unsafe { je::sdallocx(q.as_ptr().cast(), class_size, flag) };
-                self.bytes -= class_size;
-            }
+        let m = &self.mags[idx];
+        if m.len.get() >= m.cap {
+            self.halve(m, class_size);
         }
-        self.mags[idx].items.push(p);
-        self.bytes += class_size;
-        self.show();
+        let len = m.len.get();
+        // SAFETY: len < cap after `halve`, and items has cap slots.
+        unsafe { m.items.add(len as usize).write(p) };
+        m.len.set(len + 1);
+        self.add_bytes(class_size as isize);
         None
+    }
+
+    /// Hands the older half of a full magazine (the bottom of the stack) back to jemalloc, and
+    /// keeps the recently freed.
+    #[cold]
+    #[inline(never)]
+    fn halve(&self, m: &Magazine, class_size: usize) {
+        let flag = self.tcache_flag;
+        let (len, out) = (m.len.get() as usize, m.cap.div_ceil(2) as usize);
+        for i in 0..out {
+            // SAFETY: a kept object is a live allocation of exactly class_size bytes from this
+            // heap's arena (mallocx(class_size) or a request of that class); it leaves the
+            // magazine here, so it is freed once.
+            unsafe { je::sdallocx((*m.items.add(i)).as_ptr().cast(), class_size, flag) };
+        }
+        // SAFETY: both ranges lie in items[..len].
+        unsafe { std::ptr::copy(m.items.add(out), m.items, len - out) };
+        m.len.set((len - out) as u32);
+        self.add_bytes(-((out * class_size) as isize));
     }
 
     /// Hands every kept object back to jemalloc (through the thread's tcache, which the caller
     /// destroys next). Called at thread exit or heap teardown, when no thread can reach this
-    /// cache otherwise.
-    pub(crate) fn flush_all(&mut self) {
+    /// cache otherwise, and when jemalloc cannot serve a request (the limit or the device).
+    pub(crate) fn flush_all(&self) {
         let flag = self.tcache_flag;
-        for (i, m) in self.mags.iter_mut().enumerate() {
+        for (i, m) in self.mags.iter().enumerate() {
             let size = class_size(i);
-            for q in m.items.drain(..) {
-                // SAFETY: as in `keep`: a kept object of class i, freed once.
-                unsafe { je::sdallocx(q.as_ptr().cast(), size, flag) };
+            // Taken first: a reentrant use (jemalloc's hooks) sees an empty magazine.
+            let len = m.len.replace(0) as usize;
+            for j in 0..len {
+                // SAFETY: as in `halve`: a kept object of class i, freed once (len went to 0).
+                unsafe { je::sdallocx((*m.items.add(j)).as_ptr().cast(), size, flag) };
             }
         }
-        self.bytes = 0;
-        self.show();
+        self.bytes.store(0, Ordering::Relaxed);
     }
 }
 
 /// The size of class `idx`.
-fn class_size(idx: usize) -> usize {
+const fn class_size(idx: usize) -> usize {
     match idx {
         0 => 8,
         1..=4 => idx * 16,
@@ -215,6 +302,7 @@ mod tests {
         let mut last = (usize::MAX, 0);
         for size in 1..=MAX_CACHED {
             let (idx, c) = class_of(size);
+            assert_eq!(class_fast(size), (idx, c), "lookup table at {size}");
             // SAFETY: nallocx only computes a size.
             let je_size = unsafe { je::nallocx(size, 0) };
             assert_eq!(c, je_size, "class of {size}");

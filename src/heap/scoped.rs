@@ -2,7 +2,7 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tikv_jemalloc_sys as je;
@@ -366,41 +366,44 @@ impl Heap {
 
     /// Allocates `layout` (size > 0): from this thread's front cache when it keeps an object of
     /// the size class, else from the arena through this thread's tcache.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
+        match self.take_cached(layout, zeroed) {
+            Some(p) => Ok(p),
+            None => self.raw_alloc_arena(layout, zeroed),
+        }
+    }
+
+    /// An object for `layout` (size > 0) from this thread's front cache, if it keeps one.
+    #[inline(always)]
+    fn take_cached(&self, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+        let size = layout.size();
+        // SAFETY: this thread's front for this heap, which lives while we hold a handle.
+        let f = unsafe { front(self.id, self.shared)?.as_ref() };
+        let (idx, class) = f.class_for(size, jemalloc::align_flags(layout))?;
+        let p = f.take(idx, class)?;
+        if zeroed {
+            // SAFETY: a kept object of `class` >= size bytes, ours now.
+            unsafe { p.as_ptr().write_bytes(0, size) };
+        }
+        f.add_live(size as i64);
+        Some(p)
+    }
+
+    /// [`Heap::raw_alloc`] when the front cache has nothing for it: from the arena.
+    #[inline(never)]
+    fn raw_alloc_arena(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         let size = layout.size();
         let align = jemalloc::align_flags(layout);
         let fp = front(self.id, self.shared);
-        let (tc, live) = match fp {
-            Some(fp) => {
-                // SAFETY (every `&mut *fp` below): this thread's front for this heap, which lives
-                // while we hold a handle; only this thread uses it, and each reference ends
-                // before jemalloc is called (whose hooks may run arbitrary allocators).
-                let f = unsafe { &mut *fp.as_ptr() };
-                let (flag, live) = (f.tcache_flag, f.live());
-                if let Some((idx, class)) = f.class_for(size, align) {
-                    let p = match f.take(idx, class) {
-                        Some(p) => {
-                            if zeroed {
-                                // SAFETY: a kept object of `class` >= size bytes, ours now.
-                                unsafe { p.as_ptr().write_bytes(0, size) };
-                            }
-                            p
-                        }
-                        None => {
-                            let zero = if zeroed { je::MALLOCX_ZERO } else { 0 };
-                            let flags = je::MALLOCX_ARENA(self.arena as usize) | flag | zero;
-                            // SAFETY: class > 0; flags name our arena and a tcache of ours.
-                            unsafe { mallocx_or_flush(Some(fp), class, flags) }.map_err(|e| e.into_error(size))?
-                        }
-                    };
-                    add_live(live, true, size as i64);
-                    return Ok(p);
-                }
-                (flag, live)
-            }
-            None => (je::MALLOCX_TCACHE_NONE, &self.shared().owner.counters.orphan_live as *const AtomicI64),
-        };
+        // SAFETY (every `as_ref` of `fp`): this thread's front for this heap, which lives while
+        // we hold a handle.
+        let f = fp.map(|f| unsafe { f.as_ref() });
+        // The thread's tcache, or none while the thread has no front (it is exiting).
+        let tc = f.map_or(je::MALLOCX_TCACHE_NONE, |f| f.tcache_flag);
+        // A size the front caches is allocated as its class (so that it can be kept when freed);
+        // such a request has no alignment flag.
+        let n = f.and_then(|f| f.class_for(size, align)).map_or(size, |(_, class)| class);
         let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | align;
         // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
         // arguments of jemalloc's metadata requests (see hooks.rs): zero those in Rust instead.
@@ -408,15 +411,20 @@ impl Heap {
         if zeroed && !zero_here {
             flags |= je::MALLOCX_ZERO;
         }
-        // SAFETY: size > 0 (checked by callers); flags name our arena and a tcache of ours.
-        // SAFETY: as above.
-        let p = unsafe { mallocx_or_flush(fp, size, flags) }.map_err(|e| e.into_error(size))?;
+        // SAFETY: n >= size > 0 (checked by callers); flags name our arena and a tcache of ours
+        // (or none); fp is this thread's front.
+        let p = unsafe { mallocx_or_flush(fp, n, flags) }.map_err(|e| e.into_error(size))?;
         if zero_here {
             // SAFETY: a fresh allocation of layout.size() bytes.
             unsafe { p.as_ptr().write_bytes(0, size) };
         }
-        // Without a front the counter is the shared fallback (several writers).
-        add_live(live, fp.is_some(), size as i64);
+        match f {
+            Some(f) => f.add_live(size as i64),
+            // Without a front the counter is the shared fallback (several writers).
+            None => {
+                self.shared().owner.counters.orphan_live.fetch_add(size as i64, Ordering::AcqRel);
+            }
+        }
         Ok(p)
     }
 
@@ -514,8 +522,8 @@ unsafe fn mallocx_or_flush(
     }
     let first = take_hook_error();
     let Some(fp) = front else { return Err(first) };
-    // SAFETY: the caller's contract: this thread's front, no other reference to it now.
-    unsafe { &mut *fp.as_ptr() }.flush_all();
+    // SAFETY: the caller's contract: this thread's front for the heap, alive during the call.
+    unsafe { fp.as_ref() }.flush_all();
     // SAFETY: the caller's contract.
     match NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
         Some(p) => Ok(p),
@@ -528,15 +536,11 @@ unsafe fn mallocx_or_flush(
 
 /// This thread's front cache for the heap; `None` while the thread exits (or if its caches
 /// could not be made): the caller then goes without, through the shared counter.
-#[inline]
+#[inline(always)]
 fn front(id: u64, shared: NonNull<Shared>) -> Option<NonNull<Front>> {
     // SAFETY: callers hold a handle or a live allocation, so the record lives; the reference
     // ends before the allocation is freed (see free_raw).
-    let s = unsafe { shared.as_ref() };
-    match tcache::get(id, &s.tcaches) {
-        Some(Ok(f)) => Some(f),
-        _ => None,
-    }
+    tcache::get(id, &unsafe { shared.as_ref() }.tcaches)
 }
 
 /// Frees memory from [`Heap::raw_alloc`]. After the live counter's store (the last thing it
@@ -556,52 +560,66 @@ pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
 ///
 /// # Safety
 /// As [`free_raw`], and `id` is the id of the record behind `shared`.
-#[inline]
+#[inline(always)]
 unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+    let size = layout.size();
+    if let Some(fp) = front(id, shared) {
+        // SAFETY: this thread's front for this heap, alive while the allocation being freed is;
+        // the reference is not used after the counter store (after which the heap may be torn
+        // down).
+        let f = unsafe { fp.as_ref() };
+        if let Some((idx, class)) = f.class_for(size, jemalloc::align_flags(layout)) {
+            if f.keep(idx, class, ptr).is_none() {
+                f.add_live(-(size as i64));
+                return;
+            }
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { free_arena(id, shared, ptr, layout) }
+}
+
+/// [`free_in`] when the front cache does not keep the object: to the arena.
+///
+/// # Safety
+/// As [`free_in`].
+#[inline(never)]
+unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let size = layout.size();
     let align = jemalloc::align_flags(layout);
     match front(id, shared) {
-        Some(f) => {
-            let live = {
-                // SAFETY: this thread's front for this heap, alive while the allocation being
-                // freed is; only this thread uses it, and the reference ends before the
-                // counter store below (after which the heap may be torn down).
-                let f = unsafe { &mut *f.as_ptr() };
-                if let Some((idx, class)) = f.class_for(size, align) {
-                    if let Some(p) = f.keep(idx, class, ptr) {
-                        // SAFETY: ptr is an object of `class` from this heap's arena (the
-                        // caller's contract; cached requests are allocated as their class).
-                        unsafe { je::sdallocx(p.as_ptr().cast(), class, f.tcache_flag) };
-                    }
-                } else {
-                    // SAFETY: the caller guarantees ptr/layout come from this heap's arena; the
-                    // size and alignment flags match the allocation.
-                    unsafe { je::sdallocx(ptr.as_ptr().cast(), size, f.tcache_flag | align) };
-                }
-                f.live()
-            };
-            add_live(live, true, -(size as i64));
+        Some(fp) => {
+            // SAFETY: as in free_in.
+            let f = unsafe { fp.as_ref() };
+            // A size the front caches was allocated as its class (see raw_alloc_arena).
+            let n = f.class_for(size, align).map_or(size, |(_, class)| class);
+            // SAFETY: the caller guarantees ptr/layout come from this heap's arena; n is the
+            // size it was allocated with (or of its class) and the alignment flag matches.
+            unsafe { je::sdallocx(ptr.as_ptr().cast(), n, f.tcache_flag | align) };
+            f.add_live(-(size as i64));
         }
         None => {
             // SAFETY: as above; sdallocx takes any size of the allocation's class.
             unsafe { je::sdallocx(ptr.as_ptr().cast(), size, je::MALLOCX_TCACHE_NONE | align) };
             // SAFETY: the record lives until this store (see free_raw).
-            add_live(&unsafe { shared.as_ref() }.owner.counters.orphan_live, false, -(size as i64));
+            let orphan = unsafe { &shared.as_ref().owner.counters.orphan_live };
+            orphan.fetch_add(-(size as i64), Ordering::AcqRel);
         }
     }
 }
 
-#[inline]
-fn add_live(live: *const AtomicI64, own: bool, delta: i64) {
-    // SAFETY: `live` points at a counter owned by the heap's registry (or its owner), which
-    // lives at least until this store makes the heap's total reach zero.
-    let live = unsafe { &*live };
-    if own {
-        // This thread is the counter's only writer: a plain load + store (no locked RMW). The
-        // release store publishes the free to the thread that sums the counters at teardown.
-        live.store(live.load(Ordering::Relaxed) + delta, Ordering::Release);
-    } else {
-        live.fetch_add(delta, Ordering::AcqRel);
+/// `Allocator::allocate` past the front cache (kept out of line: it is the slow path).
+#[inline(never)]
+fn allocate_arena(
+    heap: &Heap,
+    layout: Layout,
+) -> std::result::Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
+    match heap.raw_alloc_arena(layout, false) {
+        Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
+        Err(e) => {
+            tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());
+            Err(allocator_api2::alloc::AllocError)
+        }
     }
 }
 
@@ -610,21 +628,21 @@ fn add_live(live: *const AtomicI64, own: bool, delta: i64) {
 // handle are the same heap, so memory from one can be freed through another. (`&Heap` is an
 // allocator through allocator-api2's blanket impl for references.)
 unsafe impl allocator_api2::alloc::Allocator for Heap {
+    #[inline]
     fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        if layout.size() == 0 {
+        if layout.size() != 0 {
+            if let Some(p) = self.take_cached(layout, false) {
+                return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
+            }
+        } else {
             // Zero-sized: a dangling, well-aligned pointer (never passed to jemalloc).
             let p = NonNull::new(layout.align() as *mut u8).ok_or(allocator_api2::alloc::AllocError)?;
             return Ok(NonNull::slice_from_raw_parts(p, 0));
         }
-        match self.raw_alloc(layout, false) {
-            Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
-            Err(e) => {
-                tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());
-                Err(allocator_api2::alloc::AllocError)
-            }
-        }
+        allocate_arena(self, layout)
     }
 
+    #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
             // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id

@@ -5,12 +5,12 @@
 //! explicit tcache for each heap it uses, created lazily and registered with the heap, destroyed
 //! at thread exit (if the heap still lives) or by the heap before its arena is destroyed. In
 //! front of it sits the thread's [`Front`] cache (size-class magazines), which lives and dies
-//! with it. Each slot also carries the thread's live-byte counter, so statistics need no shared
-//! atomics on the hot path.
+//! with it and also counts the thread's live bytes, so statistics need no shared atomics on the
+//! hot path.
 
 use std::cell::{Cell, RefCell};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -19,42 +19,34 @@ use crate::error::Result;
 use crate::heap::front::Front;
 use crate::heap::jemalloc;
 
-/// A thread's counters for one heap, on a cache line of their own (two threads' counters must
-/// not share one). Each has one writer, the thread; anyone may read them.
-#[repr(align(128))]
-#[derive(Default)]
-pub(crate) struct Counter {
-    /// Bytes handed out minus bytes freed by this thread.
-    pub(crate) live: AtomicI64,
-    /// Bytes kept in the thread's front cache.
-    pub(crate) cached: AtomicU64,
-}
-
 /// One thread's caches for one heap.
 pub(crate) struct Slot {
     pub(crate) tcache: u32,
     pub(crate) alive: bool,
-    pub(crate) counter: Box<Counter>,
-    /// The thread's front cache: used by that thread only, freed (with `Box::from_raw`) when
-    /// the slot dies, under the registry's lock.
+    /// The thread's front cache: used by that thread only (other threads read its counters
+    /// under the registry's lock), freed (with `Box::from_raw`) when the slot dies, under that
+    /// lock.
     front: NonNull<Front>,
 }
 
-// SAFETY: `front` is only dereferenced by its thread (while the slot is alive) or, under the
-// registry's lock, by whoever kills the slot when that thread can no longer reach it.
+// SAFETY: `front` is only changed by its thread (while the slot is alive); other threads read
+// its atomic counters, or kill the slot when that thread can no longer reach it, only under the
+// registry's lock.
 unsafe impl Send for Slot {}
 
 impl Slot {
-    /// Returns the front cache's objects to jemalloc, destroys the tcache and frees the front.
+    /// Returns the front cache's objects to jemalloc, destroys the tcache and frees the front,
+    /// adding its live bytes to `retired`.
     ///
     /// # Safety
     /// The slot is alive, its registry is locked, and its thread can no longer use the front
     /// (it is exiting, or the heap is being torn down).
-    unsafe fn kill(&mut self) {
+    unsafe fn kill(&mut self, retired: &AtomicI64) {
         // SAFETY: the caller's contract: nobody else references the front, which came from
         // Box::leak in `create` and is freed only here (once: `alive` goes false).
-        let mut front = unsafe { Box::from_raw(self.front.as_ptr()) };
+        let front = unsafe { Box::from_raw(self.front.as_ptr()) };
         front.flush_all();
+        retired.fetch_add(front.live(), Ordering::AcqRel);
         if let Err(e) = jemalloc::tcache_destroy(self.tcache) {
             tracing::warn!("tcache.destroy({}) failed: {e}", self.tcache);
         }
@@ -67,6 +59,8 @@ pub(crate) struct Registry {
     pub(crate) slots: Mutex<Vec<Slot>>,
     /// Set once the heap has destroyed its caches: no new ones may be created.
     pub(crate) closed: std::sync::atomic::AtomicBool,
+    /// Live bytes of the fronts that are gone (their threads exited).
+    retired: AtomicI64,
     /// Bytes each thread's front cache may keep.
     limit: usize,
 }
@@ -74,17 +68,22 @@ pub(crate) struct Registry {
 impl Registry {
     pub(crate) fn new(limit: usize) -> Registry {
         let limit = if crate::heap::front::classes_match_jemalloc() { limit } else { 0 };
-        Registry { slots: Mutex::new(Vec::new()), closed: Default::default(), limit }
+        Registry { slots: Mutex::new(Vec::new()), closed: Default::default(), retired: AtomicI64::new(0), limit }
     }
 
-    /// Sum of the live-byte counters of every slot.
+    /// Live bytes over every thread that used the heap.
     pub(crate) fn live(&self) -> i64 {
-        self.slots.lock().iter().map(|s| s.counter.live.load(Ordering::Acquire)).sum()
+        let slots = self.slots.lock();
+        // SAFETY (both): an alive slot's front is freed only under this lock.
+        let fronts: i64 = slots.iter().filter(|s| s.alive).map(|s| unsafe { s.front.as_ref() }.live()).sum();
+        fronts + self.retired.load(Ordering::Acquire)
     }
 
     /// Bytes kept in the front caches of every thread.
     pub(crate) fn cached(&self) -> u64 {
-        self.slots.lock().iter().filter(|s| s.alive).map(|s| s.counter.cached.load(Ordering::Relaxed)).sum()
+        let slots = self.slots.lock();
+        // SAFETY: as in `live`.
+        slots.iter().filter(|s| s.alive).map(|s| unsafe { s.front.as_ref() }.cached() as u64).sum()
     }
 
     /// Destroys every cache (returning its objects to the arena). Called by the heap before it
@@ -93,7 +92,7 @@ impl Registry {
         self.closed.store(true, Ordering::Release);
         for s in self.slots.lock().iter_mut().filter(|s| s.alive) {
             // SAFETY: alive, locked, and no thread can use the heap any more.
-            unsafe { s.kill() };
+            unsafe { s.kill(&self.retired) };
         }
     }
 }
@@ -118,7 +117,7 @@ impl Drop for ThreadCaches {
             if let Some(s) = slots.iter_mut().find(|s| s.front == e.front && s.alive) {
                 // SAFETY: alive, locked, and this thread (the front's) is exiting: nothing of it
                 // uses the front after this.
-                unsafe { s.kill() };
+                unsafe { s.kill(&reg.retired) };
             }
         }
     }
@@ -131,36 +130,34 @@ thread_local! {
 }
 
 /// This thread's front cache for heap `heap` (which holds its tcache and counters), created on
-/// first use. `None` while the thread is exiting (its thread-locals are gone): the caller then
-/// goes without caches. The front is valid until this thread exits or the heap is torn down.
-#[inline]
-pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<Result<NonNull<Front>>> {
+/// first use. `None` while the thread is exiting (its thread-locals are gone) or if the caches
+/// could not be made (the heap is being dropped, or jemalloc has no tcache left): the caller then
+/// goes without. The front is valid until this thread exits or the heap is torn down.
+#[inline(always)]
+pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
     if let Ok((h, front)) = LAST.try_with(Cell::get) {
-        if h == heap {
-            if let Some(f) = NonNull::new(front) {
-                return Some(Ok(f));
-            }
+        if h == heap && !front.is_null() {
+            return NonNull::new(front);
         }
     }
-    let r = get_slow(heap, registry);
-    if let Some(Ok(f)) = r {
-        let _ = LAST.try_with(|c| c.set((heap, f.as_ptr())));
-    }
-    r
+    get_slow(heap, registry)
 }
 
 #[cold]
-fn get_slow(heap: u64, registry: &Arc<Registry>) -> Option<Result<NonNull<Front>>> {
-    CACHES
+#[inline(never)]
+fn get_slow(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
+    let f = CACHES
         .try_with(|c| {
             let mut c = c.try_borrow_mut().ok()?;
             if let Some(e) = c.entries.iter().find(|e| e.heap == heap) {
-                return Some(Ok(e.front));
+                return Some(e.front);
             }
-            Some(create(&mut c, heap, registry))
+            create(&mut c, heap, registry).inspect_err(|e| tracing::debug!("no thread cache for heap {heap}: {e}")).ok()
         })
         .ok()
-        .flatten()
+        .flatten()?;
+    let _ = LAST.try_with(|c| c.set((heap, f.as_ptr())));
+    Some(f)
 }
 
 #[cold]
@@ -171,9 +168,8 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<N
         return Err(crate::Error::InvalidArgument("the heap is being dropped".into()));
     }
     let tcache = jemalloc::tcache_create()?;
-    let counter = Box::new(Counter::default());
-    let front = NonNull::from(Box::leak(Box::new(Front::new(tcache, &counter, registry.limit))));
-    slots.push(Slot { tcache, alive: true, counter, front });
+    let front = NonNull::from(Box::leak(Box::new(Front::new(tcache, registry.limit))));
+    slots.push(Slot { tcache, alive: true, front });
     c.entries.push(Entry { heap, front, registry: Arc::downgrade(registry) });
     Ok(front)
 }
