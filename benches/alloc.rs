@@ -1,6 +1,7 @@
 //! Allocation throughput, natively on the host (the hot path does not depend on the device:
 //! registration happens once per chunk). Scoped `Heap` (unbound) vs plain jemalloc
-//! (tikv-jemallocator) vs glibc (`std::alloc::System`); 1 and 2 threads; `keys_of` lookups.
+//! (tikv-jemallocator) vs glibc (`std::alloc::System`): alloc+free pairs, batches, 1 and 2
+//! threads, a random window of live objects, cross-thread frees; `keys_of` lookups.
 //! `Global` is measured in benches/global.rs (it must be the process allocator).
 //!
 //! `scripts/bench-alloc` runs this and prints the ratios.
@@ -16,7 +17,51 @@ use tikv_jemallocator::Jemalloc;
 
 mod common;
 
-use common::{config, label, order, SIZES};
+use common::{config, cross_thread, label, order, window, window_script, SIZES};
+
+type AllocFn<'a> = Box<dyn Fn(usize) -> *mut u8 + Sync + 'a>;
+type FreeFn<'a> = Box<dyn Fn(*mut u8, usize) + Sync + 'a>;
+
+/// The three allocators under test, as (alloc, free) of a size with alignment 8.
+fn pick<'a>(who: &str, heap: &'a Heap) -> (AllocFn<'a>, FreeFn<'a>) {
+    let l = |n| Layout::from_size_align(n, 8).unwrap();
+    match who {
+        "heap" => (
+            Box::new(move |n| heap.allocate(l(n)).unwrap().as_ptr().cast()),
+            // SAFETY: p came from heap.allocate(l(n)).
+            Box::new(move |p, n| unsafe { heap.deallocate(std::ptr::NonNull::new_unchecked(p), l(n)) }),
+        ),
+        // SAFETY (both): p came from alloc(l(n)) of the same allocator.
+        "jemalloc" => (
+            Box::new(move |n| unsafe { Jemalloc.alloc(l(n)) }),
+            Box::new(move |p, n| unsafe { Jemalloc.dealloc(p, l(n)) }),
+        ),
+        _ => {
+            (Box::new(move |n| unsafe { System.alloc(l(n)) }), Box::new(move |p, n| unsafe { System.dealloc(p, l(n)) }))
+        }
+    }
+}
+
+/// The window workload and cross-thread frees (see benches/common), for each allocator.
+fn mixed(c: &mut Criterion, heap: &Heap) {
+    let script = window_script(1 << 16);
+    let mut g = c.benchmark_group("window");
+    for who in order(vec!["heap", "jemalloc", "glibc"]) {
+        let (alloc, free) = pick(who, heap);
+        g.bench_function(who, |b| b.iter_custom(|iters| window(iters, &script, &alloc, &free)));
+    }
+    g.finish();
+    let mut g = c.benchmark_group("xthread");
+    for n in [64, 4096, 65536] {
+        for who in order(vec!["heap", "jemalloc", "glibc"]) {
+            let (alloc, free) = pick(who, heap);
+            g.bench_function(BenchmarkId::new(who, label(n)), |b| {
+                b.iter_custom(|iters| cross_thread(iters, n, &alloc, &free))
+            });
+        }
+    }
+    g.finish();
+}
 
 /// One alloc+free pair through a GlobalAlloc-like pair of closures.
 fn pairs(c: &mut Criterion, heap: &Heap) {
@@ -162,6 +207,7 @@ fn all(c: &mut Criterion) {
     pairs(c, &heap);
     batches(c, &heap);
     threaded(c, &heap);
+    mixed(c, &heap);
     lookups(c, &heap);
 }
 

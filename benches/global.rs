@@ -1,6 +1,7 @@
 //! `mralloc::heap::Global` as the process allocator: alloc+free pairs and batches of 1000 through
 //! `std::alloc`, at the same sizes as benches/alloc.rs, each next to plain jemalloc
-//! (tikv-jemallocator) in the same process: the baseline of the `global_vs_jemalloc` ratios.
+//! (tikv-jemallocator) in the same process: the baseline of the `global_vs_jemalloc` ratios. Also
+//! the random window and cross-thread frees of benches/common.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::hint::black_box;
@@ -12,7 +13,7 @@ static A: mralloc::heap::Global = mralloc::heap::Global::new();
 
 mod common;
 
-use common::{config, label, order, SIZES};
+use common::{config, cross_thread, label, order, window, window_script, SIZES};
 use tikv_jemallocator::Jemalloc;
 
 /// The process allocator through `std::alloc` (what `Vec` and `Box` use).
@@ -56,7 +57,8 @@ fn all(c: &mut Criterion) {
     assert!(A.is_ready());
     // Global (through std::alloc, as a program uses it) and plain jemalloc in the same process,
     // back to back per size; scripts/bench-alloc alternates their order between rounds.
-    let who: Vec<(&str, &dyn GlobalAlloc)> = order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc)]);
+    let who: Vec<(&str, &(dyn GlobalAlloc + Sync))> =
+        order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc)]);
     let mut g = c.benchmark_group("pair");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
@@ -71,6 +73,28 @@ fn all(c: &mut Criterion) {
         for &(name, a) in &who {
             let mut v = Vec::with_capacity(1000);
             g.bench_function(BenchmarkId::new(name, label(n)), |b| b.iter(|| batch(a, layout, &mut v)));
+        }
+    }
+    g.finish();
+    // The window workload and cross-thread frees (benches/common).
+    let script = window_script(1 << 16);
+    let mut g = c.benchmark_group("window");
+    for &(name, a) in &who {
+        // SAFETY (both closures): p came from a.alloc of the same layout.
+        let alloc = |n| unsafe { a.alloc(Layout::from_size_align_unchecked(n, 8)) };
+        let free = |p, n| unsafe { a.dealloc(p, Layout::from_size_align_unchecked(n, 8)) };
+        g.bench_function(name, |b| b.iter_custom(|iters| window(iters, &script, alloc, free)));
+    }
+    g.finish();
+    let mut g = c.benchmark_group("xthread");
+    for n in [64, 4096, 65536] {
+        for &(name, a) in &who {
+            // SAFETY: as above.
+            let alloc = |n| unsafe { a.alloc(Layout::from_size_align_unchecked(n, 8)) };
+            let free = |p, n| unsafe { a.dealloc(p, Layout::from_size_align_unchecked(n, 8)) };
+            g.bench_function(BenchmarkId::new(name, label(n)), |b| {
+                b.iter_custom(|iters| cross_thread(iters, n, alloc, free))
+            });
         }
     }
     g.finish();

@@ -115,3 +115,89 @@ pub fn perftest_latency(posted: &Stamps, rtt_factor: f64) -> (f64, f64) {
     let p99 = delta[((n as f64) * 0.99).ceil() as usize];
     (typical, p99)
 }
+
+/// Live objects in the window workload.
+pub const WINDOW: usize = 1000;
+
+/// A fixed pseudo-random script for the window workload: `(slot, size)` steps, sizes 16 B to
+/// 4 KiB, the same for every allocator (xorshift, fixed seed).
+pub fn window_script(steps: usize) -> Vec<(u16, u16)> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..steps).map(|_| ((next() % WINDOW as u64) as u16, (16 + next() % (4096 - 16 + 1)) as u16)).collect()
+}
+
+/// The window workload: `WINDOW` live objects of random sizes; each step frees one at random and
+/// allocates a new one of another random size in its place. Returns the time for `iters` steps
+/// (the window is filled before and emptied after the timing).
+pub fn window(
+    iters: u64,
+    script: &[(u16, u16)],
+    alloc: impl Fn(usize) -> *mut u8,
+    free: impl Fn(*mut u8, usize),
+) -> Duration {
+    let mut live: Vec<(*mut u8, usize)> =
+        script[..WINDOW].iter().map(|&(_, n)| (alloc(n as usize), n as usize)).collect();
+    let t = std::time::Instant::now();
+    for i in 0..iters as usize {
+        let (slot, n) = script[i % script.len()];
+        let (p, old) = live[slot as usize];
+        free(p, old);
+        live[slot as usize] = (std::hint::black_box(alloc(n as usize)), n as usize);
+    }
+    let d = t.elapsed();
+    for (p, n) in live {
+        free(p, n);
+    }
+    d
+}
+
+/// Cross-thread frees: a producer allocates objects of `size` bytes in batches of 256 and hands
+/// each batch to a consumer thread, which frees them (the pattern of a receive path handing
+/// buffers to workers). Returns the time for `iters` objects (both threads running).
+pub fn cross_thread(
+    iters: u64,
+    size: usize,
+    alloc: impl Fn(usize) -> *mut u8 + Sync,
+    free: impl Fn(*mut u8, usize) + Sync,
+) -> Duration {
+    const BATCH: usize = 256;
+    let (to_consumer, batches) = std::sync::mpsc::sync_channel::<Vec<usize>>(4);
+    let (to_producer, empties) = std::sync::mpsc::sync_channel::<Vec<usize>>(4);
+    for _ in 0..4 {
+        to_producer.send(Vec::with_capacity(BATCH)).unwrap();
+    }
+    let free = &free;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for mut b in batches {
+                for p in b.drain(..) {
+                    free(p as *mut u8, size);
+                }
+                if to_producer.send(b).is_err() {
+                    break;
+                }
+            }
+        });
+        let t = std::time::Instant::now();
+        let mut left = iters as usize;
+        while left > 0 {
+            let mut b = empties.recv().unwrap();
+            let n = left.min(BATCH);
+            b.extend((0..n).map(|_| alloc(size) as usize));
+            left -= n;
+            to_consumer.send(b).unwrap();
+        }
+        drop(to_consumer);
+        // Wait for the consumer to free the last batch (it returns every batch).
+        for _ in 0..4 {
+            let _ = empties.recv();
+        }
+        t.elapsed()
+    })
+}
