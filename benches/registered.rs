@@ -1,7 +1,8 @@
 //! Registration cost on a real device (run in the VM by `scripts/bench-alloc`, in one boot):
 //! a `Heap` bound to the device against the naive way — malloc + `ibv_reg_mr` + `ibv_dereg_mr` +
 //! free per buffer — at 4 KiB and 64 KiB; `keys_of` on a bound heap against an unbound one; and
-//! the cost of the first touch of a new chunk.
+//! the cost of the first touch of a new chunk; the worst allocation while a heap grows to 256 MiB,
+//! without and with `Heap::reserve`.
 //!
 //! ```text
 //! registered [--rounds N]
@@ -151,5 +152,44 @@ fn main() -> mralloc::Result<()> {
         }
         println!("FIGURE first_touch_chunk_{mib}MiB_ms {}", spread(ms));
     }
+    // Growth from 0 to 256 MiB live in 1 MiB buffers on a fresh bound heap: the worst single
+    // allocation (it makes and registers a chunk), without and with `reserve(256 MiB)` first.
+    let grow = |reserve: bool| -> mralloc::Result<f64> {
+        use allocator_api2::alloc::Allocator;
+        let h = Heap::builder().bind(&pd).build()?;
+        let t = Instant::now();
+        if reserve {
+            h.reserve(256 << 20)?;
+        }
+        let reserve_ms = t.elapsed().as_secs_f64() * 1e3;
+        let layout = std::alloc::Layout::from_size_align(1 << 20, 8).unwrap();
+        let mut worst = 0f64;
+        let mut held = Vec::with_capacity(256);
+        for _ in 0..256 {
+            let t = Instant::now();
+            let p = h
+                .allocate(layout)
+                .map_err(|_| mralloc::Error::OutOfMemory { requested: 1 << 20, why: "heap growth bench" })?;
+            worst = worst.max(t.elapsed().as_secs_f64() * 1e3);
+            held.push(p.cast::<u8>());
+        }
+        let st = h.stats();
+        println!(
+            "growth to 256 MiB{}: worst allocation {worst:.2} ms, {} chunks, {} reg calls, {:?} in ibv_reg_mr{}",
+            if reserve { " after reserve" } else { "" },
+            st.chunks,
+            st.reg_mr_calls,
+            st.reg_mr_time,
+            if reserve { format!(" (reserve took {reserve_ms:.1} ms)") } else { String::new() }
+        );
+        for p in held {
+            // SAFETY: allocated above with `layout`, freed once.
+            unsafe { h.deallocate(p, layout) };
+        }
+        Ok(worst)
+    };
+    let (plain, reserved) = interleaved(rounds, || grow(false).unwrap(), || grow(true).unwrap());
+    println!("FIGURE heap_growth_worst_alloc_ms {}", spread(plain));
+    println!("FIGURE heap_growth_worst_alloc_ms_reserved {}", spread(reserved));
     Ok(())
 }

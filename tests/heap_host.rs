@@ -445,3 +445,61 @@ fn kept_buffers_do_not_make_the_limit_fail_early() {
     assert!(heap.stats().thread_cached_bytes < cached, "the allocation came from memory the cache had kept");
     drop(big);
 }
+
+#[test]
+fn reserve_maps_ahead_so_later_allocations_make_no_chunk() {
+    let heap = Heap::builder().build().unwrap();
+    heap.reserve(64 << 20).unwrap();
+    let after = heap.stats();
+    assert!(after.mapped_bytes >= 64 << 20, "{after:?}");
+    assert_eq!(after.live_bytes, 0, "reserve allocates nothing: {after:?}");
+    // 48 MiB of buffers, large and small, all live at once: served from the reserved chunks.
+    let mut keep = Vec::new();
+    for i in 0..40 {
+        keep.push(heap.alloc((1 << 20) + i * 4096).unwrap());
+    }
+    for i in 0..1000 {
+        keep.push(heap.alloc(64 + i).unwrap());
+    }
+    let used = heap.stats();
+    assert_eq!((used.chunks, used.mapped_bytes), (after.chunks, after.mapped_bytes), "{used:?}");
+    assert!(used.live_bytes >= 40 << 20);
+    // Without the reservation the same allocations grow a fresh heap.
+    let fresh = Heap::builder().build().unwrap();
+    let before = fresh.stats().mapped_bytes;
+    let b = fresh.alloc(40 << 20).unwrap();
+    assert!(fresh.stats().mapped_bytes > before);
+    drop((b, keep));
+}
+
+#[test]
+fn reserve_beyond_the_limit_is_a_typed_error_and_allocates_nothing() {
+    let heap = Heap::builder().limit(16 << 20).build().unwrap();
+    match heap.reserve(64 << 20) {
+        Err(Error::LimitExceeded { limit, .. }) => assert_eq!(limit, 16 << 20),
+        other => panic!("expected LimitExceeded, got {other:?}"),
+    }
+    assert_eq!(heap.stats().live_bytes, 0);
+    let b = heap.alloc(4096).unwrap();
+    assert_eq!(b.len(), 4096);
+}
+
+#[test]
+fn zeroed_allocations_of_fresh_chunk_pages_are_not_written() {
+    // Fresh chunk pages are zero already: a zeroed allocation from them must not memset (which
+    // would fault every page in). mincore shows which pages are resident.
+    let heap = Heap::builder().build().unwrap();
+    let len = 32 << 20;
+    let b = heap.alloc_zeroed(len).unwrap();
+    let page = 4096;
+    let start = (b.as_ptr() as usize).next_multiple_of(page);
+    let pages = (b.as_ptr() as usize + len - start) / page;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: [start, start + pages * page) lies inside the buffer's mapping; vec has one byte
+    // per page.
+    let rc = unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    let resident = vec.iter().filter(|&&v| v & 1 != 0).count();
+    assert!(resident * 20 < pages, "{resident} of {pages} pages were touched by a zeroed allocation of fresh memory");
+    assert!(b.iter().step_by(page).all(|&x| x == 0));
+}

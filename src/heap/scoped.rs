@@ -450,6 +450,48 @@ impl Heap {
         stats
     }
 
+    /// Maps and registers at least `bytes` more memory now, so that the allocations it serves
+    /// later make no new chunk: call it at start-up to keep `ibv_reg_mr` (milliseconds per
+    /// chunk, hundreds on a large one) off the hot path. The memory is registered with every PD
+    /// the heap is bound to (and with later ones at bind time), counts in
+    /// [`HeapStats::mapped_bytes`], and stays with the heap until it is dropped, like every
+    /// chunk.
+    ///
+    /// Internally, blocks of up to [`HeapBuilder::max_chunk`] bytes are allocated until the heap
+    /// has grown by `bytes`, then freed; jemalloc keeps the freed extents in the arena (the
+    /// hooks refuse to give registered pages back) and serves later allocations from them.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] if the heap's [`HeapBuilder::limit`] does not leave room for
+    /// `bytes`, [`Error::Registration`], [`Error::Io`] or [`Error::OutOfMemory`] if a chunk
+    /// could not be mapped, bound or registered. The chunks made before the failure stay with
+    /// the heap (reserved); nothing is allocated.
+    pub fn reserve(&self, bytes: usize) -> Result<()> {
+        let s = self.shared();
+        let mapped = || s.owner.counters.mapped.load(Ordering::Relaxed) as usize;
+        let target = mapped().saturating_add(bytes);
+        // Blocks of at most half a chunk: each fits a chunk jemalloc grows by.
+        let block = (self.shared().max_chunk / 2).clamp(SLOT, 64 << 20);
+        let flags = je::MALLOCX_ARENA(self.arena as usize) | je::MALLOCX_TCACHE_NONE;
+        let mut held = Vec::with_capacity(bytes / block + 2);
+        let mut result = Ok(());
+        while mapped() < target {
+            // SAFETY: block > 0; flags name our arena and no tcache.
+            match unsafe { mallocx_or_flush(None, block, flags) } {
+                Ok(p) => held.push(p),
+                Err(e) => {
+                    result = Err(e.into_error(block));
+                    break;
+                }
+            }
+        }
+        for p in held {
+            // SAFETY: allocated above with the same size and flags, freed once.
+            unsafe { je::sdallocx(p.as_ptr().cast(), block, flags) };
+        }
+        result
+    }
+
     /// Asks jemalloc to purge the arena's unused dirty pages (`arena.N.purge`). The hooks refuse:
     /// registered pages are never purged. Exposed so tests can prove it.
     ///
