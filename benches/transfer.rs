@@ -3,7 +3,7 @@
 //! one device, as perftest's client and server on one device).
 //!
 //! ```text
-//! transfer <write_bw|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N]
+//! transfer <write_bw|write_bw_8qp|read_bw|send_bw|write_lat|read_lat|send_lat> [--size BYTES] [--iters N]
 //!          [--depth N] [--inline BYTES]
 //! ```
 //! Prints `MRALLOC <test> <MiB/s>` for bandwidth and `MRALLOC <test> <typical µs> <p99 µs>
@@ -140,6 +140,34 @@ fn main() -> mralloc::Result<()> {
             }
             b.submit()?;
             println!("MRALLOC {} {:.2}", a.test, mib(n * a.iters, t.elapsed().as_secs_f64()));
+        }
+        "write_bw_8qp" => {
+            // As `ib_write_bw -q 8`: eight connections between the same two ends, each with
+            // `depth` WRITEs of the shared source in flight, driven round robin by one thread
+            // (perftest drives its QPs from one thread too); `iters` WRITEs per connection.
+            let pairs: Vec<_> = (0..8).map(|_| Connection::pair(&pd, &opts)).collect::<mralloc::Result<_>>()?;
+            let src = std::sync::Arc::new(src);
+            let mut inflight: Vec<VecDeque<Pending<'_, std::sync::Arc<Buffer>>>> =
+                pairs.iter().map(|_| VecDeque::new()).collect();
+            let mut posted = vec![0usize; pairs.len()];
+            let t = Instant::now();
+            loop {
+                let mut busy = false;
+                for (i, (c, _)) in pairs.iter().enumerate() {
+                    while posted[i] < a.iters && inflight[i].len() < a.depth as usize {
+                        inflight[i].push_back(c.post_write(src.clone(), &remote, 0)?);
+                        posted[i] += 1;
+                    }
+                    if let Some(p) = inflight[i].pop_front() {
+                        p.wait()?;
+                        busy = true;
+                    }
+                }
+                if !busy {
+                    break;
+                }
+            }
+            println!("MRALLOC {} {:.2}", a.test, mib(n * a.iters * pairs.len(), t.elapsed().as_secs_f64()));
         }
         "send_bw" => {
             // As ib_send_bw: the receiver's window of receives is posted before the clock starts.
