@@ -96,6 +96,25 @@ async fn device_async_every_operation_at_every_size() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run scripts/test"]
+async fn device_async_uninit_buffers_become_the_bytes_that_arrived() {
+    let (pd, heap) = setup();
+    let (a, b) = AsyncConnection::pair(&pd, &all_rights()).unwrap();
+    heap.alloc(1 << 20).unwrap().fill(0xee);
+    let want = pattern(9, 1 << 20);
+    let src = filled(&heap, &want);
+    let remote = src.remote().unwrap();
+    let got = a.read(heap.alloc_uninit(1 << 20).unwrap(), &remote, 0).await.unwrap();
+    assert_eq!(got.init_len(), 1 << 20);
+    assert_bytes_eq(&got.into_init(), &want, "async read into an uninit buffer");
+    let recv = b.recv(heap.alloc_uninit(1 << 20).unwrap());
+    a.send(filled(&heap, &want[..100])).await.unwrap();
+    let (got, r) = recv.await.unwrap();
+    assert_eq!((r.len, got.init_len()), (100, 100));
+    assert_eq!(&got.into_init()[..], &want[..100]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run scripts/test"]
 async fn device_async_refusals_give_the_buffer_back() {
     let (pd, heap) = setup();
     let (a, _b) = AsyncConnection::pair(&pd, &all_rights()).unwrap();

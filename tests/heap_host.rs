@@ -475,11 +475,19 @@ fn reserve_maps_ahead_so_later_allocations_make_no_chunk() {
 #[test]
 fn reserve_beyond_the_limit_is_a_typed_error_and_allocates_nothing() {
     let heap = Heap::builder().limit(16 << 20).build().unwrap();
-    match heap.reserve(64 << 20) {
-        Err(Error::LimitExceeded { limit, .. }) => assert_eq!(limit, 16 << 20),
-        other => panic!("expected LimitExceeded, got {other:?}"),
+    let before = heap.stats().mapped_bytes;
+    for bytes in [64 << 20, usize::MAX] {
+        match heap.reserve(bytes) {
+            Err(Error::LimitExceeded { limit, requested, .. }) => assert_eq!((limit, requested), (16 << 20, bytes)),
+            other => panic!("expected LimitExceeded, got {other:?}"),
+        }
     }
+    assert_eq!(heap.stats().mapped_bytes, before, "refused before mapping anything");
     assert_eq!(heap.stats().live_bytes, 0);
+    // Close to the limit: smaller blocks still fit where a half-chunk block would not.
+    let near = Heap::builder().limit(72 << 20).build().unwrap();
+    near.reserve(64 << 20).unwrap();
+    assert!(near.stats().mapped_bytes >= 64 << 20);
     let b = heap.alloc(4096).unwrap();
     assert_eq!(b.len(), 4096);
 }
@@ -502,4 +510,41 @@ fn zeroed_allocations_of_fresh_chunk_pages_are_not_written() {
     let resident = vec.iter().filter(|&&v| v & 1 != 0).count();
     assert!(resident * 20 < pages, "{resident} of {pages} pages were touched by a zeroed allocation of fresh memory");
     assert!(b.iter().step_by(page).all(|&x| x == 0));
+}
+
+#[test]
+fn an_uninit_buffer_shows_only_what_was_written() {
+    let heap = Heap::builder().build().unwrap();
+    // Dirty the memory first, so that an uninitialised allocation really holds old bytes.
+    heap.alloc(1 << 16).unwrap().fill(0xee);
+    let mut u = heap.alloc_uninit(1 << 16).unwrap();
+    assert_eq!((u.len(), u.init_len()), (1 << 16, 0));
+    assert!(u.init_mut().is_empty());
+    u.extend_from_slice(b"hello").unwrap();
+    assert_eq!(u.init_mut(), b"hello");
+    assert_eq!(u.spare_mut().len(), (1 << 16) - 5);
+    match u.extend_from_slice(&vec![1u8; 1 << 16]) {
+        Err(Error::OutOfBounds { offset: 5, .. }) => {}
+        other => panic!("expected OutOfBounds, got {other:?}"),
+    }
+    // Written through the spare bytes, then marked.
+    u.spare_mut()[..3].copy_from_slice(&[std::mem::MaybeUninit::new(b'!'); 3]);
+    // SAFETY: bytes 5..8 were just written, 0..5 before.
+    unsafe { u.set_init(8) };
+    let b = u.into_init();
+    assert_eq!(&b[..], b"hello!!!");
+    assert_eq!(heap.stats().live_bytes, 1 << 16, "the whole allocation stays live");
+    drop(b);
+    assert_eq!(heap.stats().live_bytes, 0);
+    // into_buffer zeroes what nothing wrote.
+    let mut u = heap.alloc_uninit(4096).unwrap();
+    u.extend_from_slice(&[7; 10]).unwrap();
+    let b = u.into_buffer();
+    assert_eq!(b.len(), 4096);
+    assert!(b[..10].iter().all(|&x| x == 7) && b[10..].iter().all(|&x| x == 0));
+    let mut u = heap.alloc_uninit(100).unwrap();
+    u.fill_rest(3);
+    assert_eq!(u.init_len(), 100);
+    assert!(u.into_init().iter().all(|&x| x == 3));
+    assert!(matches!(heap.alloc_uninit(0), Err(Error::InvalidArgument(_))));
 }

@@ -495,3 +495,37 @@ fn device_event_and_poller_modes_move_data_without_spinning() {
         assert!(cpu < Duration::from_millis(300), "{name} mode spun: {cpu:?} of CPU in a 600 ms wait");
     }
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_uninit_buffers_become_the_bytes_that_arrived() {
+    let (pd, heap) = setup();
+    let (a, b) = Connection::pair(&pd, &rights(Access::REMOTE_READ)).unwrap();
+    // Old bytes in the memory the uninitialised buffers will get.
+    heap.alloc(1 << 20).unwrap().fill(0xee);
+    let want = pattern(7, 1 << 20);
+    let mut src = heap.alloc(1 << 20).unwrap();
+    src.copy_from_slice(&want);
+    let remote = src.remote().unwrap();
+    // A READ fills all of its target.
+    let (got, _) = a.post_read(heap.alloc_uninit(1 << 20).unwrap(), &remote, 0).unwrap().wait().unwrap();
+    assert_eq!(got.init_len(), 1 << 20);
+    assert_bytes_eq(&got.into_init(), &want, "read into an uninit buffer");
+    // A receive: only what arrived is shown, in a buffer much larger than the message.
+    let pending = b.post_recv(heap.alloc_uninit(1 << 20).unwrap()).unwrap();
+    let mut msg = heap.alloc(100).unwrap();
+    msg.copy_from_slice(&want[..100]);
+    a.send(&msg).unwrap();
+    let (got, r) = pending.wait().unwrap();
+    assert_eq!((r.len, got.init_len()), (100, 100));
+    let got = got.into_init();
+    assert_eq!(&got[..], &want[..100]);
+    // A failed READ (out of the remote key's range never posts; a bad rkey fails at the NIC)
+    // gives the buffer back with nothing marked.
+    let bad = RemoteBuf { rkey: remote.rkey ^ 0x5a5a_0000, ..remote };
+    let pending = a.post_read(heap.alloc_uninit(4096).unwrap(), &bad, 0).unwrap();
+    match pending.wait() {
+        Err(r) => assert_eq!(r.buf.map(|u| u.init_len()), Some(0), "{}", r.error),
+        Ok((u, _)) => panic!("a READ with a bad rkey succeeded: {u:?}"),
+    }
+}

@@ -29,6 +29,10 @@ use crate::verbs::{Access, Pd, Sge};
 /// ```
 pub struct Buffer {
     ptr: NonNull<u8>,
+    /// Bytes the buffer shows (at most `layout.size()`: an [`crate::heap::UninitBuffer`] turns
+    /// into a buffer of the bytes that arrived).
+    len: usize,
+    /// The allocation, as it is freed.
     layout: Layout,
     shared: NonNull<Shared>,
     /// The buffer's own remote keys, once exposed ([`Buffer::remote`]).
@@ -68,7 +72,16 @@ impl Buffer {
     /// `ptr` is a live allocation of `layout` from the heap behind `shared` that nothing else
     /// owns (the allocation itself keeps that heap alive).
     pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, layout: Layout, shared: NonNull<Shared>) -> Buffer {
-        Buffer { ptr, layout, shared, exposure: Slot::default() }
+        Buffer { ptr, len: layout.size(), layout, shared, exposure: Slot::default() }
+    }
+
+    /// Shows only the first `len` bytes (the allocation stays whole and is freed whole).
+    ///
+    /// # Safety
+    /// `len <= self.size()`, and those bytes are initialised.
+    pub(crate) unsafe fn set_len(&mut self, len: usize) {
+        debug_assert!(len <= self.len);
+        self.len = len;
     }
 
     #[inline]
@@ -85,7 +98,7 @@ impl Buffer {
 
     /// The length, without going through `Deref`.
     pub(crate) fn size(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     /// Start address, as the NIC sees it.
@@ -238,17 +251,18 @@ impl Buffer {
 impl Deref for Buffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr is a live allocation of layout.size() bytes, zero-filled when it was
-        // allocated (Heap::alloc* use MALLOCX_ZERO) and only written through this Buffer or by
-        // the NIC under an operation that borrows or owns it.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: ptr is a live allocation of at least len bytes, zero-filled when it was
+        // allocated (Heap::alloc* use MALLOCX_ZERO) or initialised up to len before an
+        // UninitBuffer became this Buffer, and only written through this Buffer or by the NIC
+        // under an operation that borrows or owns it.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl DerefMut for Buffer {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in deref; &mut self gives exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 

@@ -80,11 +80,14 @@ pub(crate) fn classes_match_jemalloc() -> bool {
     })
 }
 
-/// How many objects of `class_size` a magazine keeps: 256 KiB worth, between 1 and 64.
+/// The most objects a magazine keeps.
+const MAX_CAP: usize = 64;
+
+/// How many objects of `class_size` a magazine keeps: 256 KiB worth, between 1 and [`MAX_CAP`].
 pub(crate) const fn cap_of(class_size: usize) -> usize {
     let n = (256 << 10) / class_size;
-    if n > 64 {
-        64
+    if n > MAX_CAP {
+        MAX_CAP
     } else if n < 1 {
         1
     } else {
@@ -138,6 +141,7 @@ struct Magazine {
 /// magazines are `Cell`s); other threads read the two atomic counters, only under the heap's
 /// registry lock (which this front is freed under), and flush it at teardown
 /// ([`Front::flush_all`]) when its thread is gone or can no longer use the heap.
+#[repr(align(128))] // the counters of two threads' fronts never share a cache line
 pub(crate) struct Front {
     /// Bytes this thread handed out minus bytes it freed, for this heap. One writer (the thread,
     /// load + store); the registry sums it under its lock.
@@ -148,9 +152,19 @@ pub(crate) struct Front {
     limit: usize,
     /// The thread's jemalloc tcache for the heap (`MALLOCX_TCACHE` flag ready to use).
     pub(crate) tcache_flag: libc::c_int,
+    /// Its index (for `tcache.flush`).
+    tcache: u32,
     mags: Box<[Magazine]>,
-    /// The storage every magazine's `items` points into.
-    _slots: Box<[NonNull<u8>]>,
+    /// The storage every magazine's `items` points into: owned through this raw pointer (from
+    /// `Box::into_raw`, freed in `Drop`), so that moving the front does not retag it.
+    slots: NonNull<[NonNull<u8>]>,
+}
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        // SAFETY: `slots` came from Box::into_raw in `new` and is freed only here.
+        drop(unsafe { Box::from_raw(self.slots.as_ptr()) });
+    }
 }
 
 impl Front {
@@ -158,8 +172,8 @@ impl Front {
         // A disabled cache (bound 0) has no magazines: `class_for` sends everything past it.
         let n = if limit == 0 { 0 } else { NCLASSES };
         let total: usize = (0..n).map(|i| cap_of(class_size(i))).sum();
-        let mut slots: Box<[NonNull<u8>]> = vec![NonNull::dangling(); total].into_boxed_slice();
-        let base = slots.as_mut_ptr();
+        let slots = NonNull::from(Box::leak(vec![NonNull::<u8>::dangling(); total].into_boxed_slice()));
+        let base = slots.as_ptr().cast::<NonNull<u8>>();
         let mut at = 0;
         let mags = (0..n)
             .map(|i| {
@@ -175,8 +189,9 @@ impl Front {
             bytes: AtomicUsize::new(0),
             limit,
             tcache_flag: je::MALLOCX_TCACHE(tcache as usize),
+            tcache,
             mags,
-            _slots: slots,
+            slots,
         }
     }
 
@@ -189,12 +204,10 @@ impl Front {
         (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_fast(size))
     }
 
-    /// Adds `delta` to this thread's live bytes. The release store publishes a free to the
-    /// thread that sums the counters at teardown: after it, the heap may be gone.
+    /// This thread's live-byte counter, for [`add_live`].
     #[inline(always)]
-    pub(crate) fn add_live(&self, delta: i64) {
-        // This thread is the only writer: a plain load + store, no locked read-modify-write.
-        self.live.store(self.live.load(Ordering::Relaxed) + delta, Ordering::Release);
+    pub(crate) fn live_counter(&self) -> *const AtomicI64 {
+        &self.live
     }
 
     /// This thread's live bytes (read under the registry lock).
@@ -248,36 +261,67 @@ impl Front {
     #[cold]
     #[inline(never)]
     fn halve(&self, m: &Magazine, class_size: usize) {
-        let flag = self.tcache_flag;
         let (len, out) = (m.len.get() as usize, m.cap.div_ceil(2) as usize);
-        for i in 0..out {
-            // SAFETY: a kept object is a live allocation of exactly class_size bytes from this
-            // heap's arena (mallocx(class_size) or a request of that class); it leaves the
-            // magazine here, so it is freed once.
-            unsafe { je::sdallocx((*m.items.add(i)).as_ptr().cast(), class_size, flag) };
+        let mut victims = [NonNull::<u8>::dangling(); MAX_CAP];
+        // The magazine is settled before jemalloc runs (nothing it calls may see a stale one).
+        // SAFETY: out <= len <= cap <= MAX_CAP; both ranges lie in items[..len].
+        unsafe {
+            std::ptr::copy_nonoverlapping(m.items, victims.as_mut_ptr(), out);
+            std::ptr::copy(m.items.add(out), m.items, len - out);
         }
-        // SAFETY: both ranges lie in items[..len].
-        unsafe { std::ptr::copy(m.items.add(out), m.items, len - out) };
         m.len.set((len - out) as u32);
         self.add_bytes(-((out * class_size) as isize));
+        self.free_all(&victims[..out], class_size);
+    }
+
+    /// Frees objects of `class_size` bytes that left their magazine.
+    fn free_all(&self, objects: &[NonNull<u8>], class_size: usize) {
+        for q in objects {
+            // SAFETY: a kept object is a live allocation of exactly class_size bytes from this
+            // heap's arena (mallocx(class_size) or a request of that class); it left the magazine
+            // before this call, so it is freed once.
+            unsafe { je::sdallocx(q.as_ptr().cast(), class_size, self.tcache_flag) };
+        }
     }
 
     /// Hands every kept object back to jemalloc (through the thread's tcache, which the caller
     /// destroys next). Called at thread exit or heap teardown, when no thread can reach this
     /// cache otherwise, and when jemalloc cannot serve a request (the limit or the device).
     pub(crate) fn flush_all(&self) {
-        let flag = self.tcache_flag;
+        let mut victims = [NonNull::<u8>::dangling(); MAX_CAP];
         for (i, m) in self.mags.iter().enumerate() {
-            let size = class_size(i);
-            // Taken first: a reentrant use (jemalloc's hooks) sees an empty magazine.
+            // Emptied before jemalloc runs, as in `halve`.
             let len = m.len.replace(0) as usize;
-            for j in 0..len {
-                // SAFETY: as in `halve`: a kept object of class i, freed once (len went to 0).
-                unsafe { je::sdallocx((*m.items.add(j)).as_ptr().cast(), size, flag) };
-            }
+            // SAFETY: len <= cap <= MAX_CAP, items[..len] were written by `keep`.
+            unsafe { std::ptr::copy_nonoverlapping(m.items, victims.as_mut_ptr(), len) };
+            self.add_bytes(-((len * class_size(i)) as isize));
+            self.free_all(&victims[..len], class_size(i));
         }
-        self.bytes.store(0, Ordering::Relaxed);
     }
+
+    /// [`Front::flush_all`], then the thread's jemalloc tcache hands its objects back to the
+    /// arena too: for a request jemalloc could not serve (the heap's limit), every kept byte
+    /// must be available again.
+    pub(crate) fn flush_to_arena(&self) {
+        self.flush_all();
+        if let Err(e) = crate::heap::jemalloc::write::<libc::c_uint>("tcache.flush", self.tcache) {
+            tracing::debug!("tcache.flush({}) failed: {e}", self.tcache);
+        }
+    }
+}
+
+/// Adds `delta` to a thread's live bytes (from [`Front::live_counter`]), through a raw pointer:
+/// the release store publishes a free to the thread that sums the counters at teardown, and
+/// after it the heap, and the front, may be gone (no reference to either may be live across it).
+///
+/// # Safety
+/// `live` is the calling thread's own counter (it is the only writer), alive until this store.
+#[inline(always)]
+pub(crate) unsafe fn add_live(live: *const AtomicI64, delta: i64) {
+    // SAFETY: the caller's contract.
+    let live = unsafe { &*live };
+    // The only writer: a plain load + store, no locked read-modify-write.
+    live.store(live.load(Ordering::Relaxed) + delta, Ordering::Release);
 }
 
 /// The size of class `idx`.

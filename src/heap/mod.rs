@@ -30,6 +30,7 @@ mod scoped;
 mod shared;
 mod stats;
 mod tcache;
+mod uninit;
 
 pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
@@ -42,3 +43,4 @@ pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
 pub use scoped::{draining_heaps, Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
 pub use stats::HeapStats;
+pub use uninit::UninitBuffer;

@@ -9,7 +9,7 @@ use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
 use crate::heap::buffer::Buffer;
-use crate::heap::front::{Front, DEFAULT_THREAD_CACHE};
+use crate::heap::front::{add_live, Front, DEFAULT_THREAD_CACHE};
 use crate::heap::keys::{keys_in_slot, Keys};
 use crate::heap::numa::{self, NumaPolicy};
 use crate::heap::owner::{take_hook_error, HookError, Owner};
@@ -17,6 +17,7 @@ use crate::heap::pagemap::SLOT;
 use crate::heap::shared::Shared;
 use crate::heap::stats::HeapStats;
 use crate::heap::tcache;
+use crate::heap::uninit::UninitBuffer;
 use crate::heap::{chunk, jemalloc};
 use crate::verbs::{Access, Pd};
 
@@ -331,8 +332,9 @@ impl Heap {
     }
 
     /// Allocates `len` bytes, zero-filled. A [`Buffer`] derefs to `&[u8]`, so its bytes must be
-    /// initialised; jemalloc zeroes cheaply (fresh chunk pages are zero already). For raw,
-    /// uninitialised memory use the `allocator_api2::alloc::Allocator` impl of `Heap`.
+    /// initialised: memory from fresh chunk pages is zero already and is not written, reused
+    /// memory is zeroed. For memory the NIC fills (a READ target, a receive), use
+    /// [`Heap::alloc_uninit`], which never zeroes.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for zero or absurd lengths; [`Error::LimitExceeded`],
@@ -349,6 +351,21 @@ impl Heap {
     /// As [`Heap::alloc`].
     pub fn alloc_zeroed(&self, len: usize) -> Result<Buffer> {
         self.alloc(len)
+    }
+
+    /// Allocates `len` bytes without initialising them: an [`UninitBuffer`], for an RDMA READ or
+    /// a receive to fill (or the CPU), which then becomes a [`Buffer`] of the bytes that arrived.
+    /// No zero-fill: a 1 MiB buffer costs what a 64-byte one does.
+    ///
+    /// # Errors
+    /// As [`Heap::alloc`].
+    #[inline]
+    pub fn alloc_uninit(&self, len: usize) -> Result<UninitBuffer> {
+        check_len(len)?;
+        let layout = Layout::from_size_align(len, 1).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let ptr = self.raw_alloc(layout, false)?;
+        // SAFETY: ptr is a fresh allocation of layout from this heap.
+        Ok(unsafe { UninitBuffer::from_raw(ptr, layout, self.shared) })
     }
 
     /// Allocates with an explicit size and alignment (alignment up to the page size and beyond),
@@ -386,7 +403,8 @@ impl Heap {
             // SAFETY: a kept object of `class` >= size bytes, ours now.
             unsafe { p.as_ptr().write_bytes(0, size) };
         }
-        f.add_live(size as i64);
+        // SAFETY: this thread's counter for the heap, which our handle keeps alive.
+        unsafe { add_live(f.live_counter(), size as i64) };
         Some(p)
     }
 
@@ -419,7 +437,8 @@ impl Heap {
             unsafe { p.as_ptr().write_bytes(0, size) };
         }
         match f {
-            Some(f) => f.add_live(size as i64),
+            // SAFETY: this thread's counter for the heap, which our handle keeps alive.
+            Some(f) => unsafe { add_live(f.live_counter(), size as i64) },
             // Without a front the counter is the shared fallback (several writers).
             None => {
                 self.shared().owner.counters.orphan_live.fetch_add(size as i64, Ordering::AcqRel);
@@ -450,44 +469,67 @@ impl Heap {
         stats
     }
 
-    /// Maps and registers at least `bytes` more memory now, so that the allocations it serves
+    /// Maps and registers at least `bytes` more memory now, so that allocations it can serve
     /// later make no new chunk: call it at start-up to keep `ibv_reg_mr` (milliseconds per
-    /// chunk, hundreds on a large one) off the hot path. The memory is registered with every PD
-    /// the heap is bound to (and with later ones at bind time), counts in
+    /// chunk, hundreds of them for a large one) off the hot path. The memory is registered with
+    /// every PD the heap is bound to (and with later ones at bind time), counts in
     /// [`HeapStats::mapped_bytes`], and stays with the heap until it is dropped, like every
     /// chunk.
     ///
-    /// Internally, blocks of up to [`HeapBuilder::max_chunk`] bytes are allocated until the heap
-    /// has grown by `bytes`, then freed; jemalloc keeps the freed extents in the arena (the
-    /// hooks refuse to give registered pages back) and serves later allocations from them.
+    /// Leave some headroom: an allocation above 16 KiB takes its size class plus one page, and
+    /// chunk ends fragment (a sixteenth more than the buffers' total is plenty). Chunks other
+    /// threads make meanwhile count toward `bytes`, and while `reserve` runs the memory it
+    /// holds is not available to them.
+    ///
+    /// Internally, blocks of up to half a [`HeapBuilder::max_chunk`] are allocated until the
+    /// heap has grown by `bytes`, then freed; jemalloc keeps the freed extents in the arena
+    /// (the hooks refuse to give registered pages back) and serves later allocations from them.
     ///
     /// # Errors
-    /// [`Error::LimitExceeded`] if the heap's [`HeapBuilder::limit`] does not leave room for
-    /// `bytes`, [`Error::Registration`], [`Error::Io`] or [`Error::OutOfMemory`] if a chunk
-    /// could not be mapped, bound or registered. The chunks made before the failure stay with
-    /// the heap (reserved); nothing is allocated.
+    /// [`Error::LimitExceeded`], before anything is mapped, if `bytes` does not fit under the
+    /// heap's [`HeapBuilder::limit`]; [`Error::Registration`], [`Error::Io`] or
+    /// [`Error::OutOfMemory`] if a chunk could not be mapped, bound or registered (the chunks
+    /// made before the failure stay with the heap). Nothing stays allocated either way.
     pub fn reserve(&self, bytes: usize) -> Result<()> {
+        const PAGE: usize = 4096;
         let s = self.shared();
         let mapped = || s.owner.counters.mapped.load(Ordering::Relaxed) as usize;
-        let target = mapped().saturating_add(bytes);
-        // Blocks of at most half a chunk: each fits a chunk jemalloc grows by.
-        let block = (self.shared().max_chunk / 2).clamp(SLOT, 64 << 20);
+        let start = mapped();
+        if bytes > s.owner.limit.saturating_sub(start) {
+            return Err(Error::LimitExceeded { limit: s.owner.limit, mapped: start, requested: bytes });
+        }
+        let target = start + bytes;
+        let block = (s.max_chunk / 2).clamp(SLOT, 64 << 20);
         let flags = je::MALLOCX_ARENA(self.arena as usize) | je::MALLOCX_TCACHE_NONE;
-        let mut held = Vec::with_capacity(bytes / block + 2);
+        // The blocks held so far, as an intrusive list (no allocation here): each block's
+        // first 16 bytes hold the previous block and this block's size.
+        let mut held: Option<(NonNull<u8>, usize)> = None;
         let mut result = Ok(());
         while mapped() < target {
-            // SAFETY: block > 0; flags name our arena and no tcache.
-            match unsafe { mallocx_or_flush(None, block, flags) } {
-                Ok(p) => held.push(p),
-                Err(e) => {
-                    result = Err(e.into_error(block));
-                    break;
+            let mut want = (target - mapped()).min(block).next_multiple_of(PAGE);
+            let p = loop {
+                // SAFETY: want >= one page; flags name our arena and no tcache.
+                match unsafe { mallocx_or_flush(None, want, flags) } {
+                    Ok(p) => break Some(p),
+                    // Near the limit a smaller block may still fit (a chunk holds a block plus
+                    // a page of padding).
+                    Err(HookError::Limit { .. }) if want > PAGE => want = (want / 2).next_multiple_of(PAGE),
+                    Err(e) => {
+                        result = Err(e.into_error(bytes));
+                        break None;
+                    }
                 }
-            }
+            };
+            let Some(p) = p else { break };
+            // SAFETY: p is a fresh, writable allocation of want >= 4096 bytes, 16-aligned.
+            unsafe { p.as_ptr().cast::<Option<(NonNull<u8>, usize)>>().write(held) };
+            held = Some((p, want));
         }
-        for p in held {
-            // SAFETY: allocated above with the same size and flags, freed once.
-            unsafe { je::sdallocx(p.as_ptr().cast(), block, flags) };
+        while let Some((p, size)) = held {
+            // SAFETY: written above, before the block was added to the list.
+            held = unsafe { p.as_ptr().cast::<Option<(NonNull<u8>, usize)>>().read() };
+            // SAFETY: allocated above with this size and flags, freed once.
+            unsafe { je::sdallocx(p.as_ptr().cast(), size, flags) };
         }
         result
     }
@@ -565,7 +607,7 @@ unsafe fn mallocx_or_flush(
     let first = take_hook_error();
     let Some(fp) = front else { return Err(first) };
     // SAFETY: the caller's contract: this thread's front for the heap, alive during the call.
-    unsafe { fp.as_ref() }.flush_all();
+    unsafe { fp.as_ref() }.flush_to_arena();
     // SAFETY: the caller's contract.
     match NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
         Some(p) => Ok(p),
@@ -612,7 +654,10 @@ unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: La
         let f = unsafe { fp.as_ref() };
         if let Some((idx, class)) = f.class_for(size, jemalloc::align_flags(layout)) {
             if f.keep(idx, class, ptr).is_none() {
-                f.add_live(-(size as i64));
+                let live = f.live_counter();
+                // SAFETY: this thread's counter, alive until this store (the allocation being
+                // freed keeps the heap); no reference to the front is used after it.
+                unsafe { add_live(live, -(size as i64)) };
                 return;
             }
         }
@@ -638,7 +683,9 @@ unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
             // SAFETY: the caller guarantees ptr/layout come from this heap's arena; n is the
             // size it was allocated with (or of its class) and the alignment flag matches.
             unsafe { je::sdallocx(ptr.as_ptr().cast(), n, f.tcache_flag | align) };
-            f.add_live(-(size as i64));
+            let live = f.live_counter();
+            // SAFETY: as in free_in.
+            unsafe { add_live(live, -(size as i64)) };
         }
         None => {
             // SAFETY: as above; sdallocx takes any size of the allocation's class.

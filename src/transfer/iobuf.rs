@@ -15,7 +15,7 @@
 use std::ops::{Deref, RangeBounds};
 use std::sync::Arc;
 
-use crate::heap::{range_of, Buffer, Heap};
+use crate::heap::{range_of, Buffer, Heap, UninitBuffer};
 use crate::transfer::local::heap_lkey;
 use crate::transfer::pending::Rejected;
 use crate::transfer::MappedFile;
@@ -266,5 +266,55 @@ unsafe impl<T: IoBuf + Sync> IoBuf for Arc<T> {
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
         (**self).lkey_for(pd)
+    }
+}
+
+/// Memory an operation can own while the NIC fills it: the target of an RDMA READ or a receive
+/// ([`crate::transfer::Connection::post_read`], `post_recv`, and the async `read` / `recv`),
+/// initialised or not. Every [`IoBufMut`] is one, and so is [`UninitBuffer`], which has no
+/// initialised bytes to show until the NIC wrote them: the operation tells it how many arrived.
+///
+/// # Safety
+/// As [`IoBufMut`] for the range `target()` returns, except that the bytes need not be
+/// initialised; `filled` only records what the caller guarantees.
+pub unsafe trait IoTarget: Send + 'static {
+    /// Start and length of the memory the NIC may write (stable across moves).
+    fn target(&mut self) -> (*mut u8, usize);
+
+    /// The local key covering the whole target in `pd`, if registered there.
+    fn target_lkey(&self, pd: &Pd) -> Option<u32>;
+
+    /// Records that the NIC wrote the first `n` bytes (a READ: all of them; a receive: what
+    /// arrived). The default does nothing: initialised memory has nothing to learn.
+    ///
+    /// # Safety
+    /// `[0, n)` of the target was written, and `n` is at most its length.
+    unsafe fn filled(&mut self, n: usize) {
+        let _ = n;
+    }
+}
+
+// SAFETY: an IoBufMut's range is valid, stable, writable memory only the value can free.
+unsafe impl<B: IoBufMut> IoTarget for B {
+    fn target(&mut self) -> (*mut u8, usize) {
+        (self.stable_mut_ptr(), self.bytes_len())
+    }
+    fn target_lkey(&self, pd: &Pd) -> Option<u32> {
+        self.lkey_for(pd)
+    }
+}
+
+// SAFETY: an UninitBuffer owns its allocation like a Buffer (stable, freed only by its Drop,
+// which keeps the heap's chunks mapped until then) and shows no byte it did not learn was written.
+unsafe impl IoTarget for UninitBuffer {
+    fn target(&mut self) -> (*mut u8, usize) {
+        self.target_parts()
+    }
+    fn target_lkey(&self, pd: &Pd) -> Option<u32> {
+        heap_lkey(self.addr() as *const u8, self.len(), pd)
+    }
+    unsafe fn filled(&mut self, n: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { self.set_init(n) };
     }
 }

@@ -59,7 +59,7 @@ pub use cm::{CmListener, MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACC
 pub use completion::Completed;
 pub use connection::Connection;
 pub use grant::Grant;
-pub use iobuf::{IoBuf, IoBufMut, Slice};
+pub use iobuf::{IoBuf, IoBufMut, IoTarget, Slice};
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use ops::Received;

@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::completion::Ticket;
-use crate::transfer::iobuf::{IoBuf, IoBufMut};
+use crate::transfer::iobuf::{IoBuf, IoTarget};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::{nonempty, Received};
 use crate::transfer::Connection;
@@ -51,19 +51,26 @@ impl<B> From<Rejected<B>> for Error {
 /// posted receive leaves it posted: the next SEND the peer makes lands in it and is discarded.
 /// Forgetting a `Pending` (`mem::forget`) leaks the buffer; the NIC never touches freed memory.
 #[must_use = "dropping a Pending leaves the operation running; its buffer is freed when it completes"]
-pub struct Pending<'c, B: IoBuf> {
+pub struct Pending<'c, B: Send + 'static> {
     conn: &'c Connection,
     ticket: Ticket,
     buf: Option<B>,
+    /// For a READ or receive target: records what the NIC wrote (`Some(len)`: a READ, all of
+    /// it; `None`: a receive, the completion's byte count).
+    fill: Option<(Filled<B>, Option<usize>)>,
 }
 
-impl<B: IoBuf> std::fmt::Debug for Pending<'_, B> {
+/// [`IoTarget::filled`] of a target type, kept as a plain function pointer so that `Pending`
+/// needs no bound on `B`.
+type Filled<B> = unsafe fn(&mut B, usize);
+
+impl<B: Send + 'static> std::fmt::Debug for Pending<'_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pending").field("wr_id", &self.ticket.wr_id).field("send", &self.ticket.send).finish()
     }
 }
 
-impl<'c, B: IoBuf> Pending<'c, B> {
+impl<'c, B: Send + 'static> Pending<'c, B> {
     /// Whether the completion has arrived (polls the CQ once).
     pub fn is_done(&self) -> bool {
         matches!(self.conn.core().is_done(self.ticket), Ok(true))
@@ -79,9 +86,17 @@ impl<'c, B: IoBuf> Pending<'c, B> {
     /// or [`Error::FlushLost`] without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
         let r = self.conn.wait(self.ticket);
-        let buf = self.buf.take().expect("a Pending holds its buffer until waited");
+        let mut buf = self.buf.take().expect("a Pending holds its buffer until waited");
         match r {
-            Ok(c) => Ok((buf, c.into())),
+            Ok(c) => {
+                if let Some((filled, len)) = self.fill {
+                    // SAFETY: the operation completed successfully: the NIC wrote the whole
+                    // target (a READ of len bytes) or byte_len bytes from its start (a receive,
+                    // at most the posted length).
+                    unsafe { filled(&mut buf, len.unwrap_or(c.byte_len as usize)) };
+                }
+                Ok((buf, c.into()))
+            }
             Err(error @ Error::FlushLost { .. }) => {
                 // The NIC may still own the memory: leak it rather than hand it back.
                 std::mem::forget(buf);
@@ -92,7 +107,7 @@ impl<'c, B: IoBuf> Pending<'c, B> {
     }
 }
 
-impl<B: IoBuf> Drop for Pending<'_, B> {
+impl<B: Send + 'static> Drop for Pending<'_, B> {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             self.conn.core().park(self.ticket, Box::new(buf));
@@ -123,13 +138,21 @@ impl Connection {
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf) }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: None }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })
             }
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
+    }
+
+    /// A bounds-checked SGE for a READ or receive target, or the typed error saying why not.
+    pub(crate) fn checked_target<B: IoTarget>(&self, buf: &mut B, verb: Verb) -> Result<Sge> {
+        self.check()?;
+        let (ptr, len) = buf.target();
+        nonempty(len, verb)?;
+        sge_of_parts(ptr.cast_const(), len, buf.target_lkey(self.pd()))
     }
 
     /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`.
@@ -165,13 +188,32 @@ impl Connection {
     ///
     /// # Errors
     /// As [`Connection::post_write`].
-    pub fn post_read<B: IoBufMut>(
+    /// The target may be uninitialised memory ([`crate::heap::UninitBuffer`]): after a
+    /// successful [`Pending::wait`] all of it is initialised.
+    pub fn post_read<B: IoTarget>(
         &self,
-        buf: B,
+        mut buf: B,
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, Verb::Read, |len| Ok(SendOp::Read(remote.at(offset, len)?)))
+        let prepared = self
+            .checked_target(&mut buf, Verb::Read)
+            .and_then(|sge| Ok((sge, SendOp::Read(remote.at(offset, u64::from(sge.len()))?))));
+        let (sge, w) = match prepared {
+            Ok(x) => x,
+            Err(error) => return Err(Rejected { error, buf: Some(buf) }),
+        };
+        let len = sge.len() as usize;
+        // SAFETY: as in post_owned: `buf` moves into the returned Pending (or is leaked on
+        // FlushLost).
+        match unsafe { self.post_chain(&[sge], &[w], self.inline_flag(&w, len)) } {
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: Some((B::filled, Some(len))) }),
+            Err(error @ Error::FlushLost { .. }) => {
+                std::mem::forget(buf);
+                Err(Rejected { error, buf: None })
+            }
+            Err(error) => Err(Rejected { error, buf: Some(buf) }),
+        }
     }
 
     /// Starts a SEND of all of `buf`.
@@ -188,14 +230,17 @@ impl Connection {
     /// # Errors
     /// As [`Connection::post_write`], and [`Error::InvalidArgument`] when the receive queue is
     /// full.
-    pub fn post_recv<B: IoBufMut>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = match self.checked_owned(&buf, Verb::Recv) {
+    ///
+    /// The buffer may be uninitialised memory ([`crate::heap::UninitBuffer`]): after a
+    /// successful [`Pending::wait`] the bytes that arrived are initialised.
+    pub fn post_recv<B: IoTarget>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+        let sge = match self.checked_target(&mut buf, Verb::Recv) {
             Ok(s) => s,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
         // SAFETY: as in post_owned (a refused receive post touches nothing).
         match unsafe { self.post_recv_raw(Some(sge)) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf) }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: Some((B::filled, None)) }),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
     }

@@ -15,13 +15,13 @@ use crate::transfer::aio::wire::Msg;
 use crate::transfer::aio::{control, driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
-use crate::transfer::{Connection, IoBuf, IoBufMut, Options, Received, Rejected, WaitMode};
+use crate::transfer::{Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
 use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Verb};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
 /// share the connection, which closes when the last clone and the last operation are gone.
 ///
-/// Every operation takes its local buffer **by value** ([`IoBuf`] / [`IoBufMut`]) and gives it
+/// Every operation takes its local buffer **by value** ([`IoBuf`] / [`IoTarget`]) and gives it
 /// back with the result, as tokio-uring does, so a buffer moves into a task and out again:
 ///
 /// ```no_run
@@ -226,6 +226,27 @@ impl AsyncConnection {
     }
 
     /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
+    /// [`AsyncConnection::start`] for a READ or receive target; also returns the target's
+    /// length (0 if refused).
+    fn start_target<B: IoTarget>(
+        &self,
+        mut buf: B,
+        verb: Verb,
+        what: impl FnOnce(u64) -> Result<Option<SendOp>>,
+    ) -> (Op<B>, usize) {
+        let conn = self.conn();
+        let req = conn
+            .checked_target(&mut buf, verb)
+            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
+        match req {
+            Ok(req) => {
+                let len = req.sge.as_ref().map_or(0, |s| s.len() as usize);
+                (Op::start(self.shared.clone(), buf, req), len)
+            }
+            Err(e) => (Op::refused(self.shared.clone(), buf, e), 0),
+        }
+    }
+
     fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
         let conn = self.conn();
         let req = conn
@@ -274,14 +295,22 @@ impl AsyncConnection {
     ///
     /// # Errors
     /// As [`AsyncConnection::write`].
-    pub fn read<B: IoBufMut>(
+    /// The target may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the
+    /// future returns it `Ok`, all of it is initialised.
+    pub fn read<B: IoTarget>(
         &self,
         buf: B,
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, Verb::Read, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
-        async move { op.await.map(|(b, _)| b) }
+        let (op, len) = self.start_target(buf, Verb::Read, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
+        async move {
+            op.await.map(|(mut b, _)| {
+                // SAFETY: the READ completed successfully: the NIC wrote all `len` bytes.
+                unsafe { b.filled(len) };
+                b
+            })
+        }
     }
 
     /// SEND of all of `buf` (the peer must have a receive posted).
@@ -311,12 +340,22 @@ impl AsyncConnection {
     ///
     /// # Errors
     /// As [`AsyncConnection::write`]; [`Error::InvalidArgument`] when the receive queue is full.
-    pub fn recv<B: IoBufMut>(
+    ///
+    /// The buffer may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the future
+    /// returns it `Ok`, the bytes that arrived are initialised.
+    pub fn recv<B: IoTarget>(
         &self,
         buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, Verb::Recv, |_| Ok(None));
-        async move { op.await.map(|(b, c)| (b, c.into())) }
+        let (op, _) = self.start_target(buf, Verb::Recv, |_| Ok(None));
+        async move {
+            op.await.map(|(mut b, c)| {
+                // SAFETY: the receive completed successfully: the NIC wrote byte_len bytes from
+                // the start of the buffer (at most its length).
+                unsafe { b.filled(c.byte_len as usize) };
+                (b, c.into())
+            })
+        }
     }
 
     /// Posts a receive without memory and completes with the immediate of the peer's WRITE with

@@ -57,7 +57,7 @@ fn new_watch() -> Stopwatch {
 /// task, a `select!` that took another branch, a `timeout`) it parks the buffer with the
 /// connection, which frees it when the completion or the flush is reaped. Nothing here blocks.
 #[must_use = "an operation does nothing useful unless awaited; dropping it parks its buffer"]
-pub struct Op<B: IoBuf> {
+pub struct Op<B: Send + 'static> {
     shared: Arc<Shared>,
     stage: Stage,
     buf: Option<B>,
@@ -69,7 +69,7 @@ pub struct Op<B: IoBuf> {
     local: Option<Error>,
 }
 
-impl<B: IoBuf> std::fmt::Debug for Op<B> {
+impl<B: Send + 'static> std::fmt::Debug for Op<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let stage = match self.stage {
             Stage::Queued(t) => format!("waiting for send-queue room (place {t})"),
@@ -83,9 +83,9 @@ impl<B: IoBuf> std::fmt::Debug for Op<B> {
 }
 
 // The future never hands out pinned references to its fields: moving it is fine.
-impl<B: IoBuf> Unpin for Op<B> {}
+impl<B: Send + 'static> Unpin for Op<B> {}
 
-impl<B: IoBuf> Op<B> {
+impl<B: Send + 'static> Op<B> {
     /// Starts `req` on `buf`: posted at once if the send queue has room and no earlier request
     /// waits for it; else queued behind them. A refused post finishes the future with the error
     /// and the buffer.
@@ -180,7 +180,7 @@ impl<B: IoBuf> Op<B> {
     }
 }
 
-impl<B: IoBuf> Future for Op<B> {
+impl<B: Send + 'static> Future for Op<B> {
     type Output = std::result::Result<(B, Completed), Rejected<B>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -272,7 +272,7 @@ impl<B: IoBuf> Future for Op<B> {
     }
 }
 
-impl<B: IoBuf> Drop for Op<B> {
+impl<B: Send + 'static> Drop for Op<B> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
         let ticket = match self.stage {
