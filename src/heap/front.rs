@@ -152,8 +152,8 @@ pub(crate) struct Front {
     limit: usize,
     /// The thread's jemalloc tcache for the heap (`MALLOCX_TCACHE` flag ready to use).
     pub(crate) tcache_flag: libc::c_int,
-    /// Its index (for `tcache.flush`).
-    tcache: u32,
+    /// Its index (for `tcache.flush`, and `tcache.destroy` when the slot dies).
+    pub(crate) tcache: u32,
     mags: Box<[Magazine]>,
     /// The storage every magazine's `items` points into: owned through this raw pointer (from
     /// `Box::into_raw`, freed in `Drop`), so that moving the front does not retag it.

@@ -21,10 +21,9 @@ use crate::heap::jemalloc;
 
 /// One thread's caches for one heap.
 pub(crate) struct Slot {
-    pub(crate) tcache: u32,
     pub(crate) alive: bool,
-    /// The thread's front cache: used by that thread only (other threads read its counters
-    /// under the registry's lock), freed (with `Box::from_raw`) when the slot dies, under that
+    /// The thread's front cache (which holds its tcache): used by that thread only (other
+    /// threads read its counters under the registry's lock), freed (with `Box::from_raw`) when the slot dies, under that
     /// lock.
     front: NonNull<Front>,
 }
@@ -47,8 +46,8 @@ impl Slot {
         let front = unsafe { Box::from_raw(self.front.as_ptr()) };
         front.flush_all();
         retired.fetch_add(front.live(), Ordering::AcqRel);
-        if let Err(e) = jemalloc::tcache_destroy(self.tcache) {
-            tracing::warn!("tcache.destroy({}) failed: {e}", self.tcache);
+        if let Err(e) = jemalloc::tcache_destroy(front.tcache) {
+            tracing::warn!("tcache.destroy({}) failed: {e}", front.tcache);
         }
         self.alive = false;
     }
@@ -136,8 +135,8 @@ thread_local! {
 #[inline(always)]
 pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
     if let Ok((h, front)) = LAST.try_with(Cell::get) {
-        if h == heap && !front.is_null() {
-            return NonNull::new(front);
+        if let Some(f) = NonNull::new(front).filter(|_| h == heap) {
+            return Some(f);
         }
     }
     get_slow(heap, registry)
@@ -169,7 +168,7 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<N
     }
     let tcache = jemalloc::tcache_create()?;
     let front = NonNull::from(Box::leak(Box::new(Front::new(tcache, registry.limit))));
-    slots.push(Slot { tcache, alive: true, front });
+    slots.push(Slot { alive: true, front });
     c.entries.push(Entry { heap, front, registry: Arc::downgrade(registry) });
     Ok(front)
 }

@@ -129,16 +129,30 @@ impl Connection {
         verb: Verb,
         what: impl FnOnce(u64) -> Result<SendOp>,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let prepared = self.checked_owned(&buf, verb).and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
+        let sge = self.checked_owned(&buf, verb);
+        self.post_prepared(buf, sge, what, None)
+    }
+
+    /// Posts one request on `buf` whose SGE was checked (`sge`); `fill` records, for a READ
+    /// target, that the NIC wrote all of it.
+    fn post_prepared<B: Send + 'static>(
+        &self,
+        buf: B,
+        sge: Result<Sge>,
+        what: impl FnOnce(u64) -> Result<SendOp>,
+        fill: Option<Filled<B>>,
+    ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+        let prepared = sge.and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
         let (sge, w) = match prepared {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        let flags = self.inline_flag(&w, sge.len() as usize);
+        let len = sge.len() as usize;
+        let flags = self.inline_flag(&w, len);
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: None }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: fill.map(|f| (f, Some(len))) }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })
@@ -184,36 +198,20 @@ impl Connection {
         self.post_owned(buf, Verb::WriteWithImm, |len| Ok(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
     }
 
-    /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`.
+    /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`. The target may be
+    /// uninitialised memory ([`crate::heap::UninitBuffer`]): after a successful
+    /// [`Pending::wait`] all of it is initialised.
     ///
     /// # Errors
     /// As [`Connection::post_write`].
-    /// The target may be uninitialised memory ([`crate::heap::UninitBuffer`]): after a
-    /// successful [`Pending::wait`] all of it is initialised.
     pub fn post_read<B: IoTarget>(
         &self,
         mut buf: B,
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let prepared = self
-            .checked_target(&mut buf, Verb::Read)
-            .and_then(|sge| Ok((sge, SendOp::Read(remote.at(offset, u64::from(sge.len()))?))));
-        let (sge, w) = match prepared {
-            Ok(x) => x,
-            Err(error) => return Err(Rejected { error, buf: Some(buf) }),
-        };
-        let len = sge.len() as usize;
-        // SAFETY: as in post_owned: `buf` moves into the returned Pending (or is leaked on
-        // FlushLost).
-        match unsafe { self.post_chain(&[sge], &[w], self.inline_flag(&w, len)) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: Some((B::filled, Some(len))) }),
-            Err(error @ Error::FlushLost { .. }) => {
-                std::mem::forget(buf);
-                Err(Rejected { error, buf: None })
-            }
-            Err(error) => Err(Rejected { error, buf: Some(buf) }),
-        }
+        let sge = self.checked_target(&mut buf, Verb::Read);
+        self.post_prepared(buf, sge, |len| Ok(SendOp::Read(remote.at(offset, len)?)), Some(B::filled))
     }
 
     /// Starts a SEND of all of `buf`.
@@ -225,14 +223,13 @@ impl Connection {
     }
 
     /// Posts `buf` as a receive buffer; the returned `Pending` completes when a SEND fills it.
-    /// Receives complete in the order they were posted.
+    /// Receives complete in the order they were posted. The buffer may be uninitialised memory
+    /// ([`crate::heap::UninitBuffer`]): after a successful [`Pending::wait`] the bytes that
+    /// arrived are initialised.
     ///
     /// # Errors
     /// As [`Connection::post_write`], and [`Error::InvalidArgument`] when the receive queue is
     /// full.
-    ///
-    /// The buffer may be uninitialised memory ([`crate::heap::UninitBuffer`]): after a
-    /// successful [`Pending::wait`] the bytes that arrived are initialised.
     pub fn post_recv<B: IoTarget>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
         let sge = match self.checked_target(&mut buf, Verb::Recv) {
             Ok(s) => s,

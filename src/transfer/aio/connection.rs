@@ -16,7 +16,7 @@ use crate::transfer::aio::{control, driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
 use crate::transfer::{Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
-use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Verb};
+use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Sge, Verb};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
 /// share the connection, which closes when the last clone and the last operation are gone.
@@ -226,32 +226,20 @@ impl AsyncConnection {
     }
 
     /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
-    /// [`AsyncConnection::start`] for a READ or receive target; also returns the target's
-    /// length (0 if refused).
-    fn start_target<B: IoTarget>(
-        &self,
-        mut buf: B,
-        verb: Verb,
-        what: impl FnOnce(u64) -> Result<Option<SendOp>>,
-    ) -> (Op<B>, usize) {
-        let conn = self.conn();
-        let req = conn
-            .checked_target(&mut buf, verb)
-            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
-        match req {
-            Ok(req) => {
-                let len = req.sge.as_ref().map_or(0, |s| s.len() as usize);
-                (Op::start(self.shared.clone(), buf, req), len)
-            }
-            Err(e) => (Op::refused(self.shared.clone(), buf, e), 0),
-        }
+    fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
+        let sge = self.conn().checked_owned(&buf, verb);
+        self.start_checked(buf, sge, what)
     }
 
-    fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
-        let conn = self.conn();
-        let req = conn
-            .checked_owned(&buf, verb)
-            .and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
+    /// Starts one request on `buf` whose SGE was checked (`sge`), or finishes the future with
+    /// the refusal.
+    fn start_checked<B: Send + 'static>(
+        &self,
+        buf: B,
+        sge: Result<Sge>,
+        what: impl FnOnce(u64) -> Result<Option<SendOp>>,
+    ) -> Op<B> {
+        let req = sge.and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
         match req {
             Ok(req) => Op::start(self.shared.clone(), buf, req),
             Err(e) => Op::refused(self.shared.clone(), buf, e),
@@ -291,19 +279,21 @@ impl AsyncConnection {
         async move { op.await.map(|(b, _)| b) }
     }
 
-    /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back.
+    /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back. The
+    /// target may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the future
+    /// returns it `Ok`, all of it is initialised.
     ///
     /// # Errors
     /// As [`AsyncConnection::write`].
-    /// The target may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the
-    /// future returns it `Ok`, all of it is initialised.
     pub fn read<B: IoTarget>(
         &self,
-        buf: B,
+        mut buf: B,
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let (op, len) = self.start_target(buf, Verb::Read, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
+        let sge = self.conn().checked_target(&mut buf, Verb::Read);
+        let len = sge.as_ref().map_or(0, |s| s.len() as usize);
+        let op = self.start_checked(buf, sge, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
         async move {
             op.await.map(|(mut b, _)| {
                 // SAFETY: the READ completed successfully: the NIC wrote all `len` bytes.
@@ -336,18 +326,18 @@ impl AsyncConnection {
     }
 
     /// Posts `buf` as a receive (at call time) and completes when a SEND fills it. Receives
-    /// complete in the order they were posted.
+    /// complete in the order they were posted. The buffer may be uninitialised memory
+    /// ([`crate::heap::UninitBuffer`]): once the future returns it `Ok`, the bytes that arrived
+    /// are initialised.
     ///
     /// # Errors
     /// As [`AsyncConnection::write`]; [`Error::InvalidArgument`] when the receive queue is full.
-    ///
-    /// The buffer may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the future
-    /// returns it `Ok`, the bytes that arrived are initialised.
     pub fn recv<B: IoTarget>(
         &self,
-        buf: B,
+        mut buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
-        let (op, _) = self.start_target(buf, Verb::Recv, |_| Ok(None));
+        let sge = self.conn().checked_target(&mut buf, Verb::Recv);
+        let op = self.start_checked(buf, sge, |_| Ok(None));
         async move {
             op.await.map(|(mut b, c)| {
                 // SAFETY: the receive completed successfully: the NIC wrote byte_len bytes from
