@@ -2,11 +2,12 @@
 //! a `Heap` bound to the device against the naive way — malloc + `ibv_reg_mr` + `ibv_dereg_mr` +
 //! free per buffer — at 4 KiB and 64 KiB; `keys_of` on a bound heap against an unbound one; and
 //! the cost of the first touch of a new chunk; the worst allocation while a heap grows to 256 MiB,
-//! without and with `Heap::reserve`.
+//! without and with `Heap::reserve` (run by `scripts/bench-transfer`, in its boot).
 //!
 //! ```text
-//! registered [--rounds N]
+//! registered [--rounds N] [--part all|alloc|growth]
 //! ```
+//! `--part alloc` runs everything but the growth, `--part growth` only the growth.
 //! Each comparison runs N rounds (default 5), the two sides back to back and in alternating
 //! order; prints `RATIO <name> <median> [<min>-<max>]` over the per-round ratios and `FIGURE`
 //! lines the same way. Numbers are measured, never typed in.
@@ -58,9 +59,15 @@ fn ratios(num: &[f64], den: &[f64]) -> Vec<f64> {
 fn main() -> mralloc::Result<()> {
     let mut args = std::env::args().skip(1);
     let mut rounds = 5usize;
+    let mut part = String::from("all");
     while let Some(a) = args.next() {
         if a == "--rounds" {
             rounds = args.next().and_then(|v| v.parse().ok()).filter(|&n| n > 0).expect("--rounds N (N > 0)");
+        } else if a == "--part" {
+            part = args
+                .next()
+                .filter(|p| ["all", "alloc", "growth"].contains(&p.as_str()))
+                .expect("--part all|alloc|growth");
         }
     }
     if std::env::args().any(|a| a == "--bench" || a == "--list") && std::env::var("MRALLOC_DEVICE").is_err() {
@@ -70,8 +77,19 @@ fn main() -> mralloc::Result<()> {
     }
     let ctx = Context::open_default()?;
     let pd = Pd::new(&ctx)?;
-    let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
-    println!("device {}, {rounds} rounds", ctx.name());
+    println!("device {}, {rounds} rounds, part {part}", ctx.name());
+    if part != "growth" {
+        alloc_and_registration(&pd, rounds)?;
+    }
+    if part != "alloc" {
+        growth(&pd, rounds)?;
+    }
+    Ok(())
+}
+
+/// The heap against malloc + `ibv_reg_mr`, `keys_of` bound and unbound, first touch of a chunk.
+fn alloc_and_registration(pd: &Pd, rounds: usize) -> mralloc::Result<()> {
+    let heap = Heap::builder().bind(pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build()?;
     for (n, label) in [(4096usize, "4KiB"), (65536, "64KiB")] {
         // Raw allocation through the Allocator API (like malloc below: no zero-fill), one byte
         // written, keys looked up.
@@ -96,7 +114,7 @@ fn main() -> mralloc::Result<()> {
                 unsafe {
                     let p = libc::malloc(n) as *mut u8;
                     *p = 1;
-                    let mr = Mr::register(&pd, p, n, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+                    let mr = Mr::register(pd, p, n, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
                     black_box(mr.lkey());
                     drop(mr);
                     libc::free(p.cast());
@@ -137,7 +155,7 @@ fn main() -> mralloc::Result<()> {
     for mib in [2usize, 16, 64] {
         let mut ms = Vec::new();
         for _ in 0..rounds {
-            let h = Heap::builder().bind(&pd).max_chunk(mib << 20).build()?;
+            let h = Heap::builder().bind(pd).max_chunk(mib << 20).build()?;
             let t = Instant::now();
             let b = h.alloc((mib << 20) - 4096)?;
             ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -152,11 +170,15 @@ fn main() -> mralloc::Result<()> {
         }
         println!("FIGURE first_touch_chunk_{mib}MiB_ms {}", spread(ms));
     }
-    // Growth from 0 to 256 MiB live in 1 MiB buffers on a fresh bound heap: the worst single
-    // allocation (it makes and registers a chunk), without and with `reserve(272 MiB)` first.
+    Ok(())
+}
+
+/// Growth from 0 to 256 MiB live in 1 MiB buffers on a fresh bound heap: the worst single
+/// allocation (it makes and registers a chunk), without and with `reserve(272 MiB)` first.
+fn growth(pd: &Pd, rounds: usize) -> mralloc::Result<()> {
     let grow = |reserve: bool| -> mralloc::Result<f64> {
         use allocator_api2::alloc::Allocator;
-        let h = Heap::builder().bind(&pd).build()?;
+        let h = Heap::builder().bind(pd).build()?;
         let t = Instant::now();
         if reserve {
             // 256 MiB of buffers and a sixteenth of headroom (the page each large allocation

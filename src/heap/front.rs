@@ -27,23 +27,17 @@ use tikv_jemalloc_sys as je;
 
 /// The largest size the front caches.
 pub(crate) const MAX_CACHED: usize = 1 << 20;
-/// Size classes up to [`MAX_CACHED`]: 41 up to 32 KiB, then one per 4 KiB page.
-pub(crate) const NCLASSES: usize = 41 + (MAX_CACHED - (32 << 10)) / PAGE_CLASS;
+/// Size classes up to [`MAX_CACHED`]: 8, 16, 32, 48, 64, then four per doubling up to 1 MiB.
+pub(crate) const NCLASSES: usize = class_of(MAX_CACHED).0 + 1;
 /// Default of [`crate::heap::HeapBuilder::thread_cache`]: bytes a thread may keep per heap.
 pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
 
-/// Above 32 KiB, jemalloc's classes (as built for mralloc) are every page.
-const PAGE_CLASS: usize = 4096;
-
-/// jemalloc's size class of `size` (1..=[`MAX_CACHED`]): its index and size. Up to 32 KiB a
-/// quantum of 16 bytes and four classes per doubling; above, one class per page. Checked
-/// against jemalloc itself before any cache is used ([`classes_match_jemalloc`]).
+/// jemalloc's size class of `size` (1..=[`MAX_CACHED`]): its index and size. A quantum of 16
+/// bytes and four classes per doubling, small and large alike (mralloc's `malloc_conf` keeps
+/// jemalloc's large size classes, see `global.rs`). Checked against jemalloc itself before any
+/// cache is used ([`classes_match_jemalloc`]).
 #[inline]
 pub(crate) const fn class_of(size: usize) -> (usize, usize) {
-    if size > 32 << 10 {
-        let pages = size.div_ceil(PAGE_CLASS);
-        return (pages + 32, pages * PAGE_CLASS);
-    }
     if size <= 16 {
         return if size <= 8 { (0, 8) } else { (1, 16) };
     }
@@ -329,11 +323,10 @@ const fn class_size(idx: usize) -> usize {
     match idx {
         0 => 8,
         1..=4 => idx * 16,
-        5..=40 => {
+        _ => {
             let (lg, q) = (6 + (idx - 5) / 4, 5 + (idx - 5) % 4);
             q << (lg - 2)
         }
-        _ => (idx - 32) * PAGE_CLASS,
     }
 }
 

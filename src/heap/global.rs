@@ -11,7 +11,11 @@
 //! 2. hooks on arenas `0..opt.narenas`, and `oversize_threshold:0` baked into jemalloc's
 //!    `malloc_conf` so large requests never go to the default-hook huge arena — **this setting
 //!    applies to every binary that links mralloc** (it only matters for jemalloc's automatic
-//!    arenas, which only `Global` uses);
+//!    arenas, which only `Global` uses). The same string keeps jemalloc's large size classes
+//!    (`disable_large_size_classes:false`, four per doubling as upstream jemalloc has them):
+//!    with page-granular large sizes, this jemalloc build takes every large extent it cuts from
+//!    fresh memory at the next class and parks the rest as a dirty fragment, so growing a heap
+//!    in 1 MiB buffers cost 1.25 MiB each and a reserved heap ran short (see `Heap::reserve`);
 //! 3. arena 0 already holds default-hook memory from jemalloc's own start-up: it is drained with
 //!    leaked 4 KiB probes until one lands in a hooked chunk.
 
@@ -38,7 +42,8 @@ unsafe impl Sync for MallocConf {}
 #[no_mangle]
 #[used]
 #[allow(non_upper_case_globals)]
-pub static _rjem_malloc_conf: MallocConf = MallocConf(c"oversize_threshold:0".as_ptr());
+pub static _rjem_malloc_conf: MallocConf =
+    MallocConf(c"oversize_threshold:0,disable_large_size_classes:false".as_ptr());
 
 const UNINIT: u8 = 0;
 const BUSY: u8 = 1;
