@@ -34,3 +34,16 @@ spread() {
     med = (m % 2) ? r[(m + 1) / 2] : (r[m / 2] + r[m / 2 + 1]) / 2
     printf "%.6g %.6g %.6g\n", med, r[1], r[m] }'
 }
+
+# The commit whose code a benchmark measures (src/, benches/, Cargo files), or "dirty" when they
+# differ from HEAD. The benchmark scripts record it next to their results (target/bench-*.rev),
+# and `scripts/bench --report` only writes a report from results of the code HEAD has.
+MEASURED_PATHS=(src benches Cargo.toml Cargo.lock)
+measured_rev() {
+  if git diff --quiet HEAD -- "${MEASURED_PATHS[@]}"; then git rev-parse HEAD; else echo dirty; fi
+}
+measures_head() { # rev file -> success when the recorded run measured the code HEAD has
+  local rev
+  rev=$(cat "$1" 2>/dev/null) || return 1
+  [ -n "$rev" ] && [ "$rev" != dirty ] && git diff --quiet "$rev" HEAD -- "${MEASURED_PATHS[@]}"
+}
