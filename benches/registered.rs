@@ -181,8 +181,9 @@ fn growth(pd: &Pd, rounds: usize) -> mralloc::Result<()> {
         let h = Heap::builder().bind(pd).build()?;
         let t = Instant::now();
         if reserve {
-            // 256 MiB of buffers and a sixteenth of headroom (the page each large allocation
-            // takes beyond its class, chunk ends), as Heap::reserve's documentation advises.
+            // 256 MiB of buffers (1 MiB is a size class) and a sixteenth of headroom (the page
+            // each large allocation takes beyond its class, chunk ends), as Heap::reserve's
+            // documentation advises.
             h.reserve((256 << 20) + (16 << 20))?;
         }
         let reserve_ms = t.elapsed().as_secs_f64() * 1e3;

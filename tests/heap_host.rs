@@ -425,8 +425,8 @@ fn dropping_a_heap_returns_every_threads_cache() {
 #[test]
 fn kept_buffers_do_not_make_the_limit_fail_early() {
     let heap = Heap::builder().limit(8 << 20).thread_cache(64 << 20).build().unwrap();
-    // Buffers of many page classes (36 KiB .. 960 KiB; each class keeps at most 256 KiB) until
-    // the limit refuses one.
+    // Buffers of many large classes (36 KiB .. 864 KiB, whose classes end at 896 KiB; each class
+    // keeps at most 256 KiB) until the limit refuses one.
     let mut held = Vec::new();
     let mut size = 36 << 10;
     loop {
@@ -435,7 +435,7 @@ fn kept_buffers_do_not_make_the_limit_fail_early() {
             Err(Error::LimitExceeded { .. }) => break,
             Err(e) => panic!("{e}"),
         }
-        size = if size >= 960 << 10 { 36 << 10 } else { size + (36 << 10) };
+        size = if size >= 864 << 10 { 36 << 10 } else { size + (36 << 10) };
     }
     drop(held);
     let cached = heap.stats().thread_cached_bytes;
@@ -453,7 +453,8 @@ fn reserve_maps_ahead_so_later_allocations_make_no_chunk() {
     let after = heap.stats();
     assert!(after.mapped_bytes >= 64 << 20, "{after:?}");
     assert_eq!(after.live_bytes, 0, "reserve allocates nothing: {after:?}");
-    // 48 MiB of buffers, large and small, all live at once: served from the reserved chunks.
+    // 50 MiB of buffers, large and small, all live at once (the 40 large ones, just over 1 MiB,
+    // take the 1.25 MiB class): served from the reserved chunks.
     let mut keep = Vec::new();
     for i in 0..40 {
         keep.push(heap.alloc((1 << 20) + i * 4096).unwrap());

@@ -68,7 +68,10 @@ pub(crate) fn classes_match_jemalloc() -> bool {
             at == c && after_prev == c && class_fast(c) == (i, c) && class_fast(prev + 1) == (i, c)
         });
         if !ok {
-            tracing::warn!("jemalloc's size classes are not the ones mralloc expects: heaps run without front caches");
+            tracing::warn!(
+                "jemalloc's size classes are not the ones mralloc expects (was its malloc_conf, \
+                 disable_large_size_classes:false, overridden?): heaps run without front caches"
+            );
         }
         ok
     })

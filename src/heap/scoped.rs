@@ -476,8 +476,10 @@ impl Heap {
     /// [`HeapStats::mapped_bytes`], and stays with the heap until it is dropped, like every
     /// chunk.
     ///
-    /// Leave some headroom: an allocation above 16 KiB takes its size class plus one page, and
-    /// chunk ends fragment (a sixteenth more than the buffers' total is plenty). Chunks other
+    /// Count the buffers by their size classes and leave some headroom: classes are four per
+    /// doubling (a 1 MiB buffer takes 1 MiB, one of 1 MiB + 64 B takes the 1.25 MiB class), an
+    /// allocation above 16 KiB takes one page beyond its class, and chunk ends fragment (a
+    /// sixteenth more than the classes' total is plenty). Chunks other
     /// threads make meanwhile count toward `bytes`, and while `reserve` runs the memory it
     /// holds is not available to them.
     ///
