@@ -14,6 +14,8 @@
 //! ```text
 //! EXPOSE <method> <size> <median µs> <min µs> <max µs>
 //! ```
+//! Usage: `exposure [--iters N] [--rounds N]`. Under `cargo bench` (`--bench`) without
+//! MRALLOC_DEVICE nothing runs; `--list` lists nothing.
 
 mod common;
 
@@ -28,17 +30,39 @@ use mralloc::verbs::{Access, Pd};
 const SIZES: [usize; 4] = [64, 4096, 65536, 1 << 20];
 const METHODS: [&str; 4] = ["buffer", "grant", "whole_chunk", "write"];
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
+const USAGE: &str = "\
+usage: exposure [--iters N] [--rounds N]
+
+What exposing one buffer to a peer costs (a registration of its own, a memory window grant, the
+chunk's key) next to one RDMA WRITE of the same size, on an RDMA device (MRALLOC_DEVICE, or the
+first active one). Prints EXPOSE <method> <size> <median µs> <min µs> <max µs>.
+
+options:
+  --iters N       operations per method, size and round (default 200)
+  --rounds N      measured rounds, after one warm-up round (default 5)
+  --bench         given by cargo bench: without MRALLOC_DEVICE, nothing runs (positional
+                  arguments, cargo bench's filters, are then ignored)
+  --list          lists nothing (these are not criterion benchmarks) and exits
+  -h, --help      print this help
+";
 
 fn main() -> mralloc::Result<()> {
-    if std::env::var("MRALLOC_DEVICE").is_err() && std::env::args().any(|x| x == "--bench") {
+    let (mut iters, mut rounds) = (200usize, 5usize);
+    let cli = common::command_line(USAGE, 0, |name, p| {
+        match name {
+            "iters" => iters = common::positive(p, name)?,
+            "rounds" => rounds = common::positive(p, name)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    });
+    if cli.list {
+        return Ok(());
+    }
+    if std::env::var("MRALLOC_DEVICE").is_err() && cli.bench {
         println!("exposure: needs an RDMA device; run scripts/bench-transfer");
         return Ok(());
     }
-    let (iters, rounds) = (arg("--iters", 200), arg("--rounds", 5));
     let ctx = Options::default().open_device()?;
     let pd = Pd::new(&ctx)?;
     let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::MW_BIND;

@@ -7,7 +7,8 @@
 //! ```text
 //! registered [--rounds N] [--part all|alloc|growth]
 //! ```
-//! `--part alloc` runs everything but the growth, `--part growth` only the growth.
+//! `--part alloc` runs everything but the growth, `--part growth` only the growth. Under
+//! `cargo bench` (`--bench`) without MRALLOC_DEVICE nothing runs; `--list` lists nothing.
 //! Each comparison runs N rounds (default 5), the two sides back to back and in alternating
 //! order; prints `RATIO <name> <median> [<min>-<max>]` over the per-round ratios and `FIGURE`
 //! lines the same way. Numbers are measured, never typed in.
@@ -18,6 +19,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use common::median;
+use lexopt::ValueExt;
 use mralloc::heap::Heap;
 use mralloc::verbs::{Access, Context, Mr, Pd};
 
@@ -56,21 +58,42 @@ fn ratios(num: &[f64], den: &[f64]) -> Vec<f64> {
     num.iter().zip(den).map(|(n, d)| n / d).collect()
 }
 
+const USAGE: &str = "\
+usage: registered [--rounds N] [--part all|alloc|growth]
+
+Registration cost on an RDMA device (MRALLOC_DEVICE, or the first active one): a bound Heap
+against malloc + ibv_reg_mr per buffer, keys_of bound and unbound, the first touch of a chunk,
+the worst allocation while a heap grows to 256 MiB (without and with Heap::reserve).
+
+options:
+  --rounds N      interleaved rounds per comparison (default 5)
+  --part PART     all (default), alloc (everything but the growth) or growth (only the growth)
+  --bench         given by cargo bench: without MRALLOC_DEVICE, nothing runs (positional
+                  arguments, cargo bench's filters, are then ignored)
+  --list          lists nothing (these are not criterion benchmarks) and exits
+  -h, --help      print this help
+";
+
 fn main() -> mralloc::Result<()> {
-    let mut args = std::env::args().skip(1);
     let mut rounds = 5usize;
     let mut part = String::from("all");
-    while let Some(a) = args.next() {
-        if a == "--rounds" {
-            rounds = args.next().and_then(|v| v.parse().ok()).filter(|&n| n > 0).expect("--rounds N (N > 0)");
-        } else if a == "--part" {
-            part = args
-                .next()
-                .filter(|p| ["all", "alloc", "growth"].contains(&p.as_str()))
-                .expect("--part all|alloc|growth");
+    let cli = common::command_line(USAGE, 0, |name, p| {
+        match name {
+            "rounds" => rounds = common::positive(p, name)?,
+            "part" => {
+                part = p.value()?.string()?;
+                if !["all", "alloc", "growth"].contains(&part.as_str()) {
+                    return Err(format!("--part {part}: not all, alloc or growth").into());
+                }
+            }
+            _ => return Ok(false),
         }
+        Ok(true)
+    });
+    if cli.list {
+        return Ok(());
     }
-    if std::env::args().any(|a| a == "--bench" || a == "--list") && std::env::var("MRALLOC_DEVICE").is_err() {
+    if cli.bench && std::env::var("MRALLOC_DEVICE").is_err() {
         // `cargo bench` on a host without a device: nothing to measure here (see scripts/bench-alloc).
         println!("registered: needs an RDMA device; run scripts/bench-alloc");
         return Ok(());

@@ -19,6 +19,9 @@
 //! runtime, bandwidth only) and `--spin-us N` the connection's `Options::async_spin`, to see what limits them.
 //! `async_many --conns K` drives K connections from one task (one WRITE in flight on each per
 //! round) and prints `MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>`.
+//!
+//! Under `cargo bench` (`--bench`) without MRALLOC_DEVICE or without a test name nothing runs;
+//! `--list` lists nothing. `transfer --help` lists the options.
 
 mod common;
 
@@ -47,7 +50,44 @@ struct Args {
     conns: usize,
 }
 
-fn args() -> Args {
+const USAGE: &str = "\
+usage: transfer TEST [--size BYTES] [--iters N] [--depth N] [--inline BYTES]
+                     [--workers N] [--spin-us N] [--conns K]
+
+Transfer speed with mralloc's API, shaped like perftest (both sides in this process, on the
+RDMA device MRALLOC_DEVICE or the first active one).
+
+tests:
+  write_bw write_bw_8qp read_bw send_bw    MRALLOC <test> <MiB/s>
+  write_lat read_lat send_lat              MRALLOC <test> <typical µs> <p99 µs> <inline bytes>
+  async_write_bw async_write_lat           the same through AsyncConnection (feature tokio)
+  async_many                               MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>
+                                           (feature tokio)
+
+options:
+  --size BYTES    message size (default 65536)
+  --iters N       iterations (default 1000)
+  --depth N       send queue depth: operations in flight (default 128)
+  --inline BYTES  the most bytes a SEND or WRITE carries inline (default 0)
+  --workers N     async tests: tokio worker threads, 0 for a current-thread runtime (default 2)
+  --spin-us N     async tests: Options::async_spin in µs (default: the crate's)
+  --conns K       async_many: connections driven by one task (default 64)
+  --bench         given by cargo bench: without MRALLOC_DEVICE or a test, nothing runs (an
+                  unknown test name or further positional arguments are then not an error)
+  --list          lists nothing (these are not criterion benchmarks) and exits
+  -h, --help      print this help
+";
+
+/// The tests every build runs.
+const TESTS: &[&str] = &["write_bw", "write_bw_8qp", "read_bw", "send_bw", "write_lat", "read_lat", "send_lat"];
+/// The tests a build with the `tokio` feature runs too.
+#[cfg(feature = "tokio")]
+const ASYNC_TESTS: &[&str] = &["async_write_bw", "async_write_lat", "async_many"];
+#[cfg(not(feature = "tokio"))]
+const ASYNC_TESTS: &[&str] = &[];
+
+/// The command line, and whether it was given by a tool (`--bench`: cargo bench; `--list`).
+fn args() -> (Args, common::Cli) {
     let mut a = Args {
         test: String::new(),
         size: 65536,
@@ -58,22 +98,25 @@ fn args() -> Args {
         spin_us: None,
         conns: 64,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(x) = it.next() {
-        match x.as_str() {
-            "--size" => a.size = it.next().and_then(|v| v.parse().ok()).expect("--size BYTES"),
-            "--iters" => a.iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
-            "--depth" => a.depth = it.next().and_then(|v| v.parse().ok()).expect("--depth N"),
-            "--inline" => a.inline = it.next().and_then(|v| v.parse().ok()).expect("--inline BYTES"),
-            "--workers" => a.workers = it.next().and_then(|v| v.parse().ok()).expect("--workers N"),
-            "--conns" => a.conns = it.next().and_then(|v| v.parse().ok()).expect("--conns N"),
-            "--spin-us" => a.spin_us = Some(it.next().and_then(|v| v.parse().ok()).expect("--spin-us N")),
-            "--bench" => {}
-            t if !t.starts_with('-') && a.test.is_empty() => a.test = t.to_string(),
-            _ => {}
+    let cli = common::command_line(USAGE, 1, |name, p| {
+        match name {
+            "size" => a.size = common::number(p, name)?,
+            "iters" => a.iters = common::number(p, name)?,
+            "depth" => a.depth = common::number(p, name)?,
+            "inline" => a.inline = common::number(p, name)?,
+            "workers" => a.workers = common::number(p, name)?,
+            "conns" => a.conns = common::number(p, name)?,
+            "spin-us" => a.spin_us = Some(common::number(p, name)?),
+            _ => return Ok(false),
         }
+        Ok(true)
+    });
+    a.test = cli.positional.first().cloned().unwrap_or_default();
+    let known = [TESTS, ASYNC_TESTS].concat();
+    if !(cli.bench || cli.list || a.test.is_empty() || known.contains(&a.test.as_str())) {
+        common::usage_error(USAGE, &format!("unknown test {} (this build has: {})", a.test, known.join(" ")));
     }
-    a
+    (a, cli)
 }
 
 /// `k` receives of `n`-byte heap buffers posted on `c`, oldest first.
@@ -100,8 +143,11 @@ fn inline_used(a: &Args) -> u32 {
 }
 
 fn main() -> mralloc::Result<()> {
-    let a = args();
-    if a.test.is_empty() || std::env::var("MRALLOC_DEVICE").is_err() && std::env::args().any(|x| x == "--bench") {
+    let (a, cli) = args();
+    if cli.list {
+        return Ok(());
+    }
+    if a.test.is_empty() || std::env::var("MRALLOC_DEVICE").is_err() && cli.bench {
         println!("transfer: needs a test name and an RDMA device; run scripts/bench-transfer");
         return Ok(());
     }
@@ -309,6 +355,7 @@ mod asynchronous {
     use std::sync::Arc;
     use std::time::Instant;
 
+    use hdrhistogram::Histogram;
     use mralloc::heap::Heap;
     use mralloc::transfer::{AsyncConnection, Options};
     use mralloc::verbs::Pd;
@@ -380,14 +427,15 @@ mod asynchronous {
 
     /// Many connections, one task: `conns` connected pairs; every round posts one `size`-byte
     /// WRITE on each connection (each into its own slice of one exposed buffer), then awaits
-    /// them all in order. Prints the rounds' median and p99 (µs) and operations per second.
+    /// them all in order. Prints the rounds' median and p99 (µs, from a histogram with 3
+    /// significant digits) and operations per second.
     async fn many(a: &Args, pd: &Pd, heap: &Heap, opts: &Options) -> mralloc::Result<()> {
         let (n, k) = (a.size, a.conns);
         let pairs = (0..k).map(|_| AsyncConnection::pair(pd, opts)).collect::<mralloc::Result<Vec<_>>>()?;
         let dst = heap.alloc(n * k)?.expose()?;
         let remote = dst.remote();
         let mut bufs = (0..k).map(|_| heap.alloc(n)).collect::<mralloc::Result<Vec<_>>>()?;
-        let mut rounds = Vec::with_capacity(a.iters);
+        let mut rounds = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
         let t = Instant::now();
         for _ in 0..a.iters {
             let r = Instant::now();
@@ -400,12 +448,11 @@ mod asynchronous {
             for op in ops {
                 bufs.push(op.await?);
             }
-            rounds.push(r.elapsed());
+            rounds.saturating_record(u64::try_from(r.elapsed().as_nanos()).unwrap_or(u64::MAX));
         }
         let secs = t.elapsed().as_secs_f64();
-        rounds.sort();
-        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
-        let (p50, p99) = (rounds[rounds.len() / 2], rounds[(rounds.len() * 99 / 100).min(rounds.len() - 1)]);
+        let us = |ns: u64| ns as f64 / 1e3;
+        let (p50, p99) = (rounds.value_at_quantile(0.5), rounds.value_at_quantile(0.99));
         println!("MRALLOC async_many {k} {:.2} {:.2} {:.0}", us(p50), us(p99), (k * a.iters) as f64 / secs);
         Ok(())
     }

@@ -24,7 +24,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::{fail, Args};
+use common::{fail, Args, Opt, Spec};
+use hdrhistogram::Histogram;
 use mralloc::heap::Exposed;
 use mralloc::heap::Heap;
 use mralloc::transfer::{AsyncConnection, AsyncListener, Options, RemoteLimits};
@@ -37,6 +38,18 @@ const HEADER: usize = 16;
 const SLOT: usize = HEADER + VALUE;
 /// A client's last message: it has finished reading the table.
 const GOODBYE: u64 = u64::MAX;
+
+static SPEC: Spec = Spec {
+    name: "async_kv",
+    about: "A key-value store on tokio: GET is one RDMA READ of the key's slot, PUT WRITEs into memory\n\
+            requested from the server and hands it over; concurrent clients, final table verified.",
+    no_role: "",
+    roles: &[],
+    opts: &[
+        Opt::num("clients", "N", "client tasks, one connection each (default 4)"),
+        Opt::num("ops", "N", "operations per client, PUTs and GETs alternating (default 200)"),
+    ],
+};
 
 /// The value client `c` PUTs to `key` in its operation `i`.
 fn value(c: usize, key: usize, i: usize) -> Vec<u8> {
@@ -59,7 +72,7 @@ fn checksum(version: u64, value: &[u8]) -> u64 {
 }
 
 fn main() {
-    let args = Args::parse();
+    let args = Args::parse(&SPEC);
     let (clients, ops) = (args.num("clients", 4), args.num("ops", 200));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     // A watchdog: a stuck run reports instead of hanging.
@@ -111,14 +124,16 @@ async fn run(clients: usize, ops: usize) -> Result<(), Box<dyn std::error::Error
         });
     }
     let clients_done = async {
-        let mut gets = 0;
+        let (mut puts, mut gets) = (common::latencies(), common::latencies());
         while let Some(r) = tasks.join_next().await {
-            gets += r.map_err(|e| mralloc::Error::Protocol(format!("a client task: {e}")))??;
+            let (p, g) = r.map_err(|e| mralloc::Error::Protocol(format!("a client task: {e}")))??;
+            puts.add(p).expect("histograms with the same bounds");
+            gets.add(g).expect("histograms with the same bounds");
         }
-        Ok::<_, mralloc::Error>(gets)
+        Ok::<_, mralloc::Error>((puts, gets))
     };
     let server_done = async { server.await.map_err(|e| mralloc::Error::Protocol(format!("the server: {e}")))? };
-    let (gets, ()) = tokio::try_join!(clients_done, server_done)?;
+    let ((put_t, get_t), ()) = tokio::try_join!(clients_done, server_done)?;
 
     // Every slot: the last value its owner PUT, and one version per PUT.
     for key in 0..keys {
@@ -133,10 +148,13 @@ async fn run(clients: usize, ops: usize) -> Result<(), Box<dyn std::error::Error
         }
     }
     println!(
-        "async_kv: {clients} clients x {ops} ops ({} PUTs into requested remote memory, {gets} GETs by RDMA READ) in {:?}; table verified",
+        "async_kv: {clients} clients x {ops} ops ({} PUTs into requested remote memory, {} GETs by RDMA READ) in {:?}; table verified",
         clients * ops.div_ceil(2),
+        get_t.len(),
         start.elapsed()
     );
+    println!("async_kv: PUT (request + write + hand over + ack) {}", common::percentiles(&put_t));
+    println!("async_kv: GET (READ, repeated when torn) {}", common::percentiles(&get_t));
     Ok(())
 }
 
@@ -175,35 +193,48 @@ async fn serve(conn: AsyncConnection, heap: Heap, table: Arc<Exposed>, ops: usiz
     conn.close().await
 }
 
-/// One client: PUTs through requested remote memory, GETs by READ. Returns how many GETs it did.
-async fn client(conn: AsyncConnection, heap: Heap, c: usize, clients: usize, ops: usize) -> mralloc::Result<usize> {
+/// One client: PUTs through requested remote memory, GETs by READ. Returns the latencies of its
+/// PUTs and of its GETs.
+async fn client(
+    conn: AsyncConnection,
+    heap: Heap,
+    c: usize,
+    clients: usize,
+    ops: usize,
+) -> mralloc::Result<(Histogram<u64>, Histogram<u64>)> {
     let table = RemoteBuf::from_bytes(conn.peer_blob())?;
     let mut src = heap.alloc(VALUE)?;
     let mut slot = heap.alloc(SLOT)?;
     let mut ack = heap.alloc(8)?;
-    let mut gets = 0;
+    let (mut put_t, mut get_t) = (common::latencies(), common::latencies());
     for i in 0..ops {
         if i % 2 == 0 {
             let key = put_key(c, clients, i);
+            src.copy_from_slice(&value(c, key, i));
+            let t = Instant::now();
             let acked = conn.recv(ack); // posted before the PUT: the server's SEND finds it
             let mem = conn.request_remote(VALUE as u64, Access::REMOTE_WRITE).await?;
-            src.copy_from_slice(&value(c, key, i));
             src = conn.write(src, &mem.remote(), 0).await?;
             conn.hand_over(mem, key as u64)?;
             let (back, _) = acked.await?;
             ack = back;
+            common::record(&mut put_t, t.elapsed());
         } else {
             // GET a key of the next client: any version it has PUT so far, never a torn one.
             let owner = (c + 1) % clients;
             let key = owner + clients * (i / 2 % KEYS_PER_CLIENT);
+            let t = Instant::now();
             loop {
                 slot = conn.read(slot, &table, (key * SLOT) as u64).await?;
                 let version = u64::from_le_bytes(slot[..8].try_into().unwrap());
                 let sum = u64::from_le_bytes(slot[8..16].try_into().unwrap());
                 if version == 0 && slot[HEADER..].iter().all(|&b| b == 0) {
+                    common::record(&mut get_t, t.elapsed());
                     break; // not written yet
                 }
                 if sum == checksum(version, &slot[HEADER..]) {
+                    // The GET is done; checking the value against the plan is not part of it.
+                    common::record(&mut get_t, t.elapsed());
                     let plausible = (0..ops).any(|p| {
                         p % 2 == 0 && put_key(owner, clients, p) == key && slot[HEADER..] == value(owner, key, p)[..]
                     });
@@ -214,12 +245,11 @@ async fn client(conn: AsyncConnection, heap: Heap, c: usize, clients: usize, ops
                 }
                 // Raced with an update: read again.
             }
-            gets += 1;
         }
     }
     // Done: a goodbye (all ones) tells the server it may close.
     ack.copy_from_slice(&GOODBYE.to_le_bytes());
     conn.send(ack).await?;
     conn.close().await?;
-    Ok(gets)
+    Ok((put_t, get_t))
 }

@@ -4,9 +4,21 @@
 //! scripts/softroce -- cargo run --release --example devices
 //! ```
 
+mod common;
+
+use common::{Args, Spec};
 use mralloc::verbs::{devices, Context};
 
+static SPEC: Spec = Spec {
+    name: "devices",
+    about: "Lists the RDMA devices (an ibv_devinfo-like listing): ports, GID tables, NUMA nodes.",
+    no_role: "",
+    roles: &[],
+    opts: &[],
+};
+
 fn main() {
+    Args::parse(&SPEC); // only --help: any argument is an error
     if let Err(e) = run() {
         eprintln!("devices: {e}");
         std::process::exit(1);

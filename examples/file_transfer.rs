@@ -15,12 +15,30 @@ mod common;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use common::{crc32, fail, Args, Progress};
+use common::{fail, Args, Opt, Spec, NO_ROLE};
 use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const CHUNK: usize = 4 << 20;
+
+static SPEC: Spec = Spec {
+    name: "file_transfer",
+    about: "A client sends a file, mapped read-only and registered, by RDMA WRITE straight into the server's\n\
+            MappedFile::create; CRC-32 checked on both sides.",
+    no_role: "both roles in this command (the server runs as a child process)",
+    roles: &[("server", "receive one file into --out"), ("client", "send --file (or generated data) to --addr")],
+    opts: &[
+        Opt::num("size", "BYTES", "bytes of generated data to send without --file (default 67108864 = 64 MiB)")
+            .roles(&[NO_ROLE, "client"]),
+        Opt::text("file", "PATH", "the file to send (default: --size bytes generated in a scratch file)")
+            .roles(&[NO_ROLE, "client"]),
+        Opt::port("port", "the port to listen on (default 7472)").roles(&["server"]),
+        Opt::text("out", "PATH", "the received copy (default mralloc-received.bin in /dev/shm, or else the temp dir)")
+            .roles(&["server"]),
+        Opt::text("addr", "HOST:PORT", "the server (default 127.0.0.1:7472)").roles(&["client"]),
+    ],
+};
 
 fn scratch_dir() -> PathBuf {
     // A local filesystem: /dev/shm where there is one.
@@ -33,7 +51,7 @@ fn scratch_dir() -> PathBuf {
 }
 
 fn main() {
-    let args = Args::parse();
+    let args = Args::parse(&SPEC);
     let r = match args.role.as_deref() {
         Some("server") => server(&args),
         Some("client") => client(&args),
@@ -85,7 +103,7 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let mut done = heap.alloc(1)?;
     conn.recv(&mut done)?; // the client has written everything
     dst.flush()?;
-    let crc = crc32(dst.as_slice());
+    let crc = crc32fast::hash(dst.as_slice());
     let mut verdict = heap.alloc(1)?;
     verdict[0] = u8::from(crc == crc_sent);
     conn.send(&verdict)?;
@@ -119,7 +137,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
     };
     // SAFETY: the file to send must not change while it is mapped (the example's own input).
     let src = unsafe { MappedFile::open(&path, Mode::ReadOnly, &pd)? };
-    let crc = crc32(src.as_slice());
+    let crc = crc32fast::hash(src.as_slice());
     let addr = args.str_or("addr", "127.0.0.1:7472");
     let conn = common::retry(|| Connection::connect(addr.as_str(), &pd, Options::default()))?;
     let mut header = heap.alloc(12)?;
@@ -130,7 +148,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
     conn.recv(&mut offer)?;
     let remote = RemoteBuf::from_bytes(&offer)?;
     println!("sending {} ({} bytes, CRC-32 {crc:08x}) to {addr}", path.display(), src.len());
-    let progress = Progress::new(src.len() as u64);
+    let progress = common::progress_bar(src.len() as u64);
     let t = Instant::now();
     let mut off = 0;
     while off < src.len() {
@@ -146,7 +164,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
         }
         batch.submit()?;
         off = slices.last().map_or(src.len(), |(o, s)| o + s.as_slice().len());
-        progress.update(off as u64);
+        progress.set_position(off as u64);
     }
     progress.finish();
     let secs = t.elapsed().as_secs_f64();

@@ -2,19 +2,29 @@
 //! values — created before the device was even opened — are sent zero-copy after `Global::bind`.
 //!
 //! ```text
-//! scripts/softroce -- cargo run --release --example global_alloc -- [--size BYTES]
+//! scripts/softroce -- cargo run --release --features global --example global_alloc -- [--size BYTES]
 //! ```
 
 mod common;
 
 use std::time::Instant;
 
+use common::{Args, Opt, Spec};
 use mralloc::heap::Global;
 use mralloc::transfer::{Connection, Options};
 use mralloc::verbs::{Access, Pd, RegisteredBuf};
 
 #[global_allocator]
 static ALLOC: Global = Global::new();
+
+static SPEC: Spec = Spec {
+    name: "global_alloc",
+    about: "The registered heap as #[global_allocator]: a plain Vec<u8> and String, made before the device\n\
+            is opened, sent zero-copy by RDMA WRITE after Global::bind.",
+    no_role: "",
+    roles: &[],
+    opts: &[Opt::num("size", "BYTES", "bytes of the Vec<u8>, the String about 2/3 of that (default 8388608 = 8 MiB)")],
+};
 
 fn main() {
     if let Err(e) = run() {
@@ -24,7 +34,7 @@ fn main() {
 }
 
 fn run() -> mralloc::Result<()> {
-    let args = common::Args::parse();
+    let args = Args::parse(&SPEC);
     let size = args.num("size", 8 << 20);
     // Ordinary values, made with the ordinary std API, before any RDMA setup.
     let vec: Vec<u8> = common::data(1, size);

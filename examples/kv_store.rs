@@ -13,13 +13,28 @@ mod common;
 
 use std::time::Instant;
 
-use common::{fail, Args};
+use common::{fail, Args, Opt, Spec};
 use mralloc::transfer::{Connection, Listener, Options, WaitMode};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const KEYS_PER_CLIENT: usize = 16;
 const VALUE: usize = 4096;
+
+static SPEC: Spec = Spec {
+    name: "kv_store",
+    about: "A storage node's values in its registered heap: clients GET by one-sided RDMA READ and PUT by\n\
+            RDMA WRITE + a SEND notification; the server verifies the final state against the plan.",
+    no_role: "the server and --clients client processes in this command (child processes)",
+    roles: &[("server", "serve --clients clients, then verify"), ("client", "run --ops operations against --addr")],
+    opts: &[
+        Opt::num("clients", "N", "client processes (default 3); the same on every process of a run"),
+        Opt::num("ops", "N", "operations per client, PUTs and GETs alternating (default 200)"),
+        Opt::port("port", "the port to listen on (default 7491)").roles(&["server"]),
+        Opt::text("addr", "HOST:PORT", "the server (default 127.0.0.1:7491)").roles(&["client"]),
+        Opt::num("id", "N", "this client's number, 0 to clients-1 (default 0)").roles(&["client"]),
+    ],
+};
 
 /// The value client `c` writes to `key` in its operation `i`.
 fn value(c: usize, key: usize, i: usize) -> Vec<u8> {
@@ -33,7 +48,7 @@ fn put_key(c: usize, clients: usize, i: usize) -> usize {
 }
 
 fn main() {
-    let args = Args::parse();
+    let args = Args::parse(&SPEC);
     let r = match args.role.as_deref() {
         Some("server") => server(&args),
         Some("client") => client(&args),
@@ -156,7 +171,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
     let mut val = heap.alloc(VALUE)?;
     let mut got = heap.alloc(VALUE)?;
     let mut note = heap.alloc(8)?;
-    let (mut put_t, mut get_t) = (0.0, 0.0);
+    let (mut put_t, mut get_t) = (common::latencies(), common::latencies());
     for i in 0..ops {
         if i % 2 == 0 {
             let k = put_key(id, clients, i);
@@ -166,7 +181,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
             note[..4].copy_from_slice(&(k as u32).to_be_bytes());
             note[4..].copy_from_slice(&(i as u32).to_be_bytes());
             conn.send(&note)?; // ...then the notification the server applies
-            put_t += t.elapsed().as_secs_f64();
+            common::record(&mut put_t, t.elapsed());
             // Read-your-write: only this client writes this key.
             conn.read_at(&mut got, &table, (k * VALUE) as u64)?;
             if got[..] != val[..] {
@@ -177,16 +192,16 @@ fn client(args: &Args) -> mralloc::Result<()> {
             let k = ((id + 1) % clients) + clients * (i % KEYS_PER_CLIENT);
             let t = Instant::now();
             conn.read_at(&mut got, &table, (k * VALUE) as u64)?;
-            get_t += t.elapsed().as_secs_f64();
+            common::record(&mut get_t, t.elapsed());
         }
     }
     note[..4].copy_from_slice(&u32::MAX.to_be_bytes());
     conn.send(&note)?;
     let (puts, gets) = (ops.div_ceil(2), ops / 2);
     println!(
-        "client {id}: {puts} PUTs (write + notify, {:.1} µs each), {gets} GETs by one-sided READ ({:.1} µs each), read-your-writes verified",
-        put_t * 1e6 / puts.max(1) as f64,
-        get_t * 1e6 / gets.max(1) as f64
+        "client {id}: {puts} PUTs (write + notify: {}), {gets} GETs by one-sided READ ({}), read-your-writes verified",
+        common::percentiles(&put_t),
+        common::percentiles(&get_t)
     );
     Ok(())
 }

@@ -13,12 +13,28 @@ mod common;
 
 use std::time::Instant;
 
-use common::{fail, Args};
+use common::{fail, Args, Opt, Spec};
 use mralloc::transfer::{Connection, Listener, Options, WaitMode};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
 const LR: f32 = 0.05;
+
+static SPEC: Spec = Spec {
+    name: "param_server",
+    about: "Synchronous data-parallel SGD over RDMA: workers pull the parameters by READ and push gradients\n\
+            by WRITE with immediate; the server applies SGD and checks the result against a local run.",
+    no_role: "the server and --workers worker processes in this command (child processes)",
+    roles: &[("server", "hold the parameters, run --steps steps"), ("worker", "compute gradients against --addr")],
+    opts: &[
+        Opt::num("workers", "N", "worker processes (default 2); the same on every process of a run"),
+        Opt::num("steps", "N", "SGD steps (default 20)"),
+        Opt::num("params", "N", "model parameters, f32 (default 4096); the same on every process of a run"),
+        Opt::port("port", "the port to listen on (default 7495)").roles(&["server"]),
+        Opt::text("addr", "HOST:PORT", "the server (default 127.0.0.1:7495)").roles(&["worker"]),
+        Opt::num("id", "N", "this worker's number, 0 to workers-1 (default 0)").roles(&["worker"]),
+    ],
+};
 
 /// The model: a quadratic bowl per worker, so gradients are deterministic and depend on the data
 /// shard (the worker id) and on the current parameters.
@@ -52,7 +68,7 @@ fn floats(b: &[u8]) -> Vec<f32> {
 }
 
 fn main() {
-    let args = Args::parse();
+    let args = Args::parse(&SPEC);
     let r = match args.role.as_deref() {
         Some("server") => server(&args),
         Some("worker") => worker(&args),
@@ -116,8 +132,10 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let conns: Vec<Connection> = (0..workers).map(|_| listener.accept_with(&offer)).collect::<mralloc::Result<_>>()?;
     println!("{workers} workers connected; {n} parameters; {steps} steps");
     let mut go = heap.alloc(4)?;
+    let mut step_t = common::latencies();
     let t = Instant::now();
     for step in 0..steps {
+        let s = Instant::now();
         go.copy_from_slice(&(step as u32).to_be_bytes());
         for c in &conns {
             c.send(&go)?; // "pull now"
@@ -133,6 +151,7 @@ fn server(args: &Args) -> mralloc::Result<()> {
         let mut p = floats(&params);
         apply(&mut p, &g);
         params.copy_from_slice(as_bytes(&p));
+        common::record(&mut step_t, s.elapsed());
     }
     go.copy_from_slice(&u32::MAX.to_be_bytes());
     for c in &conns {
@@ -155,9 +174,10 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let same = got.iter().zip(&local).all(|(a, b)| a.to_bits() == b.to_bits());
     let loss: f32 = got.iter().map(|p| p * p).sum::<f32>() / n as f32;
     println!(
-        "{steps} steps in {:.1} ms ({:.2} ms/step); mean p^2 {loss:.5}; parameters {} the local computation",
+        "{steps} steps in {:.1} ms ({:.2} ms/step; per step {}); mean p^2 {loss:.5}; parameters {} the local computation",
         secs * 1e3,
         secs * 1e3 / steps.max(1) as f64,
+        common::percentiles(&step_t),
         if same { "bit-for-bit equal to" } else { "DIFFER from" }
     );
     if !same {

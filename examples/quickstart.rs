@@ -9,8 +9,11 @@
 //! Both queue pairs live on one device (a loopback connection), so one process shows the whole
 //! path: the endpoint each side prints is exactly what two hosts would exchange over TCP.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{Args, Opt, Spec};
 use mralloc::heap::Heap;
 use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, SendOp, SendWr};
 
@@ -21,30 +24,21 @@ fn main() {
     }
 }
 
-fn parse_size() -> Result<usize, String> {
-    let mut args = std::env::args().skip(1);
-    let mut size = 4 << 20;
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--size" => {
-                let v = args.next().ok_or("--size needs a value")?;
-                size = v.parse().map_err(|_| format!("--size {v}: not a byte count"))?;
-            }
-            "-h" | "--help" => {
-                println!("usage: quickstart [--size BYTES]   (default 4 MiB)");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if size < 8 {
-        return Err("--size must be at least 8 bytes".into());
-    }
-    Ok(size)
-}
+static SPEC: Spec = Spec {
+    name: "quickstart",
+    about: "A registered heap, two connected RC queue pairs on one device, RDMA WRITE, READ and SEND,\n\
+            bytes verified.",
+    no_role: "",
+    roles: &[],
+    opts: &[Opt::num("size", "BYTES", "bytes per buffer and transfer, at least 8 (default 4194304 = 4 MiB)")],
+};
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let size = parse_size()?;
+    let args = Args::parse(&SPEC);
+    let size = args.num("size", 4 << 20);
+    if size < 8 {
+        args.usage_error("--size must be at least 8 bytes");
+    }
     let wait = Duration::from_secs(30);
 
     let ctx = Context::open_default()?;

@@ -43,11 +43,13 @@ impl Stopwatch {
     }
 
     /// The time since the watch started, read from the clock now; `None` if it never started.
+    #[cfg(any(test, feature = "tokio"))]
     pub(crate) fn exact(&self) -> Option<Duration> {
         self.start.map(|s| s.elapsed())
     }
 
     /// Whether the watch started (an earlier call to [`Stopwatch::elapsed`]).
+    #[cfg(any(test, feature = "tokio"))]
     pub(crate) fn started(&self) -> bool {
         self.start.is_some()
     }

@@ -281,6 +281,51 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The [`std::io::ErrorKind`] closest to this error (what [`From<Error> for std::io::Error`]
+    /// uses): `NotFound` for a missing device or index, `TimedOut`, `PermissionDenied` for
+    /// authentication and remote rights, `InvalidInput` for arguments and ranges, `InvalidData`
+    /// for a peer's malformed messages, `OutOfMemory` for limits, `NotConnected` for a closed
+    /// connection, the errno's kind for failed verbs and system calls, `Other` otherwise.
+    pub fn io_kind(&self) -> std::io::ErrorKind {
+        use std::io::ErrorKind as K;
+        let of_errno = |errno: i32| std::io::Error::from_raw_os_error(errno).kind();
+        match self {
+            Error::Verbs { errno, .. } | Error::PartialPost { errno, .. } | Error::Registration { errno, .. } => {
+                of_errno(*errno)
+            }
+            Error::Io { source, .. } => source.kind(),
+            Error::NoSuchDevice { .. } | Error::NoActiveDevice { .. } | Error::NoSuchIndex { .. } => K::NotFound,
+            Error::Timeout(..) => K::TimedOut,
+            Error::Authentication(_)
+            | Error::NoRemoteAccess
+            | Error::NoWholeChunkAccess
+            | Error::RemoteRefused { .. } => K::PermissionDenied,
+            Error::InvalidArgument(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => K::InvalidInput,
+            Error::Protocol(_) | Error::MalformedEndpoint(_) => K::InvalidData,
+            Error::LimitExceeded { .. } | Error::OutOfMemory { .. } => K::OutOfMemory,
+            Error::Closed => K::NotConnected,
+            Error::NoControlChannel => K::Unsupported,
+            _ => K::Other,
+        }
+    }
+}
+
+/// An [`Error`] as a [`std::io::Error`], for code that speaks `io::Result`: the kind from
+/// [`Error::io_kind`], and the mralloc error inside (`get_ref()` / `into_inner()` and
+/// `downcast`), so nothing is lost.
+///
+/// ```
+/// let e: std::io::Error = mralloc::Error::Closed.into();
+/// assert_eq!(e.kind(), std::io::ErrorKind::NotConnected);
+/// assert!(matches!(e.get_ref().and_then(|e| e.downcast_ref::<mralloc::Error>()), Some(mralloc::Error::Closed)));
+/// ```
+impl From<Error> for std::io::Error {
+    fn from(e: Error) -> std::io::Error {
+        std::io::Error::new(e.io_kind(), e)
+    }
+}
+
 /// The current `RLIMIT_MEMLOCK` soft limit in bytes (`None` = unlimited or unknown).
 pub(crate) fn memlock_limit() -> Option<u64> {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };

@@ -77,13 +77,28 @@
 //!
 //! ## Global or scoped
 //!
-//! - [`heap::Global`] is a `#[global_allocator]`: every `Vec`, `String` and `Box` of the process
-//!   lives in hooked chunks, and [`heap::Global::bind`] registers all of them — including memory
-//!   allocated before `main` — so plain collections can be sent zero-copy ([`keys_of`]).
 //! - [`heap::Heap`] is a scoped allocator: one arena, its own access rights, NUMA node, chunk cap
 //!   and memory limit, behind a cheap clonable handle. [`heap::Buffer`]s have no lifetime: they
-//!   move between threads and keep the heap's chunks registered while they live;
-//!   `allocator_api2` collections take a handle (`Vec::new_in(heap.clone())`) or borrow one.
+//!   move between threads and keep the heap's chunks registered while they live. Collections
+//!   take a handle (`Vec::new_in(heap.clone())`) or borrow one: allocator-api2's `Vec` and
+//!   `Box`, and hashbrown's `HashMap` (the heap implements the `Allocator` trait of
+//!   allocator-api2 0.4 and of 0.2, which hashbrown uses). With feature `bytes`,
+//!   [`heap::Buffer`]s become `bytes::Bytes` without a copy.
+//! - `heap::Global` (feature `global`) is a `#[global_allocator]`: every `Vec`, `String` and
+//!   `Box` of the process lives in hooked chunks, and `Global::bind` registers all of them —
+//!   including memory allocated before `main` — so plain collections can be sent zero-copy
+//!   ([`keys_of`]).
+//!
+//! ## Cargo features
+//!
+//! None is on by default.
+//!
+//! - `global`: `heap::Global`. It also defines jemalloc's start-up options symbol
+//!   (`_rjem_malloc_conf`, with `oversize_threshold:0,disable_large_size_classes:false`), which
+//!   Global needs; without this feature mralloc defines no such symbol, so a program may define
+//!   its own (see [`heap::RECOMMENDED_MALLOC_CONF`]).
+//! - `tokio`: `transfer::AsyncConnection` and friends, RDMA operations as futures.
+//! - `bytes`: [`heap::Buffer`] into `bytes::Bytes`.
 //!
 //! ## NUMA
 //!
@@ -123,6 +138,7 @@
 //! Without an RDMA NIC, run programs under `scripts/softroce -- CMD`: it boots a small VM whose
 //! kernel provides Soft-RoCE (`rdma_rxe`), a real kernel RDMA device, and sets `MRALLOC_DEVICE`
 //! and `MRALLOC_GID_INDEX` for [`verbs::Context::open_default`].
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 

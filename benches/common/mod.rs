@@ -1,9 +1,12 @@
-//! What the benchmarks share: sizes, labels, criterion settings (allocation), medians.
+//! What the benchmarks share: sizes, labels, criterion settings (allocation), medians, the
+//! command line of the benches that are not criterion's.
 #![allow(dead_code)]
 
+use std::ffi::OsString;
 use std::time::Duration;
 
 use criterion::Criterion;
+use lexopt::ValueExt;
 
 /// The sizes every allocation benchmark measures.
 pub const SIZES: [usize; 5] = [64, 512, 4096, 65536, 1 << 20];
@@ -34,6 +37,105 @@ pub fn config() -> Criterion {
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(1200))
         .sample_size(20)
+}
+
+/// The command line of a bench binary that is not criterion's, past its own options.
+pub struct Cli {
+    /// `--bench` was given: run by `cargo bench`, which passes it to every bench binary.
+    pub bench: bool,
+    /// `--list` was given (test tools, criterion's convention): there is nothing to list.
+    pub list: bool,
+    /// Positional arguments, in order.
+    pub positional: Vec<String>,
+}
+
+/// Why [`parse_command_line`] returned no command line to run with.
+#[derive(Debug)]
+pub enum Stop {
+    Help,
+    Error(String),
+}
+
+/// Parses `args` (without the program name): `option(name, parser)` takes the value of an option
+/// `--name` it knows with `parser.value()` and returns `Ok(true)`, or `Ok(false)` for one it does
+/// not know (an error). `--bench` and `--list` are always accepted. More than `max_positional`
+/// positional arguments are an error, except with `--bench` or `--list`: `cargo bench -- FILTER`
+/// passes criterion's filter to every bench binary, and these ignore it.
+pub fn parse_command_line<I>(
+    args: I,
+    max_positional: usize,
+    mut option: impl FnMut(&str, &mut lexopt::Parser) -> Result<bool, lexopt::Error>,
+) -> Result<Cli, Stop>
+where
+    I: IntoIterator,
+    I::Item: Into<OsString>,
+{
+    use lexopt::prelude::*;
+    let error = |e: lexopt::Error| Stop::Error(e.to_string());
+    let mut p = lexopt::Parser::from_args(args);
+    let mut cli = Cli { bench: false, list: false, positional: Vec::new() };
+    while let Some(arg) = p.next().map_err(error)? {
+        match arg {
+            Short('h') | Long("help") => return Err(Stop::Help),
+            Long("bench") => cli.bench = true,
+            Long("list") => cli.list = true,
+            Long(name) => {
+                let name = name.to_string();
+                if !option(&name, &mut p).map_err(error)? {
+                    return Err(Stop::Error(format!("unknown option --{name}")));
+                }
+            }
+            Value(v) => cli.positional.push(v.string().map_err(error)?),
+            other => return Err(error(other.unexpected())),
+        }
+    }
+    if !(cli.bench || cli.list) && cli.positional.len() > max_positional {
+        return Err(Stop::Error(format!("unexpected argument {:?}", cli.positional[max_positional])));
+    }
+    Ok(cli)
+}
+
+/// This process's command line, as [`parse_command_line`] reads it: `--help` prints `usage` and
+/// exits 0; a mistake exits 2 with `error: ...` and the usage.
+pub fn command_line(
+    usage: &str,
+    max_positional: usize,
+    option: impl FnMut(&str, &mut lexopt::Parser) -> Result<bool, lexopt::Error>,
+) -> Cli {
+    match parse_command_line(std::env::args_os().skip(1), max_positional, option) {
+        Ok(cli) => cli,
+        Err(Stop::Help) => {
+            print!("{usage}");
+            std::process::exit(0)
+        }
+        Err(Stop::Error(msg)) => usage_error(usage, &msg),
+    }
+}
+
+/// Exits with `error: <msg>` and the usage on stderr, status 2.
+pub fn usage_error(usage: &str, msg: &str) -> ! {
+    eprintln!("error: {msg}\n");
+    eprint!("{usage}");
+    std::process::exit(2)
+}
+
+/// The value of option `--name` as a number.
+pub fn number<T: std::str::FromStr>(p: &mut lexopt::Parser, name: &str) -> Result<T, lexopt::Error> {
+    let v = p.value()?.string()?;
+    v.parse().map_err(|_| lexopt::Error::from(format!("--{name} {v}: not a number")))
+}
+
+/// The value of option `--name` as a number above 0.
+pub fn positive<T: std::str::FromStr + Default + PartialOrd>(
+    p: &mut lexopt::Parser,
+    name: &str,
+) -> Result<T, lexopt::Error> {
+    let n: T = number(p, name)?;
+    if n > T::default() {
+        Ok(n)
+    } else {
+        Err(format!("--{name} must be above 0").into())
+    }
 }
 
 /// The median of `v` (sorted in place; the mean of the two middle values for an even count, as

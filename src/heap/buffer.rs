@@ -281,6 +281,47 @@ impl Drop for Buffer {
     }
 }
 
+impl AsRef<[u8]> for Buffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for Buffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+#[cfg(feature = "bytes")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bytes")))]
+impl Buffer {
+    /// The buffer as a [`bytes::Bytes`], without a copy: clones and slices of it share the
+    /// registered bytes (their keys stay reachable through [`crate::keys_of`]), and the buffer
+    /// is freed, to its heap, when the last of them is dropped. A buffer with a read-only
+    /// remote key ([`Buffer::remote`]) keeps it until then.
+    ///
+    /// ```no_run
+    /// # fn f(heap: &mralloc::Heap) -> mralloc::Result<()> {
+    /// let mut buf = heap.alloc(4096)?;
+    /// buf[..5].copy_from_slice(b"hello");
+    /// let bytes = buf.into_bytes();
+    /// let head = bytes.slice(..5); // shares the registered memory
+    /// assert!(mralloc::keys_of(head.as_ptr()).is_some());
+    /// # Ok(()) }
+    /// ```
+    pub fn into_bytes(self) -> bytes::Bytes {
+        bytes::Bytes::from_owner(self)
+    }
+}
+
+#[cfg(feature = "bytes")]
+impl From<Buffer> for bytes::Bytes {
+    fn from(buf: Buffer) -> bytes::Bytes {
+        buf.into_bytes()
+    }
+}
+
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")

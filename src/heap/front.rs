@@ -14,10 +14,16 @@
 //! is kept shows in [`crate::heap::HeapStats::thread_cached_bytes`]. Thread exit and the heap's
 //! teardown return everything to jemalloc.
 //!
-//! The classes are jemalloc's own (a quantum of 16 bytes, four classes per doubling), so an
-//! object kept under a class is exactly what `mallocx(class size)` returns, freed with
-//! `sdallocx(class size)`, and serves any request of that class. Only requests whose alignment
-//! the class already guarantees are cached (no alignment flag, see `jemalloc::align_flags`).
+//! The classes are jemalloc's (a quantum of 16 bytes, four classes per doubling, as upstream
+//! jemalloc sizes small and large blocks alike). Every request the front could keep — up to
+//! [`MAX_CACHED`] bytes, no alignment flag — is allocated from jemalloc as its class size and
+//! freed with that size ([`alloc_size`]), whether or not a front cache exists on the thread and
+//! whatever jemalloc's own size classes are: an object kept under a class is exactly what
+//! `mallocx(class size)` returned and serves any request of that class. (This jemalloc build
+//! sizes large blocks by the page unless its `malloc_conf` says `disable_large_size_classes:false`;
+//! rounding here keeps the front correct either way. It does not change how this build grows
+//! an arena under page sizing: each large block cut from fresh memory is taken at the next
+//! class of its size plus a page, the rest parked; see `conf.rs`.)
 
 use std::cell::Cell;
 use std::ptr::NonNull;
@@ -32,10 +38,8 @@ pub(crate) const NCLASSES: usize = class_of(MAX_CACHED).0 + 1;
 /// Default of [`crate::heap::HeapBuilder::thread_cache`]: bytes a thread may keep per heap.
 pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
 
-/// jemalloc's size class of `size` (1..=[`MAX_CACHED`]): its index and size. A quantum of 16
-/// bytes and four classes per doubling, small and large alike (mralloc's `malloc_conf` keeps
-/// jemalloc's large size classes, see `global.rs`). Checked against jemalloc itself before any
-/// cache is used ([`classes_match_jemalloc`]).
+/// The size class of `size` (1..=[`MAX_CACHED`]): its index and size. A quantum of 16 bytes and
+/// four classes per doubling, small and large alike (upstream jemalloc's classes).
 #[inline]
 pub(crate) const fn class_of(size: usize) -> (usize, usize) {
     if size <= 16 {
@@ -54,27 +58,35 @@ pub(crate) const fn class_of(size: usize) -> (usize, usize) {
     (5 + (lg - 6) * 4 + (quarters - 5), quarters << shift)
 }
 
-/// Whether [`class_of`] is jemalloc's own sizing (asked once, with `nallocx`, at every class
-/// boundary). If not (another jemalloc build or page size), heaps keep no front cache: an
-/// object freed with a size of another class would corrupt jemalloc.
-pub(crate) fn classes_match_jemalloc() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| {
-        let ok = (0..NCLASSES).all(|i| {
-            let c = class_size(i);
-            let prev = if i == 0 { 0 } else { class_size(i - 1) };
-            // SAFETY: nallocx only computes a size.
-            let (at, after_prev) = unsafe { (je::nallocx(c, 0), je::nallocx(prev + 1, 0)) };
-            at == c && after_prev == c && class_fast(c) == (i, c) && class_fast(prev + 1) == (i, c)
-        });
-        if !ok {
+/// The size a scoped heap asks jemalloc for, and frees with, for a request of `size` bytes
+/// (> 0) with alignment flag `align_flag`: the class size for what a front cache could keep, the
+/// size itself otherwise. Independent of the thread's front (or its absence), so memory
+/// allocated on one thread is freed with the same size on any other.
+#[inline(always)]
+pub(crate) fn alloc_size(size: usize, align_flag: libc::c_int) -> usize {
+    if align_flag == 0 && size <= MAX_CACHED {
+        class_fast(size).1
+    } else {
+        size
+    }
+}
+
+/// Whether jemalloc hands out exactly [`class_of`]'s sizes for every class (`nallocx`): not
+/// needed for correctness (see [`alloc_size`]), but if jemalloc rounds a class up (another page
+/// size, another build), the difference is memory no request uses; logged once as a warning.
+pub(crate) fn check_classes_once() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        // SAFETY: nallocx only computes a size.
+        let odd = (0..NCLASSES).map(class_size).find(|&c| unsafe { je::nallocx(c, 0) } != c);
+        if let Some(c) = odd {
             tracing::warn!(
-                "jemalloc's size classes are not the ones mralloc expects (was its malloc_conf, \
-                 disable_large_size_classes:false, overridden?): heaps run without front caches"
+                "jemalloc rounds the {c}-byte size class up to {} bytes: scoped heaps waste the difference",
+                // SAFETY: as above.
+                unsafe { je::nallocx(c, 0) }
             );
         }
-        ok
-    })
+    });
 }
 
 /// The most objects a magazine keeps.
@@ -194,8 +206,8 @@ impl Front {
 
     /// The class (index, size) under which this cache serves a request of `size` bytes whose
     /// jemalloc alignment flag is `align_flag`; `None`: not cached, the request takes the plain
-    /// path. Allocation and free ask the same question, so an object is always freed the way
-    /// it was allocated. A disabled cache (bound 0) serves nothing, and nothing is rounded.
+    /// path (where it is still allocated as [`alloc_size`]). A disabled cache (bound 0) serves
+    /// nothing.
     #[inline(always)]
     pub(crate) fn class_for(&self, size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
         (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_fast(size))
@@ -343,17 +355,20 @@ mod tests {
         for size in 1..=MAX_CACHED {
             let (idx, c) = class_of(size);
             assert_eq!(class_fast(size), (idx, c), "lookup table at {size}");
-            // SAFETY: nallocx only computes a size.
-            let je_size = unsafe { je::nallocx(size, 0) };
-            assert_eq!(c, je_size, "class of {size}");
+            assert_eq!(alloc_size(size, 0), c, "allocation size of {size}");
             assert_eq!(class_size(idx), c, "size of class {idx}");
+            // jemalloc hands out exactly the class (its own classes are the same for small
+            // sizes, and large classes are page multiples).
+            // SAFETY: nallocx only computes a size.
+            assert_eq!(unsafe { je::nallocx(c, 0) }, c, "jemalloc's size for class {idx}");
             if idx != last.0 {
                 assert!(idx == last.0.wrapping_add(1), "classes are numbered densely ({size})");
                 last = (idx, c);
             }
         }
         assert_eq!(last.0, NCLASSES - 1);
-        assert!(classes_match_jemalloc());
+        assert_eq!(alloc_size(MAX_CACHED + 1, 0), MAX_CACHED + 1, "past the front: as asked");
+        assert_eq!(alloc_size(100, 4), 100, "an alignment flag: as asked");
         assert_eq!(cap_of(64), 64);
         assert_eq!(cap_of(64 << 10), 4);
         assert_eq!(cap_of(MAX_CACHED), 1);

@@ -4,18 +4,15 @@
 //! and installs mralloc's extent hooks on every automatic arena before the first data
 //! allocation, so every chunk the process allocates from is recorded (and, once
 //! [`Global::bind`] is called, registered). What it took, each step found necessary by a failing
-//! check (see DESIGN.md):
+//! check:
 //!
 //! 1. one-time init on the first `alloc`, guarded by UNINIT→BUSY→READY; other threads wait; a
 //!    re-entrant call from the initialising thread gets NULL; nothing here allocates;
-//! 2. hooks on arenas `0..opt.narenas`, and `oversize_threshold:0` baked into jemalloc's
-//!    `malloc_conf` so large requests never go to the default-hook huge arena — **this setting
-//!    applies to every binary that links mralloc** (it only matters for jemalloc's automatic
-//!    arenas, which only `Global` uses). The same string keeps jemalloc's large size classes
-//!    (`disable_large_size_classes:false`, four per doubling as upstream jemalloc has them):
-//!    with page-granular large sizes, this jemalloc build takes every large extent it cuts from
-//!    fresh memory at the next class and parks the rest as a dirty fragment, so growing a heap
-//!    in 1 MiB buffers cost 1.25 MiB each and a reserved heap ran short (see `Heap::reserve`);
+//! 2. hooks on arenas `0..opt.narenas`, and `oversize_threshold:0` in jemalloc's `malloc_conf`
+//!    so large requests never go to the default-hook huge arena — defined with the `global`
+//!    feature, for every binary built with it (see `conf.rs`), together with the recommended
+//!    `disable_large_size_classes:false`; [`Global`] checks at start-up that jemalloc runs with
+//!    `oversize_threshold:0` (an environment variable may override it) and refuses otherwise;
 //! 3. arena 0 already holds default-hook memory from jemalloc's own start-up: it is drained with
 //!    leaked 4 KiB probes until one lands in a hooked chunk.
 
@@ -32,18 +29,9 @@ use crate::heap::owner::{self, take_hook_error, HookError, Owner};
 use crate::heap::stats::HeapStats;
 use crate::verbs::{Access, Pd};
 
-/// jemalloc's start-up options for every binary linking mralloc (see the module docs).
-#[repr(transparent)]
-pub struct MallocConf(*const libc::c_char);
-// SAFETY: points at an immutable static string.
-unsafe impl Sync for MallocConf {}
-
-/// Read by jemalloc before `main`. A strong definition overriding jemalloc's weak one.
-#[no_mangle]
-#[used]
-#[allow(non_upper_case_globals)]
-pub static _rjem_malloc_conf: MallocConf =
-    MallocConf(c"oversize_threshold:0,disable_large_size_classes:false".as_ptr());
+// jemalloc's start-up options: the scoped heaps' recommended ones and `oversize_threshold:0`,
+// which Global needs (see the module docs). Defined only with feature `global`.
+crate::malloc_conf!("oversize_threshold:0");
 
 const UNINIT: u8 = 0;
 const BUSY: u8 = 1;
@@ -305,6 +293,16 @@ impl Global {
         }
         // Keep our malloc_conf definition linked in (and visible in a debugger).
         let _ = std::hint::black_box(&_rjem_malloc_conf);
+        // Large requests above the threshold would go to jemalloc's huge arena, whose chunks
+        // have no hooks (never registered): refuse to start rather than hand those out.
+        let threshold = name(format_args!("opt.oversize_threshold")).and_then(|n| mallctl_read::<usize>(&n));
+        if threshold != Some(0) {
+            report(format_args!(
+                "mralloc::Global: jemalloc runs with oversize_threshold {threshold:?}, not 0 \
+                 (was _RJEM_MALLOC_CONF or another _rjem_malloc_conf set?): Global needs it to be 0"
+            ));
+            return false;
+        }
         let Some(narenas) = name(format_args!("opt.narenas")).and_then(|n| mallctl_read::<libc::c_uint>(&n)) else {
             return false;
         };

@@ -11,7 +11,7 @@ pub struct Keys {
     /// The chunk registration's remote key. It reaches the **whole chunk**, and only with the
     /// rights the chunk was registered with: none for a scoped heap (unless built with
     /// [`crate::heap::HeapBuilder::remote_access_to_whole_chunks`]) or a plain
-    /// [`crate::heap::Global`]. To give a peer one buffer, use [`crate::heap::Buffer::expose`]
+    /// `heap::Global`. To give a peer one buffer, use [`crate::heap::Buffer::expose`]
     /// or [`crate::heap::Buffer::remote`].
     pub rkey: u32,
     /// Start of the registered chunk holding the byte.

@@ -6,19 +6,23 @@
 //! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while
 //! registered; chunks are released whole when their heap is dropped.
 //!
-//! - [`Global`]: the process allocator (`#[global_allocator]`) over jemalloc's automatic arenas,
-//!   so every `Vec` is RDMA-ready after [`Global::bind`].
+//! - `Global` (feature `global`): the process allocator (`#[global_allocator]`) over jemalloc's
+//!   automatic arenas, so every `Vec` is RDMA-ready after `Global::bind`.
 //! - [`Heap`]: a scoped heap (one arena, per-thread caches of freed buffers) behind a cheap, clonable
 //!   handle, usable as an `allocator_api2` allocator (`Vec::new_in(heap.clone())` or `&heap`)
 //!   and through [`Buffer`]s, which have no lifetime and keep the heap alive.
 
+mod allocator;
 mod buffer;
 mod chunk;
+mod conf;
 #[cfg(test)]
 mod device_tests;
+mod events;
 mod exposed;
 mod exposure;
 mod front;
+#[cfg(feature = "global")]
 mod global;
 mod hooks;
 mod jemalloc;
@@ -26,6 +30,7 @@ mod keys;
 mod numa;
 mod owner;
 mod pagemap;
+mod reserve;
 mod scoped;
 mod shared;
 mod stats;
@@ -35,8 +40,11 @@ mod uninit;
 pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
 pub use chunk::MAX_PDS;
+pub use conf::{MallocConf, RECOMMENDED_MALLOC_CONF};
 pub use exposed::{ExposeError, Exposed};
 pub use front::DEFAULT_THREAD_CACHE;
+#[cfg(feature = "global")]
+#[cfg_attr(docsrs, doc(cfg(feature = "global")))]
 pub use global::Global;
 pub(crate) use keys::mr_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};

@@ -102,6 +102,10 @@ pub(crate) struct Owner {
     pub(crate) hugepages: bool,
     /// Exclude data chunks from fork() children (scoped heaps); the global allocator cannot.
     pub(crate) dontfork: bool,
+    /// Note a `tracing` event for each new chunk, emitted after jemalloc returns (scoped heaps,
+    /// see events.rs). Not for the global allocator, whose every allocation may be the one
+    /// that made the chunk: nothing emits them there.
+    pub(crate) trace_chunks: bool,
     pub(crate) limit: usize,
     pub(crate) counters: Counters,
 }
@@ -137,11 +141,12 @@ thread_local! {
     static HOLDING_BOUND: Cell<u32> = const { Cell::new(0) };
 }
 
-#[cfg(debug_assertions)]
+#[cfg(all(debug_assertions, feature = "global"))]
 static ALLOCS_UNDER_BOUND: AtomicU64 = AtomicU64::new(0);
 
 /// Called by the global allocator on every allocation and free (debug builds only; compiles
 /// to nothing in release).
+#[cfg(feature = "global")]
 #[inline(always)]
 pub(crate) fn note_allocator_call() {
     #[cfg(debug_assertions)]
@@ -153,6 +158,7 @@ pub(crate) fn note_allocator_call() {
 /// Allocations and frees through the global allocator made while the calling thread waited for
 /// or held a heap's `bound` lock, process-wide: `Some(0)` unless a lock-order bug is back; `None` in
 /// release builds, which do not count.
+#[cfg(feature = "global")]
 pub(crate) fn allocations_under_bound() -> Option<u64> {
     #[cfg(debug_assertions)]
     return Some(ALLOCS_UNDER_BOUND.load(Ordering::Relaxed));
@@ -170,12 +176,14 @@ impl Owner {
             numa_node: AtomicU32::new(numa_node.unwrap_or(u32::MAX)),
             hugepages,
             dontfork: true,
+            trace_chunks: true,
             limit,
             counters: Counters::default(),
         }
     }
 
     /// `const` form for the global allocator (no NUMA binding, no DONTFORK, no limit).
+    #[cfg(feature = "global")]
     pub(crate) const fn new_static(access: Access) -> Owner {
         Owner {
             hooks: hooks::HOOKS,
@@ -185,6 +193,7 @@ impl Owner {
             numa_node: AtomicU32::new(u32::MAX),
             hugepages: true,
             dontfork: false,
+            trace_chunks: false,
             limit: usize::MAX,
             counters: Counters {
                 chunks: AtomicU64::new(0),
@@ -232,6 +241,7 @@ impl Owner {
         if mapped.saturating_add(size) > self.limit {
             return Err(HookError::Limit { limit: self.limit, mapped, requested: size });
         }
+        let started = Instant::now();
         let base = chunk::map(size, align).map_err(HookError::Map)?;
         if let Some(node) = self.numa_node() {
             if let Err(e) = numa::bind(base, size, node) {
@@ -242,13 +252,16 @@ impl Owner {
         // No huge pages for metadata: a 2 MiB base block would turn resident whole at its first
         // touch (8 automatic arenas: 16 MiB that plain jemalloc does not have).
         chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta);
+        let mapped_in = started.elapsed();
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
+        let mut registered_in = std::time::Duration::ZERO;
         for (slot, pd) in bound.pds.iter().enumerate() {
             let Some(pd) = pd.as_ref() else { continue };
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
                 Ok(mr) => {
                     mrs[slot] = mr;
+                    registered_in += t.elapsed();
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
                     self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 }
@@ -275,6 +288,19 @@ impl Owner {
         if meta {
             self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
         }
+        drop(bound);
+        if self.trace_chunks {
+            // Emitted by this thread once jemalloc returns (see events.rs).
+            crate::heap::events::note(crate::heap::events::ChunkEvent {
+                heap: self.id,
+                bytes: size,
+                node: self.numa_node(),
+                metadata: meta,
+                registrations: mrs.iter().filter(|m| !m.is_null()).count(),
+                map: mapped_in,
+                register: registered_in,
+            });
+        }
         Ok(base)
     }
 
@@ -285,6 +311,7 @@ impl Owner {
     /// lock deadlocked, alone or with a thread holding jemalloc's grow mutex). Registrations are
     /// published into the chunk records as they are made and rolled back from there.
     pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
+        let started = Instant::now();
         let mut bound = self.lock_bound();
         if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
             return Ok(slot);
@@ -337,6 +364,19 @@ impl Owner {
             return Err(HookError::Register(errno).into_error(len));
         }
         bound.pds[slot] = Some(pd.clone());
+        let chunks = chunk::owned_by(self.id).count();
+        let bytes = self.counters.registered[slot].load(Ordering::Relaxed);
+        drop(bound);
+        // After the lock: a subscriber may allocate (see `bind`'s docs).
+        tracing::info!(
+            target: "mralloc::heap",
+            heap = self.id,
+            slot,
+            chunks,
+            bytes,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "bound to a protection domain: every chunk registered"
+        );
         Ok(slot)
     }
 

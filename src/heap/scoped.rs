@@ -9,7 +9,7 @@ use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
 use crate::heap::buffer::Buffer;
-use crate::heap::front::{add_live, Front, DEFAULT_THREAD_CACHE};
+use crate::heap::front::{add_live, alloc_size, Front, DEFAULT_THREAD_CACHE};
 use crate::heap::keys::{keys_in_slot, Keys};
 use crate::heap::numa::{self, NumaPolicy};
 use crate::heap::owner::{take_hook_error, HookError, Owner};
@@ -156,7 +156,9 @@ impl HeapBuilder {
         for pd in &self.pds {
             owner.bind(pd)?;
         }
-        let arena = jemalloc::create_arena(owner.hooks_ptr()).map_err(|e| match take_hook_error() {
+        let arena = jemalloc::create_arena(owner.hooks_ptr());
+        crate::heap::events::emit_pending();
+        let arena = arena.map_err(|e| match take_hook_error() {
             crate::heap::owner::HookError::None => e,
             hook => hook.into_error(SLOT),
         });
@@ -234,10 +236,10 @@ impl HeapBuilder {
 /// };
 /// ```
 pub struct Heap {
-    shared: NonNull<Shared>,
+    pub(crate) shared: NonNull<Shared>,
     /// Copies of the record's id and arena, read on every allocation without a pointer chase.
-    id: u64,
-    arena: u32,
+    pub(crate) id: u64,
+    pub(crate) arena: u32,
 }
 
 // SAFETY: the shared record is thread-safe (atomics, locks, jemalloc's own thread safety); a
@@ -297,7 +299,7 @@ impl Heap {
     }
 
     #[inline]
-    fn shared(&self) -> &Shared {
+    pub(crate) fn shared(&self) -> &Shared {
         // SAFETY: a handle keeps the record alive.
         unsafe { self.shared.as_ref() }
     }
@@ -393,7 +395,7 @@ impl Heap {
 
     /// An object for `layout` (size > 0) from this thread's front cache, if it keeps one.
     #[inline(always)]
-    fn take_cached(&self, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+    pub(crate) fn take_cached(&self, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
         let size = layout.size();
         // SAFETY: this thread's front for this heap, which lives while we hold a handle.
         let f = unsafe { front(self.id, self.shared)?.as_ref() };
@@ -410,7 +412,7 @@ impl Heap {
 
     /// [`Heap::raw_alloc`] when the front cache has nothing for it: from the arena.
     #[inline(never)]
-    fn raw_alloc_arena(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
+    pub(crate) fn raw_alloc_arena(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         let size = layout.size();
         let align = jemalloc::align_flags(layout);
         let fp = front(self.id, self.shared);
@@ -419,9 +421,9 @@ impl Heap {
         let f = fp.map(|f| unsafe { f.as_ref() });
         // The thread's tcache, or none while the thread has no front (it is exiting).
         let tc = f.map_or(je::MALLOCX_TCACHE_NONE, |f| f.tcache_flag);
-        // A size the front caches is allocated as its class (so that it can be kept when freed);
-        // such a request has no alignment flag.
-        let n = f.and_then(|f| f.class_for(size, align)).map_or(size, |(_, class)| class);
+        // A size a front could keep is allocated as its class, with or without a front here (so
+        // that it can be kept when freed, on any thread).
+        let n = alloc_size(size, align);
         let mut flags = je::MALLOCX_ARENA(self.arena as usize) | tc | align;
         // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
         // arguments of jemalloc's metadata requests (see hooks.rs): zero those in Rust instead.
@@ -431,7 +433,9 @@ impl Heap {
         }
         // SAFETY: n >= size > 0 (checked by callers); flags name our arena and a tcache of ours
         // (or none); fp is this thread's front.
-        let p = unsafe { mallocx_or_flush(fp, n, flags) }.map_err(|e| e.into_error(size))?;
+        let p = unsafe { mallocx_or_flush(fp, n, flags) };
+        crate::heap::events::emit_pending();
+        let p = p.map_err(|e| e.into_error(size))?;
         if zero_here {
             // SAFETY: a fresh allocation of layout.size() bytes.
             unsafe { p.as_ptr().write_bytes(0, size) };
@@ -467,73 +471,6 @@ impl Heap {
         let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
         stats.thread_cached_bytes = s.tcaches.cached();
         stats
-    }
-
-    /// Maps and registers at least `bytes` more memory now, so that allocations it can serve
-    /// later make no new chunk: call it at start-up to keep `ibv_reg_mr` (milliseconds per
-    /// chunk, hundreds of them for a large one) off the hot path. The memory is registered with
-    /// every PD the heap is bound to (and with later ones at bind time), counts in
-    /// [`HeapStats::mapped_bytes`], and stays with the heap until it is dropped, like every
-    /// chunk.
-    ///
-    /// Count the buffers by their size classes and leave some headroom: classes are four per
-    /// doubling (a 1 MiB buffer takes 1 MiB, one of 1 MiB + 64 B takes the 1.25 MiB class), an
-    /// allocation above 16 KiB takes one page beyond its class, and chunk ends fragment (a
-    /// sixteenth more than the classes' total is plenty). Chunks other
-    /// threads make meanwhile count toward `bytes`, and while `reserve` runs the memory it
-    /// holds is not available to them.
-    ///
-    /// Internally, blocks of up to half a [`HeapBuilder::max_chunk`] are allocated until the
-    /// heap has grown by `bytes`, then freed; jemalloc keeps the freed extents in the arena
-    /// (the hooks refuse to give registered pages back) and serves later allocations from them.
-    ///
-    /// # Errors
-    /// [`Error::LimitExceeded`], before anything is mapped, if `bytes` does not fit under the
-    /// heap's [`HeapBuilder::limit`]; [`Error::Registration`], [`Error::Io`] or
-    /// [`Error::OutOfMemory`] if a chunk could not be mapped, bound or registered (the chunks
-    /// made before the failure stay with the heap). Nothing stays allocated either way.
-    pub fn reserve(&self, bytes: usize) -> Result<()> {
-        const PAGE: usize = 4096;
-        let s = self.shared();
-        let mapped = || s.owner.counters.mapped.load(Ordering::Relaxed) as usize;
-        let start = mapped();
-        if bytes > s.owner.limit.saturating_sub(start) {
-            return Err(Error::LimitExceeded { limit: s.owner.limit, mapped: start, requested: bytes });
-        }
-        let target = start + bytes;
-        let block = (s.max_chunk / 2).clamp(SLOT, 64 << 20);
-        let flags = je::MALLOCX_ARENA(self.arena as usize) | je::MALLOCX_TCACHE_NONE;
-        // The blocks held so far, as an intrusive list (no allocation here): each block's
-        // first 16 bytes hold the previous block and this block's size.
-        let mut held: Option<(NonNull<u8>, usize)> = None;
-        let mut result = Ok(());
-        while mapped() < target {
-            let mut want = (target - mapped()).min(block).next_multiple_of(PAGE);
-            let p = loop {
-                // SAFETY: want >= one page; flags name our arena and no tcache.
-                match unsafe { mallocx_or_flush(None, want, flags) } {
-                    Ok(p) => break Some(p),
-                    // Near the limit a smaller block may still fit (a chunk holds a block plus
-                    // a page of padding).
-                    Err(HookError::Limit { .. }) if want > PAGE => want = (want / 2).next_multiple_of(PAGE),
-                    Err(e) => {
-                        result = Err(e.into_error(bytes));
-                        break None;
-                    }
-                }
-            };
-            let Some(p) = p else { break };
-            // SAFETY: p is a fresh, writable allocation of want >= 4096 bytes, 16-aligned.
-            unsafe { p.as_ptr().cast::<Option<(NonNull<u8>, usize)>>().write(held) };
-            held = Some((p, want));
-        }
-        while let Some((p, size)) = held {
-            // SAFETY: written above, before the block was added to the list.
-            held = unsafe { p.as_ptr().cast::<Option<(NonNull<u8>, usize)>>().read() };
-            // SAFETY: allocated above with this size and flags, freed once.
-            unsafe { je::sdallocx(p.as_ptr().cast(), size, flags) };
-        }
-        result
     }
 
     /// Asks jemalloc to purge the arena's unused dirty pages (`arena.N.purge`). The hooks refuse:
@@ -597,7 +534,7 @@ pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
 /// # Safety
 /// As `mallocx`: size > 0 and flags name the heap's arena and a tcache of this thread's for it;
 /// `front` is this thread's front for the heap, not referenced elsewhere during the call.
-unsafe fn mallocx_or_flush(
+pub(crate) unsafe fn mallocx_or_flush(
     front: Option<NonNull<Front>>,
     size: usize,
     flags: libc::c_int,
@@ -647,7 +584,7 @@ pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
 /// # Safety
 /// As [`free_raw`], and `id` is the id of the record behind `shared`.
 #[inline(always)]
-unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+pub(crate) unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let size = layout.size();
     if let Some(fp) = front(id, shared) {
         // SAFETY: this thread's front for this heap, alive while the allocation being freed is;
@@ -680,65 +617,21 @@ unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
         Some(fp) => {
             // SAFETY: as in free_in.
             let f = unsafe { fp.as_ref() };
-            // A size the front caches was allocated as its class (see raw_alloc_arena).
-            let n = f.class_for(size, align).map_or(size, |(_, class)| class);
+            // Allocated as alloc_size (see raw_alloc_arena).
+            let n = alloc_size(size, align);
             // SAFETY: the caller guarantees ptr/layout come from this heap's arena; n is the
-            // size it was allocated with (or of its class) and the alignment flag matches.
+            // size it was allocated with and the alignment flag matches.
             unsafe { je::sdallocx(ptr.as_ptr().cast(), n, f.tcache_flag | align) };
             let live = f.live_counter();
             // SAFETY: as in free_in.
             unsafe { add_live(live, -(size as i64)) };
         }
         None => {
-            // SAFETY: as above; sdallocx takes any size of the allocation's class.
-            unsafe { je::sdallocx(ptr.as_ptr().cast(), size, je::MALLOCX_TCACHE_NONE | align) };
+            // SAFETY: as above: n is the size it was allocated with (see raw_alloc_arena).
+            unsafe { je::sdallocx(ptr.as_ptr().cast(), alloc_size(size, align), je::MALLOCX_TCACHE_NONE | align) };
             // SAFETY: the record lives until this store (see free_raw).
             let orphan = unsafe { &shared.as_ref().owner.counters.orphan_live };
             orphan.fetch_add(-(size as i64), Ordering::AcqRel);
-        }
-    }
-}
-
-/// `Allocator::allocate` past the front cache (kept out of line: it is the slow path).
-#[inline(never)]
-fn allocate_arena(
-    heap: &Heap,
-    layout: Layout,
-) -> std::result::Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-    match heap.raw_alloc_arena(layout, false) {
-        Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
-        Err(e) => {
-            tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());
-            Err(allocator_api2::alloc::AllocError)
-        }
-    }
-}
-
-// SAFETY: allocate/deallocate pair through the same arena and layout, and the memory stays
-// valid until deallocated: every handle and every allocation keeps the heap alive. Clones of a
-// handle are the same heap, so memory from one can be freed through another. (`&Heap` is an
-// allocator through allocator-api2's blanket impl for references.)
-unsafe impl allocator_api2::alloc::Allocator for Heap {
-    #[inline]
-    fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        if layout.size() != 0 {
-            if let Some(p) = self.take_cached(layout, false) {
-                return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
-            }
-        } else {
-            // Zero-sized: a dangling, well-aligned pointer (never passed to jemalloc).
-            let p = NonNull::new(layout.align() as *mut u8).ok_or(allocator_api2::alloc::AllocError)?;
-            return Ok(NonNull::slice_from_raw_parts(p, 0));
-        }
-        allocate_arena(self, layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() != 0 {
-            // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
-            // is this handle's copy of the record's.
-            unsafe { free_in(self.id, self.shared, ptr, layout) };
         }
     }
 }

@@ -10,7 +10,10 @@ use crate::heap::owner::Owner;
 pub(crate) static CROSS_CHUNK_MERGES_REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// A snapshot of what a heap holds and what registering it cost.
+///
+/// More fields may come in later versions (`#[non_exhaustive]`): read the ones you need.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct HeapStats {
     /// Chunks currently mapped.
     pub chunks: u64,

@@ -1,7 +1,9 @@
 //! Explicit jemalloc thread caches and front caches, one of each per (thread, heap).
 //!
 //! A custom arena must not share jemalloc's implicit thread cache: objects of different arenas
-//! would be mixed in it (see DESIGN.md, "thread-cache gotcha"). Each thread therefore gets its own
+//! would be mixed in it (a `mallocx` with `MALLOCX_ARENA` but the implicit tcache hands out
+//! whatever the tcache holds, from any arena, and a free puts an object of this arena where
+//! another arena's allocation may take it). Each thread therefore gets its own
 //! explicit tcache for each heap it uses, created lazily and registered with the heap, destroyed
 //! at thread exit (if the heap still lives) or by the heap before its arena is destroyed. In
 //! front of it sits the thread's [`Front`] cache (size-class magazines), which lives and dies
@@ -66,7 +68,7 @@ pub(crate) struct Registry {
 
 impl Registry {
     pub(crate) fn new(limit: usize) -> Registry {
-        let limit = if crate::heap::front::classes_match_jemalloc() { limit } else { 0 };
+        crate::heap::front::check_classes_once();
         Registry { slots: Mutex::new(Vec::new()), closed: Default::default(), retired: AtomicI64::new(0), limit }
     }
 

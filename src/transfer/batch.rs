@@ -45,6 +45,12 @@ impl<'b> Batch<'_, 'b> {
     }
 
     /// Adds an RDMA WRITE of `local` to `offset` in `remote`.
+    ///
+    /// # Errors
+    /// Nothing is added, and the batch stays usable, after: the connection's earlier failure;
+    /// [`Error::InvalidArgument`] (`local` empty or over `u32::MAX` bytes);
+    /// [`Error::NotRegistered`] (`local` not registered in the connection's PD);
+    /// [`Error::OutOfBounds`] (the range does not fit in `remote`).
     pub fn write<L: Local + ?Sized>(&mut self, local: &'b L, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
         let sge = self.conn.checked(local, Verb::Write)?;
         let to = remote.at(offset, sge.len().into())?;
@@ -52,6 +58,9 @@ impl<'b> Batch<'_, 'b> {
     }
 
     /// Adds an RDMA WRITE with immediate.
+    ///
+    /// # Errors
+    /// As [`Batch::write`].
     pub fn write_with_imm<L: Local + ?Sized>(
         &mut self,
         local: &'b L,
@@ -65,6 +74,9 @@ impl<'b> Batch<'_, 'b> {
     }
 
     /// Adds an RDMA READ into `local` from `offset` in `remote`.
+    ///
+    /// # Errors
+    /// As [`Batch::write`].
     pub fn read<L: LocalMut + ?Sized>(
         &mut self,
         local: &'b mut L,
@@ -77,6 +89,9 @@ impl<'b> Batch<'_, 'b> {
     }
 
     /// Adds a SEND of `local`.
+    ///
+    /// # Errors
+    /// As [`Batch::write`] (no remote range).
     pub fn send<L: Local + ?Sized>(&mut self, local: &'b L) -> Result<&mut Self> {
         let sge = self.conn.checked(local, Verb::Send)?;
         Ok(self.push(sge, SendOp::Send))
@@ -96,10 +111,15 @@ impl<'b> Batch<'_, 'b> {
     /// returns the first error.
     ///
     /// # Errors
-    /// The first error: a refused post ([`Error::InvalidArgument`], [`Error::Verbs`],
-    /// [`Error::PartialPost`]), a failed completion ([`Error::Operation`]), the connection's
-    /// failure, or [`Error::Timeout`]. Every posted request has completed or been flushed when
-    /// this returns (the process aborts if the device never flushes borrowed memory).
+    /// The first error:
+    /// - posting a chunk: the connection's failure, [`Error::Timeout`] (no send-queue room),
+    ///   [`Error::Verbs`] or [`Error::Io`]: later chunks are not posted, earlier ones may have
+    ///   been executed; [`Error::PartialPost`] (the connection is failed);
+    /// - a chunk's completion, as [`Connection::write_at`] ([`Error::Operation`],
+    ///   [`Error::Timeout`], ...), which fails the connection.
+    ///
+    /// Every posted request has completed or been flushed when this returns (the process aborts
+    /// if the device never flushes borrowed memory). An empty batch succeeds.
     pub fn submit(self) -> Result<()> {
         let depth = self.conn.options().send_depth as usize;
         let chunk = (depth / 4).max(1);

@@ -13,6 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::clock::Stopwatch;
 use crate::error::{Error, Result};
+use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
 /// What a successful completion reported.
@@ -127,6 +128,8 @@ struct Queue {
     tails: Small<(u32, &'static str)>,
     /// Reused poll buffer.
     wcs: [WorkCompletion; 8],
+    /// What this queue posted and reaped (for `Connection::stats`).
+    counts: QueueCounts,
 }
 
 impl Default for Queue {
@@ -138,6 +141,7 @@ impl Default for Queue {
             used: 0,
             tails: Small::default(),
             wcs: std::array::from_fn(|_| WorkCompletion::empty()),
+            counts: QueueCounts::default(),
         }
     }
 }
@@ -203,6 +207,7 @@ impl Core {
     }
 
     /// The completion channel the CQs raise events on (connections in event mode).
+    #[cfg(feature = "tokio")]
     pub(crate) fn channel(&self) -> Option<&CompChannel> {
         self.channel.as_ref()
     }
@@ -210,8 +215,8 @@ impl Core {
     /// Records the first failure; returns whether this one was it.
     pub(crate) fn fail(&self, f: Failure) -> bool {
         let first = self.failed.set(f).is_ok();
-        if first {
-            tracing::debug!("connection failed: {}", f.error());
+        if first && !matches!(f, Failure::Closed) {
+            tracing::debug!(target: "mralloc::transfer", "connection failed: {}", f.error());
         }
         first
     }
@@ -267,6 +272,15 @@ impl Core {
             };
             q.used = q.used.saturating_sub(retired);
             let o = self.outcome(&q.wcs[i], op);
+            match &o {
+                Ok(c) => {
+                    q.counts.completions += 1;
+                    if !send {
+                        q.counts.bytes += u64::from(c.byte_len);
+                    }
+                }
+                Err(_) => q.counts.errors += 1,
+            }
             if let Some(buf) = q.parked.remove(id) {
                 q.released.push(buf);
             } else if known {
@@ -290,6 +304,7 @@ impl Core {
     /// Reaps both CQs until they are empty. After arming a CQ this is what must follow: a
     /// completion already queued raises no event, so one left behind would wait for the next.
     /// Bounded by the CQs' capacity: what arrives later raises an event of its own.
+    #[cfg(feature = "tokio")]
     pub(crate) fn drain(&self) -> Result<usize> {
         let cap = (self.send_cq.depth() + self.recv_cq.depth()) as usize;
         let mut total = 0;
@@ -350,6 +365,16 @@ impl Core {
         self.with(true, |c, q| f(c, &mut SendSlots(q)))
     }
 
+    /// The connection's counters now.
+    pub(crate) fn stats(&self) -> ConnectionStats {
+        let (send, send_used) = {
+            let q = self.send.lock();
+            (q.counts, q.used)
+        };
+        let q = self.recv.lock();
+        ConnectionStats::from_queues(send, send_used, q.counts, q.used)
+    }
+
     /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
     pub(crate) fn with_recv_slot(&self, depth: u32, post: impl FnOnce() -> Result<()>) -> Result<()> {
         self.with(false, |_, q| {
@@ -361,6 +386,7 @@ impl Core {
             }
             post()?;
             q.used += 1;
+            q.counts.requests += 1;
             Ok(())
         })
     }
@@ -373,6 +399,7 @@ impl Core {
     }
 
     /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
+    #[cfg(feature = "tokio")]
     pub(crate) fn has_parked(&self) -> bool {
         !self.send.lock().parked.is_empty() || !self.recv.lock().parked.is_empty()
     }
@@ -444,15 +471,27 @@ impl SendSlots<'_> {
 
     /// Records `k` requests posted as a chain ending in the signaled `tail`, whose completion
     /// retires `retires` slots (`k`, plus any accepted requests of a partial post before it).
-    pub(crate) fn posted(&mut self, tail: u64, k: u32, retires: u32, op: &'static str) {
+    /// `bytes` is the local memory they name (for the counters).
+    pub(crate) fn posted(&mut self, tail: u64, k: u32, retires: u32, op: &'static str, bytes: u64) {
         self.0.used += k;
+        self.0.tails.insert(tail, (retires, op));
+        self.0.counts.requests += u64::from(k);
+        self.0.counts.bytes += bytes;
+    }
+
+    /// Records the connection's own signaled marker `tail` (no memory, not counted as a
+    /// request), whose completion retires `retires` slots.
+    pub(crate) fn marker_posted(&mut self, tail: u64, retires: u32, op: &'static str) {
+        self.0.used += 1;
         self.0.tails.insert(tail, (retires, op));
     }
 
     /// Records `k` requests posted without a signaled tail (a partially accepted chain): their
-    /// slots are retired by a later tail.
-    pub(crate) fn posted_untracked(&mut self, k: u32) {
+    /// slots are retired by a later tail. `bytes` as in [`SendSlots::posted`].
+    pub(crate) fn posted_untracked(&mut self, k: u32, bytes: u64) {
         self.0.used += k;
+        self.0.counts.requests += u64::from(k);
+        self.0.counts.bytes += bytes;
     }
 
     /// Reaps the send CQ once.

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
+use crate::transfer::stats::ConnectionStats;
 use crate::transfer::{Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcStatus};
 
@@ -116,6 +117,15 @@ impl Connection {
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
         }
+        tracing::debug!(
+            target: "mralloc::transfer",
+            qpn = qp.qpn(),
+            peer_qpn = peer.qpn,
+            send_depth = opts.send_depth,
+            recv_depth = opts.recv_depth,
+            mode = ?mode,
+            "connection established"
+        );
         Ok(Connection {
             qp: ManuallyDrop::new(qp),
             pd: pd.clone(),
@@ -136,7 +146,12 @@ impl Connection {
     /// ask for those rights.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if creating or connecting a queue pair or CQ fails.
+    /// - [`Error::Verbs`] if a verbs call fails: creating a completion channel, CQ or queue pair,
+    ///   connecting it, or registering the connection's landing buffer for atomics.
+    /// - [`Error::NoActiveDevice`] or [`Error::NoSuchIndex`] if [`Options::port`] or
+    ///   [`Options::gid_index`] (or, unset, their defaults) do not fit `pd`'s device.
+    /// - [`Error::InvalidArgument`] if a queue depth is too large for a CQ (above `i32::MAX`).
+    /// - [`Error::Io`] if mapping the landing buffer fails.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {
         Connection::pair_with(pd, opts, false)
     }
@@ -173,6 +188,7 @@ impl Connection {
     }
 
     /// Takes the control channel (the async front end drives it).
+    #[cfg(feature = "tokio")]
     pub(crate) fn take_control(&mut self) -> Option<Connection> {
         self.control.take().map(|c| *c)
     }
@@ -203,6 +219,20 @@ impl Connection {
         self.core.failed.get().map(Failure::error)
     }
 
+    /// A snapshot of the connection's counters: requests and bytes posted, completions, failed
+    /// completions, requests in flight.
+    ///
+    /// ```no_run
+    /// # fn f(conn: &mralloc::transfer::Connection, buf: &mralloc::Buffer, to: &mralloc::RemoteBuf) -> mralloc::Result<()> {
+    /// conn.write(&buf[..], to)?;
+    /// let s = conn.stats();
+    /// assert_eq!((s.send_requests, s.send_bytes, s.errors), (1, buf.len() as u64, 0));
+    /// # Ok(()) }
+    /// ```
+    pub fn stats(&self) -> ConnectionStats {
+        self.core.stats()
+    }
+
     /// Reaps whatever completions have arrived, without waiting: waiters find their outcomes,
     /// and buffers of dropped operations ([`crate::transfer::Pending`]) whose completion arrived
     /// are freed. Returns how many completions were reaped. (Every operation and wait does this
@@ -221,8 +251,10 @@ impl Connection {
     /// buffers back. Dropping a connection closes it.
     ///
     /// # Errors
-    /// [`Error::FlushLost`] if the device did not flush within a few seconds (a device fault):
-    /// the buffers still held are then leaked when the connection is dropped, never freed.
+    /// [`Error::FlushLost`] (with `wr_id` 0) if the device did not flush within a few seconds (a
+    /// device fault, or the queue pair could not be moved to the error state — that failure
+    /// itself is not reported): dropping the connection waits once more, and leaks the buffers
+    /// still held if the flush has not come by then. Closing twice is not an error.
     pub fn close(&self) -> Result<()> {
         self.fail(Failure::Closed);
         // Idempotent; the QP may already be in the error state (any failed completion puts it
@@ -309,6 +341,7 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
+    #[cfg(feature = "tokio")]
     pub(crate) unsafe fn try_post_one(&self, sge: Sge, what: SendOp) -> Result<Option<Ticket>> {
         self.check()?;
         let flags = self.inline_flag(&what, sge.len() as usize);
@@ -369,15 +402,16 @@ impl Connection {
                 // SAFETY: as above.
                 unsafe { self.qp.post_send(&wrs) }
             };
+            let bytes = |n: usize| sges.iter().take(n).map(|s| u64::from(s.len())).sum::<u64>();
             match r {
                 Ok(()) => {
-                    slots.posted(tail, k, k, ops[ops.len() - 1].name());
+                    slots.posted(tail, k, k, ops[ops.len() - 1].name(), bytes(ops.len()));
                     Ok(Attempt::Posted(tail))
                 }
                 Err(e @ Error::PartialPost { posted, .. }) => {
                     // The accepted requests use their memory until they complete or are
                     // flushed; none of them is signaled, so a marker will cover them.
-                    slots.posted_untracked(posted as u32);
+                    slots.posted_untracked(posted as u32, bytes(posted));
                     Ok(Attempt::Partial(e, posted as u32))
                 }
                 Err(e) => Err(e),
@@ -401,7 +435,7 @@ impl Connection {
                 // SAFETY: the marker has no memory; a QP in the error state flushes it.
                 match unsafe { self.qp.post_send(&marker) } {
                     Ok(()) => {
-                        slots.posted(id, 1, accepted + 1, op);
+                        slots.marker_posted(id, accepted + 1, op);
                         true
                     }
                     Err(_) => {
@@ -514,6 +548,18 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         let flushed = self.close();
+        let stats = self.core.stats();
+        tracing::debug!(
+            target: "mralloc::transfer",
+            qpn = self.qp.qpn(),
+            send_requests = stats.send_requests,
+            send_bytes = stats.send_bytes,
+            recv_requests = stats.recv_requests,
+            recv_bytes = stats.recv_bytes,
+            errors = stats.errors,
+            failure = %self.core.failed.get().map(Failure::error).map_or_else(String::new, |e| e.to_string()),
+            "connection closed"
+        );
         // SAFETY: dropped once, here; nothing uses the QP afterwards. Once it is destroyed the
         // device processes none of its requests any more.
         unsafe { ManuallyDrop::drop(&mut self.qp) };

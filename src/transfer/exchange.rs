@@ -153,7 +153,9 @@ impl Message {
     ///
     /// # Errors
     /// [`Error::Protocol`] for a truncated header, a wrong magic or version, an unknown kind or
-    /// refusal code, a malformed endpoint, or a blob length the kind does not allow.
+    /// refusal code, a malformed endpoint, a blob length above [`MAX_BLOB`], or fields the kind
+    /// does not allow (an endpoint, control endpoint, blob or refusal code where it has none, a
+    /// `Hello` or `Welcome` without an endpoint, a `Refused` without a code).
     pub fn parse_header(h: &[u8]) -> Result<(Message, usize)> {
         if h.len() < HEADER {
             return Err(malformed(format!("truncated header: {} of {HEADER} bytes", h.len())));

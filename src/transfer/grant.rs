@@ -65,9 +65,11 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// the invalidation, and returns the buffer.
     ///
     /// # Errors
-    /// If the invalidation cannot be posted or fails, the connection is failed (its queue pair
-    /// serves no remote access any more) and keeps the buffer until the queue pair is destroyed:
-    /// `buf` is `None` then. Likewise with [`Error::FlushLost`] (then the buffer is leaked).
+    /// Always without the buffer (`buf` is `None`): if the invalidation cannot be posted (the
+    /// connection's earlier failure, [`Error::Timeout`] for send-queue room, [`Error::Verbs`])
+    /// or fails ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]), the
+    /// connection is failed (its queue pair serves no remote access any more) and keeps the
+    /// buffer until the queue pair is destroyed. With [`Error::FlushLost`] it is leaked.
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let mw = self.mw.take().expect("a live grant holds its window");
         let buf = self.buf.take().expect("a live grant holds its buffer");
@@ -135,10 +137,16 @@ impl Connection {
     /// [`Access::MW_BIND`] in its access rights.
     ///
     /// # Errors
-    /// With the buffer back: [`Error::InvalidArgument`] (empty buffer, or rights other than
-    /// remote read/write), [`Error::NotRegistered`] (not heap memory bound to this
-    /// connection's PD), [`Error::Verbs`] (allocating the window), the connection's failure, or
-    /// the bind's failure. With [`Error::FlushLost`] the buffer is leaked.
+    /// With the buffer back in [`Rejected`]:
+    /// - the connection's earlier failure; [`Error::InvalidArgument`] (an empty buffer, or
+    ///   rights other than remote read/write); [`Error::NotRegistered`] (not memory of a heap
+    ///   bound to this connection's PD: registered buffers and mapped files are refused too);
+    ///   [`Error::Verbs`] (allocating the window, or posting the bind); [`Error::Timeout`] (no
+    ///   send-queue room);
+    /// - the bind's failure, as [`Connection::write_at`]: e.g. [`Error::Operation`] with
+    ///   `MW_BIND_ERR` if the heap lacks [`Access::MW_BIND`] — which fails the connection.
+    ///
+    /// With [`Error::FlushLost`] the buffer is leaked.
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
         let prepared = self.check().and_then(|()| {

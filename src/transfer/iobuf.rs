@@ -41,6 +41,11 @@ pub unsafe trait IoBuf: Send + 'static {
 
     /// The local key covering the whole range in `pd`, if registered there. The default looks
     /// the range up in the registered heaps' page map.
+    ///
+    /// # Errors
+    /// Returns `None` if the range is not registered in `pd` as one region (by default: not
+    /// inside one chunk of a heap bound to `pd`); operations then refuse the buffer with
+    /// [`crate::Error::NotRegistered`].
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
         heap_lkey(self.stable_ptr(), self.bytes_len(), pd)
     }
@@ -48,7 +53,8 @@ pub unsafe trait IoBuf: Send + 'static {
     /// The owned sub-range `range` of this buffer.
     ///
     /// # Errors
-    /// [`crate::Error::OutOfBounds`] (with the buffer back) if the range does not lie inside it.
+    /// [`crate::Error::OutOfBounds`] (with the buffer back in [`Rejected`]) if the range is
+    /// reversed or does not lie inside the buffer.
     fn into_slice(self, range: impl RangeBounds<usize>) -> Result<Slice<Self>, Rejected<Self>>
     where
         Self: Sized,
@@ -213,6 +219,20 @@ unsafe impl IoBufMut for allocator_api2::vec::Vec<u8, Heap> {
     }
 }
 
+// SAFETY: a `Bytes` keeps its storage alive and unmoved while it (or a clone) lives, and gives
+// no way to write to it (sends and WRITE sources only read). Its key is looked up in the page
+// map: a `Bytes` made from a heap `Buffer` (`Buffer::into_bytes`) or a slice of one has keys.
+#[cfg(feature = "bytes")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bytes")))]
+unsafe impl IoBuf for bytes::Bytes {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        self.len()
+    }
+}
+
 // SAFETY: a RegisteredBuf owns its mapping and its memory region, which covers all of it.
 unsafe impl IoBuf for RegisteredBuf {
     fn stable_ptr(&self) -> *const u8 {
@@ -282,6 +302,10 @@ pub unsafe trait IoTarget: Send + 'static {
     fn target(&mut self) -> (*mut u8, usize);
 
     /// The local key covering the whole target in `pd`, if registered there.
+    ///
+    /// # Errors
+    /// Returns `None` if the target is not registered in `pd` as one region; operations then
+    /// refuse it with [`crate::Error::NotRegistered`].
     fn target_lkey(&self, pd: &Pd) -> Option<u32>;
 
     /// Records that the NIC wrote the first `n` bytes (a READ: all of them; a receive: what

@@ -21,6 +21,11 @@ pub unsafe trait Local {
     /// Number of bytes.
     fn local_len(&self) -> usize;
     /// The local key covering the whole range in `pd`, if registered there.
+    ///
+    /// # Errors
+    /// Returns `None` if the range is not registered in `pd` as one region (by default: not
+    /// inside one chunk of a heap bound to `pd`); operations then fail with
+    /// [`Error::NotRegistered`].
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
         heap_lkey(self.local_ptr(), self.local_len(), pd)
     }

@@ -81,8 +81,10 @@ impl MappedFile {
     /// is a data race (the same rule as `memmap2::Mmap::map`).
     ///
     /// # Errors
-    /// [`Error::Io`] if the file cannot be opened, sized or mapped; [`Error::InvalidArgument`]
-    /// for an empty file; [`Error::Verbs`] if registration fails.
+    /// - [`Error::Io`] if the file cannot be opened, sized or mapped.
+    /// - [`Error::InvalidArgument`] for an empty file (or one larger than the address space).
+    /// - [`Error::Verbs`] if `ibv_reg_mr` fails (a read-only file refused with `EFAULT` is
+    ///   retried as a private mapping first).
     pub unsafe fn open(path: impl AsRef<Path>, mode: Mode, pd: &Pd) -> Result<MappedFile> {
         let path = path.as_ref();
         let file = OpenOptions::new()
@@ -101,7 +103,9 @@ impl MappedFile {
     /// As [`MappedFile::open`]: nothing else may access the file's bytes while the value lives.
     ///
     /// # Errors
-    /// As [`MappedFile::open`].
+    /// As [`MappedFile::open`], and [`Error::Io`] if the file cannot be created or sized. The
+    /// file is created (truncated) and sized first: a `len` of 0 ([`Error::InvalidArgument`]),
+    /// or a failed mapping or registration, leaves it truncated to `len` bytes.
     pub unsafe fn create(path: impl AsRef<Path>, len: u64, pd: &Pd) -> Result<MappedFile> {
         let path = path.as_ref();
         let file = OpenOptions::new()
@@ -194,6 +198,9 @@ impl MappedFile {
     }
 
     /// The file's bytes, writable (read-write mappings only).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the file is mapped [`Mode::ReadOnly`].
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         if self.mode != Mode::ReadWrite {
             return Err(Error::InvalidArgument("the file is mapped read-only".into()));
@@ -208,11 +215,17 @@ impl MappedFile {
     }
 
     /// What a peer needs to access the whole file (READ always; WRITE for read-write files).
+    ///
+    /// # Errors
+    /// Never fails: the whole file is registered, so its keys always exist.
     pub fn remote(&self) -> Result<RemoteBuf> {
         Ok(RemoteBuf { addr: self.ptr as u64, len: self.len as u64, rkey: self.mr.rkey() })
     }
 
     /// A range of the file, usable as the local side of any operation.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] if `range` is reversed, empty or ends past the file.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MappedSlice<'_>> {
         let (start, end) = crate::heap::range_of(range, self.len)?;
         if start == end {
@@ -222,6 +235,9 @@ impl MappedFile {
     }
 
     /// Writes dirty pages back to the file (`msync(MS_SYNC)`).
+    ///
+    /// # Errors
+    /// [`Error::Io`] if `msync` fails.
     pub fn flush(&self) -> Result<()> {
         // SAFETY: syncing our own mapping.
         if unsafe { libc::msync(self.ptr.cast(), self.len, libc::MS_SYNC) } != 0 {
@@ -246,6 +262,9 @@ impl MappedSlice<'_> {
     }
 
     /// What a peer needs to access this range.
+    ///
+    /// # Errors
+    /// Never fails: the range was checked when the slice was made.
     pub fn remote(&self) -> Result<RemoteBuf> {
         self.file.remote()?.slice(self.start as u64..(self.start + self.len) as u64)
     }

@@ -49,9 +49,11 @@ mod ops;
 mod options;
 mod pending;
 mod poller;
+mod stats;
 mod tcp;
 
 #[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use auth::Secret;
 pub use batch::Batch;
@@ -66,4 +68,5 @@ pub use ops::Received;
 pub use options::{Options, WaitMode};
 pub use pending::{Pending, Rejected};
 pub use poller::Poller;
+pub use stats::ConnectionStats;
 pub use tcp::Listener;

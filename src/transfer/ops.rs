@@ -63,11 +63,30 @@ impl Connection {
     }
 
     /// RDMA WRITE of all of `local` to the start of `remote`.
+    ///
+    /// # Errors
+    /// As [`Connection::write_at`].
     pub fn write<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf) -> Result<()> {
         self.write_at(local, remote, 0)
     }
 
     /// RDMA WRITE of all of `local` to `offset` bytes into `remote` (bounds-checked here).
+    ///
+    /// # Errors
+    /// - The connection's earlier failure, at once ([`Error::Operation`], [`Error::Verbs`],
+    ///   [`Error::Closed`]).
+    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` empty or
+    ///   over `u32::MAX` bytes), [`Error::NotRegistered`] (`local` not registered in
+    ///   [`Connection::pd`]), [`Error::OutOfBounds`] (the range does not fit in `remote`),
+    ///   [`Error::Timeout`] (no send-queue room within
+    ///   [`Options::op_timeout`](crate::transfer::Options::op_timeout)), [`Error::Verbs`] or
+    ///   [`Error::Io`] (the post refused, or waiting for room failed).
+    /// - Posted, and the connection failed: [`Error::Operation`] (a failed completion, e.g.
+    ///   `REM_ACCESS_ERR` when the peer's key, range or
+    ///   [`Options::remote_access`](crate::transfer::Options::remote_access) does not allow it),
+    ///   [`Error::Timeout`] (no completion within `op_timeout`), [`Error::Verbs`] or [`Error::Io`]
+    ///   (polling or waiting failed). It returns once the NIC is done with `local`; if the device
+    ///   never flushes the request, the process aborts.
     pub fn write_at<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf, offset: u64) -> Result<()> {
         let sge = self.checked(local, Verb::Write)?;
         let to = remote.at(offset, sge.len().into())?;
@@ -76,6 +95,9 @@ impl Connection {
 
     /// RDMA WRITE that also delivers `imm` to the peer (it consumes one of the peer's receives;
     /// see [`Connection::recv_imm`]).
+    ///
+    /// # Errors
+    /// As [`Connection::write_at`] (the peer must have a receive posted).
     pub fn write_with_imm<L: Local + ?Sized>(
         &self,
         local: &L,
@@ -89,11 +111,19 @@ impl Connection {
     }
 
     /// RDMA READ of `local.len()` bytes from the start of `remote` into `local`.
+    ///
+    /// # Errors
+    /// As [`Connection::read_at`].
     pub fn read<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf) -> Result<()> {
         self.read_at(local, remote, 0)
     }
 
     /// RDMA READ of `local.len()` bytes from `offset` bytes into `remote`.
+    ///
+    /// # Errors
+    /// As [`Connection::write_at`] (the peer must allow `REMOTE_READ`). Memory registered
+    /// without `LOCAL_WRITE` (a read-only [`MappedFile`](crate::transfer::MappedFile)) fails the
+    /// READ, and the connection, with [`Error::Operation`].
     pub fn read_at<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf, offset: u64) -> Result<()> {
         let sge = self.checked(&*local, Verb::Read)?;
         let from = remote.at(offset, sge.len().into())?;
@@ -101,18 +131,33 @@ impl Connection {
     }
 
     /// SEND of all of `local` (the peer must post a receive: [`Connection::recv`]).
+    ///
+    /// # Errors
+    /// As [`Connection::write_at`] (no remote range); the SEND fails with [`Error::Operation`]
+    /// if the peer's receive is too small.
     pub fn send<L: Local + ?Sized>(&self, local: &L) -> Result<()> {
         let sge = self.checked(local, Verb::Send)?;
         self.one(sge, SendOp::Send).map(|_| ())
     }
 
     /// SEND with immediate data.
+    ///
+    /// # Errors
+    /// As [`Connection::send`].
     pub fn send_with_imm<L: Local + ?Sized>(&self, local: &L, imm: u32) -> Result<()> {
         let sge = self.checked(local, Verb::SendWithImm)?;
         self.one(sge, SendOp::SendWithImm(imm)).map(|_| ())
     }
 
     /// Posts a receive into `local` and waits for a SEND to fill it.
+    ///
+    /// # Errors
+    /// - As [`Connection::write_at`] for `local` and the wait (no remote range, no send-queue
+    ///   room to wait for).
+    /// - [`Error::InvalidArgument`] if `recv_depth` receives are already posted, [`Error::Verbs`]
+    ///   if the device refuses the receive: nothing is posted.
+    /// - [`Error::Timeout`] if no SEND arrives within
+    ///   [`Options::op_timeout`](crate::transfer::Options::op_timeout): the connection is failed.
     pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
         let sge = self.checked(&*local, Verb::Recv)?;
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
@@ -123,6 +168,12 @@ impl Connection {
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty
     /// SEND with immediate); returns the immediate.
+    ///
+    /// # Errors
+    /// - As [`Connection::recv`] (there is no local memory to check).
+    /// - [`Error::Protocol`] if a SEND without an immediate arrives (a SEND with bytes fails the
+    ///   receive, and the connection, with [`Error::Operation`]).
+    /// - [`Error::FlushLost`] if the device never flushes the receive after a failure.
     pub fn recv_imm(&self) -> Result<u32> {
         // SAFETY: a receive without memory.
         let t = unsafe { self.post_recv_raw(None)? };
@@ -144,12 +195,20 @@ impl Connection {
     }
 
     /// Atomically adds `add` to the 64-bit word at `offset` in `remote`; returns its old value.
+    ///
+    /// # Errors
+    /// - [`Error::OutOfBounds`] if the 8-byte word at `offset` is not inside `remote`;
+    ///   [`Error::InvalidArgument`] if it is not 8-byte aligned.
+    /// - Otherwise as [`Connection::write_at`]; the peer must grant `REMOTE_ATOMIC`.
     pub fn fetch_add(&self, remote: &RemoteBuf, offset: u64, add: u64) -> Result<u64> {
         self.atomic(Verb::FetchAdd, remote, offset, |r| SendOp::FetchAdd { remote: r, add })
     }
 
     /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
     /// returns its old value (equal to `compare` when the swap happened).
+    ///
+    /// # Errors
+    /// As [`Connection::fetch_add`].
     pub fn compare_swap(&self, remote: &RemoteBuf, offset: u64, compare: u64, swap: u64) -> Result<u64> {
         self.atomic(Verb::CompareSwap, remote, offset, |r| SendOp::CompareSwap { remote: r, compare, swap })
     }

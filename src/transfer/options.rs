@@ -56,7 +56,7 @@ pub struct Options {
     /// only writes needs nothing. The memory itself must grant the right as well (its heap's
     /// access, or a [`crate::transfer::Connection::grant`]).
     pub remote_access: Access,
-    /// The longest an async operation ([`crate::transfer::AsyncConnection`], feature `tokio`)
+    /// The longest an async operation (`AsyncConnection`, feature `tokio`)
     /// polls its CQ before sleeping until the completion channel wakes it; the poll adapts
     /// below this to how long the connection's recent operations took (default 200 µs; zero
     /// never polls; at most 1 ms is honoured, since polling holds an executor thread).
@@ -96,6 +96,9 @@ impl Default for Options {
 impl Options {
     /// Opens the device these options name (`device`, else `MRALLOC_DEVICE`, else the first
     /// active one).
+    ///
+    /// # Errors
+    /// As [`Context::open`] when `device` is set, else as [`Context::open_default`].
     pub fn open_device(&self) -> Result<Context> {
         match &self.device {
             Some(name) => Context::open(name),

@@ -71,7 +71,8 @@ impl<B: Send + 'static> std::fmt::Debug for Pending<'_, B> {
 }
 
 impl<'c, B: Send + 'static> Pending<'c, B> {
-    /// Whether the completion has arrived (polls the CQ once).
+    /// Whether the completion has arrived (polls the CQ once). A failing poll reads as `false`:
+    /// [`Pending::wait`] reports it.
     pub fn is_done(&self) -> bool {
         matches!(self.conn.core().is_done(self.ticket), Ok(true))
     }
@@ -80,10 +81,14 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     /// is done with it either way).
     ///
     /// # Errors
-    /// The operation's error with the buffer back: [`Error::Operation`] (failed completion or a
-    /// failed connection), [`Error::Timeout`] (the connection's `op_timeout` expired; the
-    /// connection is failed and flushed first), [`Error::Verbs`] (the completion path failed);
-    /// or [`Error::FlushLost`] without the buffer (leaked: the NIC may still use it).
+    /// With the buffer back in [`Rejected`]:
+    /// - [`Error::Operation`]: the operation failed, or was flushed after another one failed;
+    /// - [`Error::Closed`] (or the first failure's [`Error::Verbs`]): it was flushed because the
+    ///   connection was closed (or its completion path failed);
+    /// - [`Error::Timeout`] (the connection's `op_timeout` expired), [`Error::Verbs`] or
+    ///   [`Error::Io`] (polling or waiting failed): the connection is failed, flushed first.
+    ///
+    /// [`Error::FlushLost`] comes without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
         let r = self.conn.wait(self.ticket);
         let mut buf = self.buf.take().expect("a Pending holds its buffer until waited");
@@ -172,9 +177,16 @@ impl Connection {
     /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`.
     ///
     /// # Errors
-    /// The buffer comes back in [`Rejected`] with [`Error::NotRegistered`] (memory not
-    /// registered in this connection's PD), [`Error::OutOfBounds`] (the remote range),
-    /// [`Error::InvalidArgument`] (empty buffer), the connection's failure, or a failed post.
+    /// The buffer comes back in [`Rejected`], untouched, with:
+    /// - the connection's earlier failure ([`Error::Operation`], [`Error::Verbs`],
+    ///   [`Error::Closed`]);
+    /// - [`Error::InvalidArgument`] (an empty buffer, or over `u32::MAX` bytes),
+    ///   [`Error::NotRegistered`] (not registered in this connection's PD),
+    ///   [`Error::OutOfBounds`] (the range does not fit in `remote`);
+    /// - [`Error::Timeout`] (no send-queue room within the connection's `op_timeout`),
+    ///   [`Error::Verbs`] or [`Error::Io`] (the post refused, or waiting for room failed).
+    ///
+    /// The operation's own failure comes from [`Pending::wait`].
     pub fn post_write<B: IoBuf>(
         &self,
         buf: B,
@@ -228,8 +240,9 @@ impl Connection {
     /// arrived are initialised.
     ///
     /// # Errors
-    /// As [`Connection::post_write`], and [`Error::InvalidArgument`] when the receive queue is
-    /// full.
+    /// As [`Connection::post_write`] (no remote range, no waiting for room): the buffer back
+    /// with [`Error::InvalidArgument`] when the receive queue is full, or [`Error::Verbs`] if
+    /// the device refuses the receive.
     pub fn post_recv<B: IoTarget>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
         let sge = match self.checked_target(&mut buf, Verb::Recv) {
             Ok(s) => s,

@@ -67,6 +67,10 @@ fn pin_to(cpu: usize) -> std::io::Result<()> {
 
 impl Poller {
     /// Starts the polling thread, pinned to `cpu` if given.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the thread cannot be spawned, or cannot be pinned to `cpu` (e.g. `EINVAL`
+    /// for a CPU that is offline or outside the process's allowed set; the thread is stopped then).
     pub fn spawn(cpu: Option<usize>) -> Result<Poller> {
         let shared = Arc::new(Shared { cores: Mutex::new(Vec::new()), stop: AtomicBool::new(false) });
         let s = shared.clone();

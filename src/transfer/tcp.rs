@@ -40,12 +40,18 @@ pub struct Listener {
 
 impl Listener {
     /// Listens on `addr` for connections in `pd`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use).
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Listener> {
         let tcp = TcpListener::bind(addr).map_err(io("binding the TCP listener".into()))?;
         Ok(Listener { tcp, pd: pd.clone(), opts })
     }
 
     /// The address it listens on.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the socket cannot report its address.
     pub fn local_addr(&self) -> Result<SocketAddr> {
         self.tcp.local_addr().map_err(io("reading the listener's address".into()))
     }
@@ -63,10 +69,17 @@ impl Listener {
     /// holds the same secret before a QP is created for it or `blob` is sent.
     ///
     /// # Errors
-    /// [`Error::Authentication`] if the secrets differ or only one side has one (the peer is
-    /// told); [`Error::Protocol`] if the peer sends something else than the exchange;
-    /// [`Error::Io`] if the TCP connection fails or times out ([`Options::connect_timeout`]);
-    /// [`Error::Verbs`] if creating or connecting the QP fails.
+    /// - [`Error::Io`] if accepting, reading or writing the TCP connection fails, a read or write
+    ///   takes longer than [`Options::connect_timeout`], or the peer closes it.
+    /// - [`Error::Authentication`] if the secrets differ or only one side has one (the peer is
+    ///   told).
+    /// - [`Error::Protocol`] if the peer sends something other than the exchange expects.
+    /// - [`Error::InvalidArgument`] if `blob` is longer than
+    ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB) (found only when it is sent, after
+    ///   the QP was created).
+    /// - As [`Connection::pair`] if creating or connecting the QP fails.
+    ///
+    /// Each error concerns one peer: the listener can accept the next.
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
         let (s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
         Listener::serve(s, peer, &self.pd, &self.opts, blob, false)
@@ -113,7 +126,9 @@ impl Connection {
     /// created or `blob` is sent.
     ///
     /// # Errors
-    /// As [`Listener::accept_with`]; [`Error::InvalidArgument`] if `addr` resolves to nothing.
+    /// As [`Listener::accept_with`]; [`Error::Io`] if `addr` cannot be resolved or the TCP
+    /// connect fails or times out (only the first address `addr` resolves to is tried);
+    /// [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false)
     }

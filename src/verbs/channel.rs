@@ -41,6 +41,9 @@ impl std::fmt::Debug for CompChannel {
 
 impl CompChannel {
     /// Creates a channel on `ctx`.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_create_comp_channel` fails.
     pub fn new(ctx: &Context) -> Result<CompChannel> {
         // SAFETY: ctx is live.
         let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
@@ -91,7 +94,8 @@ impl CompChannel {
     /// was there.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if `ibv_get_cq_event` fails for another reason than "no event".
+    /// [`Error::Verbs`] if `ibv_get_cq_event` fails for another reason than "no event" or an
+    /// interruption (both return `Ok(false)`).
     pub fn try_event(&self) -> Result<bool> {
         let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut libc::c_void = std::ptr::null_mut();
@@ -111,6 +115,13 @@ impl CompChannel {
 
     /// Sleeps until an event arrives or `timeout` passes; consumes and acknowledges the event.
     /// Returns whether one arrived. Re-arm the CQ before the next wait.
+    ///
+    /// # Errors
+    /// - [`Error::Io`] if `poll` fails.
+    /// - [`Error::Verbs`] if `ibv_get_cq_event` fails.
+    ///
+    /// An interrupted `poll`, and an event that another reader of a non-blocking descriptor
+    /// took first, return `Ok(false)`, not an error.
     pub fn wait(&self, timeout: Duration) -> Result<bool> {
         let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;

@@ -106,7 +106,9 @@ impl Context {
 
     /// Opens the device called `name`.
     ///
-    /// A name that does not exist gives [`Error::NoSuchDevice`] listing the devices that do.
+    /// # Errors
+    /// - [`Error::Verbs`] if `ibv_get_device_list`, or `ibv_open_device` on the device, fails.
+    /// - [`Error::NoSuchDevice`] (listing the devices that exist) if no device is called `name`.
     pub fn open(name: &str) -> Result<Context> {
         let list = DeviceList::get()?;
         let found = list.iter().find(|d| d.name() == name).map(|d| d.open());
@@ -114,6 +116,11 @@ impl Context {
     }
 
     /// Opens the first device that has an `ACTIVE` port.
+    ///
+    /// # Errors
+    /// - [`Error::Verbs`] if `ibv_get_device_list` fails.
+    /// - [`Error::NoActiveDevice`] if no device has an `ACTIVE` port. Devices that fail to open or
+    ///   to be queried are skipped, so their errors (e.g. `EACCES`) also end up as this variant.
     pub fn open_first_active() -> Result<Context> {
         let list = DeviceList::get()?;
         for d in list.iter() {
@@ -127,6 +134,10 @@ impl Context {
 
     /// Opens the device named by the `MRALLOC_DEVICE` environment variable, or the first active
     /// one when it is unset. This is what tests, examples and connection helpers use.
+    ///
+    /// # Errors
+    /// As [`Context::open`] when `MRALLOC_DEVICE` is set (and not empty), else as
+    /// [`Context::open_first_active`].
     pub fn open_default() -> Result<Context> {
         match std::env::var("MRALLOC_DEVICE") {
             Ok(name) if !name.is_empty() => Context::open(&name),
@@ -140,6 +151,9 @@ impl Context {
     }
 
     /// The device's NUMA node, if it has one (see [`crate::verbs::numa_node_of`]).
+    ///
+    /// # Errors
+    /// As [`crate::verbs::numa_node_of`]: also `None`, with no error, when sysfs cannot be read.
     pub fn numa_node(&self) -> Option<u32> {
         numa_node_of(&self.inner.name)
     }
@@ -151,6 +165,9 @@ impl Context {
     }
 
     /// Device attributes (`ibv_query_device`).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_device` fails.
     pub fn attributes(&self) -> Result<ffi::ibv_device_attr> {
         // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
         let mut attr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -163,11 +180,18 @@ impl Context {
     }
 
     /// Number of physical ports.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_device` fails.
     pub fn port_count(&self) -> Result<u8> {
         Ok(self.attributes()?.phys_port_cnt)
     }
 
     /// Queries port `port` (1-based).
+    ///
+    /// # Errors
+    /// - [`Error::NoSuchIndex`] if `port` is 0 or above the device's port count.
+    /// - [`Error::Verbs`] if `ibv_query_device` or `ibv_query_port` fails.
     pub fn port(&self, port: u8) -> Result<PortInfo> {
         let count = self.port_count()?;
         if port == 0 || port > count {
@@ -207,12 +231,21 @@ impl Context {
     }
 
     /// The first port in the `ACTIVE` state.
+    ///
+    /// # Errors
+    /// Returns `None` if no port is `ACTIVE`, and also (without an error) when querying the device
+    /// or a port fails.
     pub fn first_active_port(&self) -> Option<u8> {
         let count = self.port_count().ok()?;
         (1..=count).find(|&p| matches!(self.port(p), Ok(PortInfo { state: PortState::Active, .. })))
     }
 
     /// GID `index` of `port`.
+    ///
+    /// # Errors
+    /// - [`Error::NoSuchIndex`] if `port` does not exist, or `index` is not below the port's GID
+    ///   table length.
+    /// - [`Error::Verbs`] if `ibv_query_device`, `ibv_query_port` or `ibv_query_gid` fails.
     pub fn gid(&self, port: u8, index: u32) -> Result<Gid> {
         let info = self.port(port)?;
         if index >= info.gid_table_len {
@@ -234,6 +267,9 @@ impl Context {
     }
 
     /// The populated (non-zero) entries of `port`'s GID table.
+    ///
+    /// # Errors
+    /// As [`Context::port`]. Entries that cannot be queried are left out, not reported.
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let info = self.port(port)?;
         let mut out = Vec::new();
@@ -252,6 +288,11 @@ impl Context {
     /// The GID index to use on `port` when none is given: `MRALLOC_GID_INDEX` if set; on RoCE,
     /// the first RoCE v2 entry holding an IPv4-mapped address (what perftest and rping use),
     /// then the first RoCE v2 entry; on InfiniBand, 0.
+    ///
+    /// # Errors
+    /// - As [`Context::port`] (a set `MRALLOC_GID_INDEX` is returned as is, unchecked and
+    ///   without querying anything; an unparsable one is ignored).
+    /// - [`Error::NoSuchIndex`] if the port is RoCE and its GID table has no populated entry.
     pub fn default_gid_index(&self, port: u8) -> Result<u32> {
         if let Some(i) = std::env::var("MRALLOC_GID_INDEX").ok().and_then(|s| s.trim().parse().ok()) {
             return Ok(i);

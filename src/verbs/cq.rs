@@ -199,6 +199,10 @@ impl WorkCompletion {
     }
 
     /// `Ok(self)` when successful, else the typed [`Error::WorkCompletion`].
+    ///
+    /// # Errors
+    /// [`Error::WorkCompletion`] (with its `wr_id`, status, opcode and vendor error) if the status
+    /// is not `SUCCESS`.
     pub fn ok(&self) -> Result<&WorkCompletion> {
         if self.is_ok() {
             Ok(self)
@@ -269,11 +273,18 @@ impl std::fmt::Debug for Cq {
 
 impl Cq {
     /// Creates a CQ with room for at least `depth` completions.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`] if `depth` is 0 or above `i32::MAX`.
+    /// - [`Error::Verbs`] if `ibv_create_cq` fails (e.g. `EINVAL` above the device's CQ size).
     pub fn new(ctx: &Context, depth: u32) -> Result<Cq> {
         Cq::create(ctx, depth, None)
     }
 
     /// Creates a CQ that raises events on `channel` when armed (see [`Cq::arm`]).
+    ///
+    /// # Errors
+    /// As [`Cq::new`].
     pub fn with_channel(ctx: &Context, depth: u32, channel: &CompChannel) -> Result<Cq> {
         Cq::create(ctx, depth, Some(channel.clone()))
     }
@@ -300,6 +311,9 @@ impl Cq {
 
     /// Requests an event on the CQ's channel for the next completion (`ibv_req_notify_cq`).
     /// Poll once more after arming: completions that arrived before it raise no event.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
     pub fn arm(&self) -> Result<()> {
         // SAFETY: the CQ is live.
         let rc = unsafe { ffi::ibv_req_notify_cq(self.inner.cq, 0) };
@@ -320,6 +334,10 @@ impl Cq {
     }
 
     /// Polls once, without waiting: fills the front of `out` and returns how many it filled.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_poll_cq` returns a negative value (its errno is taken to be that
+    /// value negated). Failed completions are not errors: check each entry's status.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let n = out.len().min(i32::MAX as usize) as i32;
         // SAFETY: the CQ is live; WorkCompletion is repr(transparent) over ibv_wc, so `out` is
@@ -332,6 +350,10 @@ impl Cq {
     }
 
     /// Busy-polls until at least one completion arrives or `timeout` passes.
+    ///
+    /// # Errors
+    /// - As [`Cq::poll`].
+    /// - [`Error::Timeout`] if nothing arrived within `timeout`.
     pub fn poll_wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         // A completion found at once costs no clock read (a system call on some VMs).
         let mut watch = Stopwatch::new(BUSY);
@@ -354,6 +376,10 @@ impl Cq {
     }
 
     /// Waits for exactly one completion and returns it, successful or not.
+    ///
+    /// # Errors
+    /// As [`Cq::poll_wait`]. A failed completion is returned, not an error
+    /// ([`WorkCompletion::ok`] converts it).
     pub fn next(&self, timeout: Duration) -> Result<WorkCompletion> {
         let mut wc = [WorkCompletion::empty()];
         self.poll_wait(&mut wc, timeout)?;

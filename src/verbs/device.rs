@@ -28,6 +28,10 @@ pub struct DeviceInfo {
 /// }
 /// # Ok::<(), mralloc::Error>(())
 /// ```
+///
+/// # Errors
+/// [`Error::Verbs`] if `ibv_get_device_list` fails — except with `ENOSYS` (no kernel RDMA
+/// support), which gives an empty list.
 pub fn devices() -> Result<Vec<DeviceInfo>> {
     let list = DeviceList::get()?;
     Ok(list.iter().map(|d| d.info()).collect())
@@ -35,7 +39,10 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
 
 /// The NUMA node of a device, read from `/sys/class/infiniband/<name>/device/numa_node`.
 ///
-/// Returns `None` when the file is missing (virtual devices) or holds `-1`.
+/// Returns `None` when the device has none: the file is missing (virtual devices) or holds `-1`.
+///
+/// # Errors
+/// Also `None` (no error is reported) when the file cannot be read or does not hold a number.
 pub fn numa_node_of(name: &str) -> Option<u32> {
     let path: PathBuf = ["/sys/class/infiniband", name, "device", "numa_node"].iter().collect();
     parse_numa_node(&std::fs::read_to_string(path).ok()?)

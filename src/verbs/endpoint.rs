@@ -62,6 +62,9 @@ pub enum Mtu {
 
 impl Mtu {
     /// From the `IBV_MTU_*` value.
+    ///
+    /// # Errors
+    /// Returns `None` if `raw` is not an `IBV_MTU_*` value.
     pub fn from_raw(raw: ffi::ibv_mtu::Type) -> Option<Mtu> {
         Some(match raw {
             ffi::ibv_mtu::IBV_MTU_256 => Mtu::Mtu256,
@@ -130,6 +133,10 @@ impl Endpoint {
     }
 
     /// Decodes what [`Endpoint::to_bytes`] produced.
+    ///
+    /// # Errors
+    /// [`Error::MalformedEndpoint`] if `b` is not 32 bytes long, or has the wrong magic or version,
+    /// an unknown MTU code, a QPN or PSN above 24 bits, or non-zero reserved bytes.
     pub fn from_bytes(b: &[u8]) -> Result<Endpoint> {
         let bad = |why: String| Err(Error::MalformedEndpoint(why));
         if b.len() != Self::ENCODED_LEN {

@@ -1,6 +1,6 @@
 //! Memory regions: registering memory with a PD, and owned registered buffers.
 
-use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
+use std::ops::{Deref, DerefMut, Range};
 use std::time::Instant;
 
 use rdma_sys as ffi;
@@ -9,75 +9,60 @@ use crate::error::{Error, Result};
 use crate::mmap::Mapping;
 use crate::verbs::{Pd, RemoteAddr, Sge};
 
-/// Access rights of a memory region (`IBV_ACCESS_*`).
-///
-/// Local read is always allowed. [`Access::LOCAL_WRITE`] is needed for anything the NIC writes
-/// locally (RDMA READ targets, receive buffers, atomics results); the remote rights must be
-/// asked for explicitly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Access(u32);
+bitflags::bitflags! {
+    /// Access rights of a memory region (`IBV_ACCESS_*`), a set of flags: combine them with
+    /// `|`; they print by name (`Access(LOCAL_WRITE | REMOTE_WRITE)`).
+    ///
+    /// Local read is always allowed. [`Access::LOCAL_WRITE`] is needed for anything the NIC
+    /// writes locally (RDMA READ targets, receive buffers, atomics results); the remote rights
+    /// must be asked for explicitly.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct Access: u32 {
+        /// The local NIC may write (receives, READ targets).
+        const LOCAL_WRITE = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        /// Peers may RDMA WRITE into the region.
+        const REMOTE_WRITE = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        /// Peers may RDMA READ from the region.
+        const REMOTE_READ = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        /// Peers may perform atomics on the region.
+        const REMOTE_ATOMIC = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+        /// Memory windows may be bound to the region.
+        const MW_BIND = ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        /// Local write plus every remote right: what a buffer exposed to a trusted peer needs.
+        const ALL_REMOTE = Self::LOCAL_WRITE.bits()
+            | Self::REMOTE_WRITE.bits()
+            | Self::REMOTE_READ.bits()
+            | Self::REMOTE_ATOMIC.bits();
+    }
+}
+
+impl Default for Access {
+    /// [`Access::NONE`].
+    fn default() -> Access {
+        Access::NONE
+    }
+}
 
 impl Access {
-    /// No rights beyond local read.
-    pub const NONE: Access = Access(0);
-    /// The local NIC may write (receives, READ targets).
-    pub const LOCAL_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0);
-    /// Peers may RDMA WRITE into the region.
-    pub const REMOTE_WRITE: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0);
-    /// Peers may RDMA READ from the region.
-    pub const REMOTE_READ: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
-    /// Peers may perform atomics on the region.
-    pub const REMOTE_ATOMIC: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0);
-    /// Memory windows may be bound to the region.
-    pub const MW_BIND: Access = Access(ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0);
-    /// Local write plus every remote right: what a buffer exposed to a trusted peer needs.
-    pub const ALL_REMOTE: Access =
-        Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0);
+    /// No rights beyond local read (the empty set).
+    pub const NONE: Access = Access::empty();
 
-    /// The raw `IBV_ACCESS_*` bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether every right in `other` is in `self`.
-    pub const fn contains(self, other: Access) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// Both sets of rights (`|`, usable in `const` contexts).
-    pub const fn union(self, other: Access) -> Access {
-        Access(self.0 | other.0)
-    }
-
-    /// The remote rights' bits (write, read, atomic).
-    const REMOTE_BITS: u32 = Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0;
+    /// The remote rights (write, read, atomic).
+    const REMOTE: Access = Access::REMOTE_WRITE.union(Access::REMOTE_READ).union(Access::REMOTE_ATOMIC);
 
     /// Whether any remote right is included.
     pub const fn is_remote(self) -> bool {
-        self.0 & Access::REMOTE_BITS != 0
+        self.intersects(Access::REMOTE)
     }
 
     /// Only the remote rights of `self` (write, read, atomic): what a queue pair can be given.
     pub const fn remote_only(self) -> Access {
-        Access(self.0 & Access::REMOTE_BITS)
+        self.intersection(Access::REMOTE)
     }
 
     /// `self` without its remote rights (local write, window binding).
     pub const fn without_remote(self) -> Access {
-        Access(self.0 & !Access::REMOTE_BITS)
-    }
-}
-
-impl BitOr for Access {
-    type Output = Access;
-    fn bitor(self, rhs: Access) -> Access {
-        Access(self.0 | rhs.0)
-    }
-}
-
-impl BitOrAssign for Access {
-    fn bitor_assign(&mut self, rhs: Access) {
-        self.0 |= rhs.0;
+        self.difference(Access::REMOTE)
     }
 }
 
@@ -118,6 +103,11 @@ impl Mr {
     /// region registered) — **and** no posted work request that uses it can still be executed
     /// by the NIC. With remote rights, peers may write the range at
     /// any time while the region lives: the caller must treat it as shared with the network.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`] if `len` is 0.
+    /// - [`Error::Verbs`] if `ibv_reg_mr` fails (its hint names the memlock limit for `ENOMEM`,
+    ///   `EPERM` and `EAGAIN`).
     pub unsafe fn register(pd: &Pd, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot register an empty memory range".into()));
@@ -174,6 +164,9 @@ impl Mr {
 
     /// The local key, if this region belongs to `pd` (what an operation on a connection in
     /// `pd` needs).
+    ///
+    /// # Errors
+    /// Returns `None` if the region belongs to another PD.
     pub fn lkey_in(&self, pd: &Pd) -> Option<u32> {
         (self.pd() == pd).then(|| self.lkey())
     }
@@ -202,12 +195,20 @@ impl Mr {
     }
 
     /// A scatter/gather entry for `range` (byte offsets into the region), bounds-checked.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `range` is reversed or ends past the region, or is longer
+    /// than 4 GiB (`u32::MAX` bytes).
     pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
         self.check(&range)?;
         Ok(Sge::new(self.addr() + range.start as u64, (range.end - range.start) as u32, self.lkey()))
     }
 
     /// The remote address of `offset` within the region, for a peer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `offset` is past the end of the region (the end itself is
+    /// accepted).
     pub fn remote(&self, offset: usize) -> Result<RemoteAddr> {
         self.check(&(offset..offset))?;
         Ok(RemoteAddr { addr: self.addr() + offset as u64, rkey: self.rkey() })
@@ -293,6 +294,11 @@ impl Drop for RegisteredBuf {
 
 impl RegisteredBuf {
     /// Maps `len` zeroed bytes and registers them with `pd` with `access`.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`] if `len` is 0 or too large to round up to whole pages.
+    /// - [`Error::Io`] if `mmap` fails.
+    /// - [`Error::Verbs`] if `ibv_reg_mr` fails (e.g. the memlock limit; the error's hint says so).
     pub fn new(pd: &Pd, len: usize, access: Access) -> Result<RegisteredBuf> {
         if len == 0 {
             return Err(Error::InvalidArgument("a registered buffer needs at least one byte".into()));
@@ -311,11 +317,16 @@ impl RegisteredBuf {
 
     /// The start of the mapping, with the mapping's own provenance (not derived from a shared
     /// slice), for memory the NIC writes while only `&self` is held.
+    #[cfg(feature = "tokio")]
     pub(crate) fn raw_ptr(&self) -> *mut u8 {
         self.map.as_ptr()
     }
 
     /// A scatter/gather entry for `range` of the buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `range` is reversed or ends past the buffer's length, or is
+    /// longer than 4 GiB.
     pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
         if range.end > self.len {
             return Err(Error::InvalidArgument(format!(

@@ -20,6 +20,9 @@ unsafe impl Sync for Mw {}
 
 impl Mw {
     /// Allocates a type 2 window in `pd`.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_alloc_mw` fails (`EOPNOTSUPP` when the provider has no windows).
     pub fn new(pd: &Pd) -> Result<Mw> {
         // SAFETY: pd is live; returns None (errno EOPNOTSUPP) when the provider lacks windows.
         match unsafe { ffi::ibv_alloc_mw(pd.as_raw(), ffi::ibv_mw_type::IBV_MW_TYPE_2) } {

@@ -53,6 +53,9 @@ impl Eq for Pd {}
 
 impl Pd {
     /// Allocates a protection domain on `ctx`.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_alloc_pd` fails.
     pub fn new(ctx: &Context) -> Result<Pd> {
         // SAFETY: ctx is a live context.
         let pd = unsafe { ffi::ibv_alloc_pd(ctx.as_raw()) };

@@ -128,6 +128,15 @@ impl QpBuilder {
     }
 
     /// Creates the QP and moves it to INIT (receives may then be posted).
+    ///
+    /// # Errors
+    /// - [`Error::NoActiveDevice`] if no port was given and none is `ACTIVE` (or the device cannot
+    ///   be queried).
+    /// - [`Error::NoSuchIndex`] if the port or GID index does not exist, or (RoCE) the GID entry is
+    ///   empty; as [`Context::default_gid_index`](crate::verbs::Context::default_gid_index) when no
+    ///   index was given.
+    /// - [`Error::Verbs`] if a query, `ibv_create_qp` (e.g. caps above the device limits) or the
+    ///   `ibv_modify_qp` to INIT fails (the QP is destroyed then).
     pub fn build(self) -> Result<Qp> {
         let ctx = self.pd.context().clone();
         let port = match self.port {
@@ -305,6 +314,11 @@ impl Qp {
     }
 
     /// Connects to `remote`: INIT → RTR → RTS.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_device` fails, or `ibv_modify_qp` refuses the move to RTR
+    /// or to RTS (e.g. `EINVAL` for a bad remote endpoint, port, GID index or MTU). A refused move
+    /// to RTS leaves the QP in RTR.
     pub fn connect(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
         let dev = self.pd.context().attributes()?;
         let rd_atomic = opts.max_rd_atomic.min(dev.max_qp_rd_atom.clamp(1, 255) as u8).max(1);
@@ -362,6 +376,9 @@ impl Qp {
     }
 
     /// Moves the QP to the error state: outstanding requests complete with `WR_FLUSH_ERR`.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_modify_qp` fails.
     pub fn set_error(&self) -> Result<()> {
         // SAFETY: as above.
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -370,6 +387,9 @@ impl Qp {
     }
 
     /// The current state, as the device reports it.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_qp` fails.
     pub fn state(&self) -> Result<QpState> {
         // SAFETY: both structs are plain old data; all-zero is valid.
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -424,11 +444,14 @@ impl Qp {
     /// checked by the peer's NIC, not here.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if a request is malformed (checked before anything is posted);
-    /// [`Error::Verbs`] if the device refused the first request (nothing was posted);
-    /// [`Error::PartialPost`] if it accepted some requests and refused the next (`bad_wr`): the
-    /// accepted ones are on the queue and use their memory until they complete — or, once the
-    /// QP is moved to the error state, until their flush completions have been polled.
+    /// - [`Error::InvalidArgument`] if a request has more SGEs than the QP's `max_send_sge`, or
+    ///   is an atomic without an 8-byte-aligned remote word and exactly one 8-byte SGE (checked
+    ///   before anything is posted).
+    /// - [`Error::Verbs`] if the device refused the first request (nothing was posted).
+    /// - [`Error::PartialPost`] if it accepted some requests and refused the next (`bad_wr`): the
+    ///   accepted ones are on the queue and use their memory until they complete — or, once the
+    ///   QP is moved to the error state, until their flush completions have been polled. A
+    ///   provider that fails a chain without setting `bad_wr` gives `posted == total`.
     pub unsafe fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         for wr in wrs {
             self.validate(wr)?;
@@ -487,6 +510,11 @@ impl Qp {
     /// The SGEs must lie in live memory regions of this QP's PD registered with
     /// [`Access::LOCAL_WRITE`], and the memory must stay valid and untouched by the CPU until
     /// the receive's completion has been polled (or the QP is destroyed).
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`] if `sges` has more entries than the QP's `max_recv_sge`
+    ///   (nothing is posted).
+    /// - [`Error::Verbs`] if `ibv_post_recv` fails (e.g. `ENOMEM`: the receive queue is full).
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
         if sges.len() > self.caps.max_recv_sge as usize {
             return Err(Error::InvalidArgument(format!(

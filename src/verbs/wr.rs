@@ -1,7 +1,5 @@
 //! Work requests: scatter/gather entries, remote addresses, send-queue operations.
 
-use std::ops::BitOr;
-
 use rdma_sys as ffi;
 
 /// A scatter/gather entry: `len` bytes at `addr`, inside a region with local key `lkey`.
@@ -189,37 +187,31 @@ impl SendOp {
     }
 }
 
-/// Flags of a send-queue work request (`IBV_SEND_*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SendFlags(u32);
-
-impl SendFlags {
-    /// No flags: no completion unless the QP signals all.
-    pub const NONE: SendFlags = SendFlags(0);
-    /// Generate a completion.
-    pub const SIGNALED: SendFlags = SendFlags(ffi::ibv_send_flags::IBV_SEND_SIGNALED.0);
-    /// Wait for earlier READs/atomics before starting.
-    pub const FENCE: SendFlags = SendFlags(ffi::ibv_send_flags::IBV_SEND_FENCE.0);
-    /// Copy the payload into the WQE (up to the QP's max inline size); no lkey needed.
-    pub const INLINE: SendFlags = SendFlags(ffi::ibv_send_flags::IBV_SEND_INLINE.0);
-    /// Ask the receiver's CQ to raise a solicited event.
-    pub const SOLICITED: SendFlags = SendFlags(ffi::ibv_send_flags::IBV_SEND_SOLICITED.0);
-
-    /// The raw bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether all flags in `other` are set.
-    pub const fn contains(self, other: SendFlags) -> bool {
-        self.0 & other.0 == other.0
+bitflags::bitflags! {
+    /// Flags of a send-queue work request (`IBV_SEND_*`), combined with `|`; they print by name
+    /// (`SendFlags(SIGNALED | INLINE)`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct SendFlags: u32 {
+        /// Generate a completion.
+        const SIGNALED = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        /// Wait for earlier READs/atomics before starting.
+        const FENCE = ffi::ibv_send_flags::IBV_SEND_FENCE.0;
+        /// Copy the payload into the WQE (up to the QP's max inline size); no lkey needed.
+        const INLINE = ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+        /// Ask the receiver's CQ to raise a solicited event.
+        const SOLICITED = ffi::ibv_send_flags::IBV_SEND_SOLICITED.0;
     }
 }
 
-impl BitOr for SendFlags {
-    type Output = SendFlags;
-    fn bitor(self, rhs: SendFlags) -> SendFlags {
-        SendFlags(self.0 | rhs.0)
+impl SendFlags {
+    /// No flags: no completion unless the QP signals all (the empty set).
+    pub const NONE: SendFlags = SendFlags::empty();
+}
+
+impl Default for SendFlags {
+    /// [`SendFlags::NONE`].
+    fn default() -> SendFlags {
+        SendFlags::NONE
     }
 }
 

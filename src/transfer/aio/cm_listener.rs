@@ -61,7 +61,8 @@ impl AsyncCmListener {
     /// tokio runtime with I/O enabled.
     ///
     /// # Errors
-    /// As [`CmListener::bind`]; [`Error::Io`] if there is no tokio runtime with I/O enabled.
+    /// As [`CmListener::bind`]; [`Error::Io`] if there is no tokio runtime with I/O enabled, or
+    /// the event channel cannot be made non-blocking or registered with it.
     pub fn bind(addr: impl std::net::ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncCmListener> {
         let opts = async_options(opts);
         let listener = CmListener::bind(addr, pd, opts.clone())?;
@@ -81,7 +82,8 @@ impl AsyncCmListener {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `heap` was not built with
-    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD.
+    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD; as
+    /// [`Heap::alloc`] if the one-byte allocation that checks the binding fails.
     pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
         check_lending_heap(heap, &self.pd)?;
         self.serving = Some((heap.clone(), limits));
@@ -110,8 +112,10 @@ impl AsyncCmListener {
     /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request, a peer
     /// that rejected or dropped the connection meanwhile, or the listener's device removed;
     /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the event channel
-    /// cannot be read. Only a removed device ends the listener: after any other error (one
-    /// peer's), accept the next connection.
+    /// cannot be read, the setup task on the blocking pool panics or is cancelled, or the
+    /// connection cannot be registered with the runtime's reactor. Otherwise as
+    /// [`CmListener::accept_with`]. Only a removed device ends the listener: after any other
+    /// error (one peer's), accept the next connection.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
         check_accept_blob(&blob, true)?;
         let req = loop {

@@ -98,7 +98,9 @@ impl AsyncConnection {
     /// `addr`, in `pd`. The TCP exchange runs on tokio's blocking pool.
     ///
     /// # Errors
-    /// As [`Connection::connect_with`]; [`Error::Io`] if the runtime has no I/O driver.
+    /// As [`Connection::connect_with`]; [`Error::Io`] also if the runtime has no I/O driver
+    /// (found once the connection is set up: it is closed again) or the setup task on the
+    /// blocking pool panics or is cancelled.
     pub async fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
         AsyncConnection::connect_with(addr, pd, opts, Vec::new()).await
     }
@@ -125,8 +127,9 @@ impl AsyncConnection {
     /// offer, and remote memory calls then fail with [`Error::NoControlChannel`].
     ///
     /// # Errors
-    /// As [`Connection::connect_cm_with`] (with the smaller blob limit);
-    /// [`Error::Io`] if the runtime has no I/O driver.
+    /// As [`Connection::connect_cm_with`] (with the smaller blob limit); [`Error::Io`] also if
+    /// the runtime has no I/O driver or the setup task on the blocking pool panics or is
+    /// cancelled.
     pub async fn connect_cm(
         addr: impl ToSocketAddrs,
         pd: &Pd,
@@ -225,6 +228,11 @@ impl AsyncConnection {
         self.conn().error()
     }
 
+    /// A snapshot of the connection's counters (see [`crate::transfer::Connection::stats`]).
+    pub fn stats(&self) -> crate::transfer::ConnectionStats {
+        self.conn().stats()
+    }
+
     /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
     fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
         let sge = self.conn().checked_owned(&buf, verb);
@@ -249,10 +257,15 @@ impl AsyncConnection {
     /// RDMA WRITE of all of `buf` to `offset` in `remote`; gives the buffer back.
     ///
     /// # Errors
-    /// The buffer comes back in [`Rejected`] with [`Error::NotRegistered`] (not registered in
-    /// this connection's PD), [`Error::OutOfBounds`] (the remote range), [`Error::InvalidArgument`]
-    /// (an empty buffer), [`Error::Operation`] (a failed completion, or the connection's earlier
-    /// failure), [`Error::Closed`] or [`Error::Verbs`].
+    /// The buffer comes back in [`Rejected`] with:
+    /// - not posted, untouched: [`Error::NotRegistered`] (not registered in this connection's
+    ///   PD), [`Error::OutOfBounds`] (the range does not fit in `remote`),
+    ///   [`Error::InvalidArgument`] (an empty buffer, or over `u32::MAX` bytes), the
+    ///   connection's failure, at the call or while waiting for room ([`Error::Operation`],
+    ///   [`Error::Verbs`], [`Error::Closed`]), or [`Error::Verbs`] if the device refuses the post;
+    /// - [`Error::Operation`] if the WRITE failed, or was flushed after another failure
+    ///   ([`Error::Closed`] after a close); [`Error::Verbs`] if polling the CQ failed. These fail
+    ///   the connection; the future finishes once the flush is reaped (no timeout).
     pub fn write<B: IoBuf>(
         &self,
         buf: B,
@@ -331,7 +344,8 @@ impl AsyncConnection {
     /// are initialised.
     ///
     /// # Errors
-    /// As [`AsyncConnection::write`]; [`Error::InvalidArgument`] when the receive queue is full.
+    /// As [`AsyncConnection::write`] (no remote range); [`Error::InvalidArgument`] when the
+    /// receive queue is full.
     pub fn recv<B: IoTarget>(
         &self,
         mut buf: B,
@@ -382,8 +396,12 @@ impl AsyncConnection {
     /// Atomically adds `add` to the 64-bit word at `offset` in `remote`; returns its old value.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the remote word is not 8-byte aligned; otherwise as
-    /// [`AsyncConnection::write`].
+    /// No buffer is involved (the landing word is the connection's):
+    /// - [`Error::OutOfBounds`] if the 8-byte word at `offset` is not inside `remote`;
+    ///   [`Error::InvalidArgument`] if it is not 8-byte aligned;
+    /// - [`Error::Io`] or [`Error::Verbs`] if a new page of landing words cannot be mapped or
+    ///   registered;
+    /// - otherwise as [`AsyncConnection::write`] (the peer must grant `REMOTE_ATOMIC`).
     pub fn fetch_add(
         &self,
         remote: &RemoteBuf,
@@ -415,7 +433,8 @@ impl AsyncConnection {
     ///
     /// # Errors
     /// [`Error::Verbs`] if moving the queue pair to the error state failed (nothing is flushed
-    /// then; the connection keeps what it holds until it is dropped).
+    /// then; the connection keeps what it holds until it is dropped). The flush is awaited
+    /// without a deadline: unlike [`Connection::close`] there is no [`Error::FlushLost`].
     pub async fn close(&self) -> Result<()> {
         let conn = self.conn();
         if let Some(cs) = &self.shared.control {

@@ -34,8 +34,10 @@ impl Default for RemoteLimits {
 }
 
 /// Counts of remote memory on one connection
-/// ([`crate::transfer::AsyncConnection::remote_memory_stats`]).
+/// ([`crate::transfer::AsyncConnection::remote_memory_stats`]). More fields may come in later
+/// versions (`#[non_exhaustive]`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RemoteMemoryStats {
     /// Buffers of this side's heap the peer may access now (requested by it, or pushed).
     pub lent_buffers: usize,

@@ -38,7 +38,8 @@ impl AsyncListener {
     /// Listens on `addr` for connections in `pd`.
     ///
     /// # Errors
-    /// [`Error::Io`] if binding fails (or there is no tokio runtime with I/O enabled).
+    /// [`Error::Io`] if `addr` cannot be resolved or bound. (A runtime without I/O enabled
+    /// makes tokio panic here; it is not reported as an error.)
     pub async fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncListener> {
         let tcp = TcpListener::bind(addr)
             .await
@@ -53,7 +54,8 @@ impl AsyncListener {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `heap` was not built with
-    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD.
+    /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD; as
+    /// [`Heap::alloc`] if the one-byte allocation that checks the binding fails.
     pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
         check_lending_heap(heap, &self.pd)?;
         self.serving = Some((heap.clone(), limits));
@@ -83,7 +85,9 @@ impl AsyncListener {
     /// the finished connection (the peer sees it close).
     ///
     /// # Errors
-    /// As [`Listener::accept_with`].
+    /// As [`Listener::accept_with`]; [`Error::Io`] also if the accepted stream cannot be taken
+    /// from the reactor and made blocking, the setup task on the blocking pool panics or is
+    /// cancelled, or the connection cannot be registered with the runtime's reactor.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
         let (s, peer) = self
             .tcp

@@ -43,7 +43,8 @@ impl AsyncConnection {
     /// # Errors
     /// [`Error::NoControlChannel`] if the peer is not an async connection;
     /// [`Error::InvalidArgument`] if `heap` was not built with [`Access::MW_BIND`] or is not
-    /// bound to this connection's PD.
+    /// bound to this connection's PD; as [`Heap::alloc`] if the one-byte allocation that
+    /// checks the binding fails.
     pub fn serve_remote_memory(&self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
         let cs = self.control()?;
         check_lending_heap(heap, self.pd())?;
@@ -129,9 +130,18 @@ impl AsyncConnection {
     /// goes. The buffer must come from a heap built with [`Access::MW_BIND`].
     ///
     /// # Errors
-    /// With the buffer back: [`Error::InvalidArgument`] (rights), [`Error::NotRegistered`],
-    /// [`Error::NoControlChannel`], the bind's or connection's failure. With
-    /// [`Error::FlushLost`] the buffer is kept by the connection until it is dropped.
+    /// With the buffer back in [`Rejected`]:
+    /// - [`Error::NoControlChannel`]; [`Error::InvalidArgument`] (rights other than remote
+    ///   read/write, or beyond this connection's
+    ///   [`Options::remote_access`](crate::transfer::Options::remote_access));
+    ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD);
+    ///   [`Error::Verbs`] (allocating the window); the connection's failure (or
+    ///   [`Error::Closed`]) if it failed or the peer is gone;
+    /// - the bind's failure, as [`AsyncConnection::write`]: e.g. [`Error::Operation`] with
+    ///   `MW_BIND_ERR` if the heap lacks [`Access::MW_BIND`], which fails the connection.
+    ///
+    /// `buf` is `None` if the connection's failure path took the buffer meanwhile (it is freed
+    /// after the flush), or with [`Error::FlushLost`] (kept until the connection is dropped).
     pub async fn push(&self, buf: Buffer, access: Access, tag: u64) -> std::result::Result<(), Rejected<Buffer>> {
         let checked = self.control().and_then(|cs| {
             let bits = access_bits(access)

@@ -11,6 +11,7 @@ mod private;
 mod raw;
 
 use std::net::ToSocketAddrs;
+#[cfg(feature = "tokio")]
 use std::os::fd::RawFd;
 use std::time::Instant;
 
@@ -25,9 +26,11 @@ pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLO
 
 pub(crate) use private::check_accept_blob;
 use private::{check_blob, frame, unframe};
+#[cfg(feature = "tokio")]
+use raw::try_event;
 use raw::{
-    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_endpoint, resolve, sockaddr,
-    try_event, Channel, CmHold, Id,
+    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_endpoint, resolve, sockaddr, Channel,
+    CmHold, Id,
 };
 
 /// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
@@ -76,12 +79,17 @@ impl Connection {
     /// As [`Connection::connect_cm`], sending `blob` (≤ [`MAX_CM_BLOB`] bytes) to the peer.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `blob` is too long, [`Options::secret`] is set (the shared
-    /// secret needs the TCP exchange) or the address routes through another device than `pd`'s;
-    /// [`Error::Timeout`] if the peer does not answer within [`Options::connect_timeout`];
-    /// [`Error::Protocol`] if it rejects the connection or its reply is malformed;
-    /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the CM's event
-    /// channel cannot be read.
+    /// - [`Error::InvalidArgument`] if `blob` is too long, [`Options::secret`] is set (the shared
+    ///   secret needs the TCP exchange), `addr` resolves to nothing, or the address routes
+    ///   through another device than `pd`'s.
+    /// - [`Error::Io`] if `addr` cannot be resolved or the CM's event channel cannot be read.
+    /// - [`Error::Timeout`] if resolving the address and route and the peer's answer take longer
+    ///   than [`Options::connect_timeout`] (the error names the time that was left).
+    /// - [`Error::Protocol`] if the CM reports another event than expected (address or route
+    ///   resolution failed, the peer rejected the connection or is unreachable), resolves no
+    ///   device, or the peer's reply is malformed.
+    /// - [`Error::Verbs`] if an RDMA CM or verbs call fails; as [`Connection::pair`] for
+    ///   creating the queue pair.
     pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_cm_offering(addr, pd, opts, blob, false)
     }
@@ -186,8 +194,11 @@ impl CmListener {
     /// Listens on `addr` (an IP address of a local RDMA device, and a port).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if [`Options::secret`] is set (the shared secret needs the TCP
-    /// exchange); [`Error::Verbs`] if binding or listening fails.
+    /// - [`Error::InvalidArgument`] if [`Options::secret`] is set (the shared secret needs the
+    ///   TCP exchange) or `addr` resolves to nothing.
+    /// - [`Error::Io`] if `addr` cannot be resolved.
+    /// - [`Error::Verbs`] if creating the CM event channel or id, binding (e.g. the address is in
+    ///   use) or listening fails.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<CmListener> {
         check_no_secret(&opts)?;
         let at = resolve(addr)?;
@@ -216,13 +227,17 @@ impl CmListener {
     /// Accepts the next connection, answering with `blob` (≤ [`MAX_CM_ACCEPT_BLOB`] bytes).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
-    /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
-    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request, a peer
-    /// that rejected or dropped the connection meanwhile, or the listener's device removed;
-    /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the CM's event
-    /// channel cannot be read. Only a removed device ends the listener: after any other error,
-    /// accept the next connection.
+    /// - [`Error::InvalidArgument`] if `blob` is too long (checked before a request is taken)
+    ///   or the request came through another device than the PD's.
+    /// - [`Error::Timeout`] if the peer does not confirm the connection within
+    ///   [`Options::connect_timeout`].
+    /// - [`Error::Protocol`] for a malformed request, a peer that rejected or dropped the
+    ///   connection meanwhile, or the listener's device removed.
+    /// - [`Error::Verbs`] if an RDMA CM or verbs call fails (as [`Connection::pair`] for
+    ///   creating the queue pair); [`Error::Io`] if the CM's event channel cannot be read.
+    ///
+    /// Only a removed device ends the listener: after any other error, accept the next
+    /// connection.
     pub fn accept_with(&mut self, blob: &[u8]) -> Result<Connection> {
         check_accept_blob(blob, false)?;
         let req = self.next_request()?;
@@ -240,6 +255,7 @@ impl CmListener {
     }
 
     /// The next connect request, if one is queued (the channel must be non-blocking).
+    #[cfg(feature = "tokio")]
     pub(crate) fn try_request(&self) -> Result<Option<CmRequest>> {
         while let Some(e) = try_event(&self.channel)? {
             if let Some(req) = self.take_request(e)? {
@@ -273,11 +289,13 @@ impl CmListener {
     }
 
     /// Makes the listener's event channel non-blocking, for a reactor to watch [`Self::fd`].
+    #[cfg(feature = "tokio")]
     pub(crate) fn set_nonblocking(&self) -> Result<()> {
         self.channel.set_nonblocking()
     }
 
     /// The event channel's descriptor (readable when a request is queued).
+    #[cfg(feature = "tokio")]
     pub(crate) fn fd(&self) -> RawFd {
         self.channel.fd()
     }

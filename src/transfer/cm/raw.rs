@@ -30,6 +30,7 @@ impl Channel {
     }
 
     /// Makes reading an event with nothing queued fail with `EAGAIN` instead of blocking.
+    #[cfg(feature = "tokio")]
     pub(crate) fn set_nonblocking(&self) -> Result<()> {
         let fd = self.fd();
         // SAFETY: fcntl on the channel's own descriptor.

@@ -1,0 +1,66 @@
+//! `tracing` events for new chunks, deferred out of the extent hook.
+//!
+//! A chunk is made inside jemalloc's alloc hook, while jemalloc holds its own locks (the arena's
+//! grow mutex; at heap creation its global control mutex). A subscriber may do anything there —
+//! allocate from a heap that has to grow too, read jemalloc statistics, block on another thread —
+//! so the hook only notes what happened in a thread-local record, and the thread emits the
+//! events once jemalloc has returned ([`emit_pending`], called by the heap's slow paths).
+
+use std::cell::Cell;
+use std::time::Duration;
+
+/// What the hook notes about one new chunk (plain data: nothing allocates).
+#[derive(Clone, Copy)]
+pub(crate) struct ChunkEvent {
+    pub(crate) heap: u64,
+    pub(crate) bytes: usize,
+    pub(crate) node: Option<u32>,
+    pub(crate) metadata: bool,
+    pub(crate) registrations: usize,
+    pub(crate) map: Duration,
+    pub(crate) register: Duration,
+}
+
+/// Events kept per thread until emitted; more chunks in one jemalloc call are counted only.
+const KEPT: usize = 4;
+
+thread_local! {
+    static PENDING: Cell<([Option<ChunkEvent>; KEPT], usize)> = const { Cell::new(([None; KEPT], 0)) };
+}
+
+/// Notes `e` for [`emit_pending`] (inside the hook: no allocation, no lock, no panic; nothing
+/// if the thread is exiting).
+pub(crate) fn note(e: ChunkEvent) {
+    let _ = PENDING.try_with(|p| {
+        let (mut kept, n) = p.get();
+        if n < KEPT {
+            kept[n] = Some(e);
+        }
+        p.set((kept, n + 1));
+    });
+}
+
+/// Emits the events the hooks noted on this thread (outside jemalloc).
+#[inline]
+pub(crate) fn emit_pending() {
+    let Ok((kept, n)) = PENDING.try_with(|p| p.replace(([None; KEPT], 0))) else { return };
+    if n == 0 {
+        return;
+    }
+    for e in kept.iter().flatten() {
+        tracing::debug!(
+            target: "mralloc::heap",
+            heap = e.heap,
+            bytes = e.bytes,
+            node = e.node.map_or(-1, i64::from),
+            metadata = e.metadata,
+            registrations = e.registrations,
+            map_us = e.map.as_micros() as u64,
+            register_us = e.register.as_micros() as u64,
+            "new chunk mapped, bound and registered"
+        );
+    }
+    if n > KEPT {
+        tracing::debug!(target: "mralloc::heap", more = n - KEPT, "more new chunks in the same allocation");
+    }
+}
