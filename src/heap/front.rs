@@ -64,11 +64,15 @@ pub(crate) const fn class_of(size: usize) -> (usize, usize) {
 /// allocated on one thread is freed with the same size on any other.
 #[inline(always)]
 pub(crate) fn alloc_size(size: usize, align_flag: libc::c_int) -> usize {
-    if align_flag == 0 && size <= MAX_CACHED {
-        class_fast(size).1
-    } else {
-        size
-    }
+    cacheable_class(size, align_flag).map_or(size, |(_, class)| class)
+}
+
+/// The class (index, size) of a request a front cache could keep (up to [`MAX_CACHED`] bytes,
+/// no alignment flag); `None` for any other. The one rule both [`alloc_size`] and
+/// [`Front::class_for`] follow.
+#[inline(always)]
+fn cacheable_class(size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
+    (align_flag == 0 && size <= MAX_CACHED).then(|| class_fast(size))
 }
 
 /// Whether jemalloc hands out exactly [`class_of`]'s sizes for every class (`nallocx`): not
@@ -210,7 +214,10 @@ impl Front {
     /// nothing.
     #[inline(always)]
     pub(crate) fn class_for(&self, size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
-        (align_flag == 0 && size <= MAX_CACHED && self.limit != 0).then(|| class_fast(size))
+        if self.limit == 0 {
+            return None;
+        }
+        cacheable_class(size, align_flag)
     }
 
     /// This thread's live-byte counter, for [`add_live`].

@@ -613,12 +613,12 @@ pub(crate) unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>,
 unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let size = layout.size();
     let align = jemalloc::align_flags(layout);
+    // The size it was allocated with (see raw_alloc_arena), with or without a front here.
+    let n = alloc_size(size, align);
     match front(id, shared) {
         Some(fp) => {
             // SAFETY: as in free_in.
             let f = unsafe { fp.as_ref() };
-            // Allocated as alloc_size (see raw_alloc_arena).
-            let n = alloc_size(size, align);
             // SAFETY: the caller guarantees ptr/layout come from this heap's arena; n is the
             // size it was allocated with and the alignment flag matches.
             unsafe { je::sdallocx(ptr.as_ptr().cast(), n, f.tcache_flag | align) };
@@ -627,8 +627,8 @@ unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
             unsafe { add_live(live, -(size as i64)) };
         }
         None => {
-            // SAFETY: as above: n is the size it was allocated with (see raw_alloc_arena).
-            unsafe { je::sdallocx(ptr.as_ptr().cast(), alloc_size(size, align), je::MALLOCX_TCACHE_NONE | align) };
+            // SAFETY: as above.
+            unsafe { je::sdallocx(ptr.as_ptr().cast(), n, je::MALLOCX_TCACHE_NONE | align) };
             // SAFETY: the record lives until this store (see free_raw).
             let orphan = unsafe { &shared.as_ref().owner.counters.orphan_live };
             orphan.fetch_add(-(size as i64), Ordering::AcqRel);

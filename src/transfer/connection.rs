@@ -548,18 +548,21 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         let flushed = self.close();
-        let stats = self.core.stats();
-        tracing::debug!(
-            target: "mralloc::transfer",
-            qpn = self.qp.qpn(),
-            send_requests = stats.send_requests,
-            send_bytes = stats.send_bytes,
-            recv_requests = stats.recv_requests,
-            recv_bytes = stats.recv_bytes,
-            errors = stats.errors,
-            failure = %self.core.failed.get().map(Failure::error).map_or_else(String::new, |e| e.to_string()),
-            "connection closed"
-        );
+        // The counters take both queue locks: only when someone listens.
+        if tracing::enabled!(target: "mralloc::transfer", tracing::Level::DEBUG) {
+            let stats = self.core.stats();
+            tracing::debug!(
+                target: "mralloc::transfer",
+                qpn = self.qp.qpn(),
+                send_requests = stats.send_requests,
+                send_bytes = stats.send_bytes,
+                recv_requests = stats.recv_requests,
+                recv_bytes = stats.recv_bytes,
+                errors = stats.errors,
+                failure = %self.core.failed.get().map(Failure::error).map_or_else(String::new, |e| e.to_string()),
+                "connection closed"
+            );
+        }
         // SAFETY: dropped once, here; nothing uses the QP afterwards. Once it is destroyed the
         // device processes none of its requests any more.
         unsafe { ManuallyDrop::drop(&mut self.qp) };
