@@ -445,6 +445,64 @@ fn a_thread_returns_its_cache_when_it_exits() {
     assert_eq!(s.live_bytes, 0);
 }
 
+/// Buffers allocated and freed by a thread-local destructor that runs after the thread's caches
+/// are gone (no front: the heap's arena is used directly) are counted and returned like any
+/// other, at every kind of size (small class, large class, not a class, beyond the front's
+/// 1 MiB): afterwards nothing is live and the arena holds no more than before.
+#[test]
+fn buffers_freed_while_a_thread_exits_go_back_to_the_arena() {
+    use mralloc::heap::Buffer;
+    use std::cell::RefCell;
+    struct Late(RefCell<Vec<Buffer>>, RefCell<Option<(Heap, std::sync::mpsc::Sender<u64>)>>);
+    impl Drop for Late {
+        fn drop(&mut self) {
+            // Runs after the heap's caches were destroyed (destructors run in reverse order of
+            // registration, and this one was registered first).
+            let (heap, tx) = self.1.borrow_mut().take().unwrap();
+            let during = heap.stats().live_bytes;
+            let late: Vec<Buffer> = SIZES.iter().map(|&n| heap.alloc(n).unwrap()).collect();
+            let with_late = heap.stats().live_bytes;
+            drop(late);
+            self.0.borrow_mut().clear();
+            let _ = tx.send(during);
+            let _ = tx.send(with_late - during);
+            let _ = tx.send(heap.stats().live_bytes);
+        }
+    }
+    thread_local!(static LATE: Late = Late(RefCell::new(Vec::new()), RefCell::new(None)));
+    const SIZES: [usize; 6] = [100, 4096, 40_000, 300_000, (1 << 20) + 64, 3 << 20];
+    let total: u64 = SIZES.iter().map(|&n| n as u64).sum();
+
+    let heap = Heap::builder().build().unwrap();
+    let warm: Vec<_> = SIZES.iter().map(|&n| heap.alloc(n).unwrap()).collect();
+    drop(warm);
+    let before = heap.stats().jemalloc_allocated;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = heap.clone();
+    std::thread::spawn(move || {
+        LATE.with(|l| *l.1.borrow_mut() = Some((h.clone(), tx)));
+        // The caches are created after LATE's destructor was registered, so they go first.
+        let bufs: Vec<Buffer> = SIZES.iter().map(|&n| h.alloc(n).unwrap()).collect();
+        LATE.with(|l| l.0.borrow_mut().extend(bufs));
+    })
+    .join()
+    .unwrap();
+    let during = rx.recv().unwrap();
+    assert_eq!(during, total, "the thread's buffers, counted after its caches retired");
+    assert_eq!(rx.recv().unwrap(), total, "allocations without a front are counted");
+    assert_eq!(rx.recv().unwrap(), 0, "and so are their frees");
+    let s = heap.stats();
+    assert_eq!(s.live_bytes, 0);
+    if let (Some(b), Some(a)) = (before, s.jemalloc_allocated) {
+        assert!(a <= b, "the arena holds {a} bytes after the thread, {b} before: frees without a front leaked");
+    }
+    // The arena reuses what came back: the same sizes again make no chunk.
+    let chunks = s.chunks;
+    let again: Vec<_> = SIZES.iter().map(|&n| heap.alloc(n).unwrap()).collect();
+    assert_eq!(heap.stats().chunks, chunks);
+    drop(again);
+}
+
 /// Dropping a heap returns the caches of threads that are still running; such a thread exiting
 /// later must not touch its (freed) cache.
 #[test]
