@@ -92,6 +92,10 @@ pub enum Error {
     /// The connection was closed ([`crate::transfer::Connection::close`]).
     #[error("the connection was closed")]
     Closed,
+    /// The connection was found dead without an operation of it failing: the peer went away,
+    /// the device or port failed (see [`Disconnect`]). Every operation in flight was flushed.
+    #[error("the connection is lost: {0}")]
+    Disconnected(Disconnect),
     /// `ibv_post_send` accepted only the first `posted` requests of a chain (`bad_wr` pointed at
     /// the next one). The accepted ones were flushed before this error was returned.
     #[error("{verb} accepted {posted} of {total} requests, then failed: {text} (errno {errno})")]
@@ -305,6 +309,8 @@ impl Error {
             Error::Protocol(_) | Error::MalformedEndpoint(_) => K::InvalidData,
             Error::LimitExceeded { .. } | Error::OutOfMemory { .. } => K::OutOfMemory,
             Error::Closed => K::NotConnected,
+            Error::Disconnected(Disconnect::PeerReset { .. }) => K::ConnectionReset,
+            Error::Disconnected(_) => K::ConnectionAborted,
             Error::NoControlChannel => K::Unsupported,
             _ => K::Other,
         }
@@ -323,6 +329,55 @@ impl Error {
 impl From<Error> for std::io::Error {
     fn from(e: Error) -> std::io::Error {
         std::io::Error::new(e.io_kind(), e)
+    }
+}
+
+/// Why a connection was found dead ([`Error::Disconnected`]). mralloc watches every connection
+/// from one background thread: its setup TCP stream (a peer process that exits or drops the
+/// connection closes it), its RDMA CM events and the device's asynchronous events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Disconnect {
+    /// The peer closed the TCP connection the RDMA connection was set up over: its process
+    /// dropped the connection or exited.
+    PeerClosed,
+    /// The setup TCP connection failed with this errno (e.g. `ECONNRESET`).
+    PeerReset {
+        /// The socket error.
+        errno: i32,
+    },
+    /// RDMA CM reported the connection disconnected (the peer disconnected or exited).
+    CmDisconnected,
+    /// RDMA CM reported that the device was removed.
+    DeviceRemoved,
+    /// The device reported its port down (`IBV_EVENT_PORT_ERR`).
+    PortDown {
+        /// The port.
+        port: u8,
+    },
+    /// The device reported the connection's queue pair or a CQ in error
+    /// (`IBV_EVENT_QP_FATAL`, `_QP_REQ_ERR`, `_QP_ACCESS_ERR`, `_PATH_MIG_ERR`, `_CQ_ERR`).
+    QpError {
+        /// The event, as `ibv_event_type_str` names it.
+        event: &'static str,
+    },
+    /// The device reported a fatal error (`IBV_EVENT_DEVICE_FATAL`).
+    DeviceFatal,
+}
+
+impl std::fmt::Display for Disconnect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Disconnect::PeerClosed => write!(f, "the peer closed its connection or exited"),
+            Disconnect::PeerReset { errno } => {
+                write!(f, "the setup connection failed: {}", std::io::Error::from_raw_os_error(*errno))
+            }
+            Disconnect::CmDisconnected => write!(f, "RDMA CM reported a disconnect"),
+            Disconnect::DeviceRemoved => write!(f, "the RDMA device was removed"),
+            Disconnect::PortDown { port } => write!(f, "port {port} of the RDMA device went down"),
+            Disconnect::QpError { event } => write!(f, "the device reported {event}"),
+            Disconnect::DeviceFatal => write!(f, "the RDMA device reported a fatal error"),
+        }
     }
 }
 

@@ -150,6 +150,6 @@ mod remote;
 pub mod transfer;
 pub mod verbs;
 
-pub use error::{AuthFailure, Error, RemoteRefusal, Result};
+pub use error::{AuthFailure, Disconnect, Error, RemoteRefusal, Result};
 pub use heap::{keys_of, keys_of_for, Buffer, Heap, Keys};
 pub use remote::RemoteBuf;

@@ -469,7 +469,7 @@ fn buffers_freed_while_a_thread_exits_go_back_to_the_arena() {
             let _ = tx.send(heap.stats().live_bytes);
         }
     }
-    thread_local!(static LATE: Late = Late(RefCell::new(Vec::new()), RefCell::new(None)));
+    thread_local!(static LATE: Late = const { Late(RefCell::new(Vec::new()), RefCell::new(None)) });
     const SIZES: [usize; 6] = [100, 4096, 40_000, 300_000, (1 << 20) + 64, 3 << 20];
     let total: u64 = SIZES.iter().map(|&n| n as u64).sum();
 

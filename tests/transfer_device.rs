@@ -189,7 +189,8 @@ fn device_mapped_file_64mib_zero_copy() {
 
 /// Asserts that `again` (a later post's error on a failed connection) is the failure `first`
 /// recorded, not the outcome of a new post: the same work request and status for a failed
-/// operation; RESP_TIMEOUT_ERR for an expired operation timeout.
+/// operation; RESP_TIMEOUT_ERR for an expired operation timeout; the same reason for a
+/// connection found dead.
 fn assert_same_failure(first: &Error, again: &Error) {
     match (first, again) {
         (Error::Operation { wr_id: a, status: s, .. }, Error::Operation { wr_id: b, status: t, .. }) => {
@@ -198,6 +199,7 @@ fn assert_same_failure(first: &Error, again: &Error) {
         (Error::Timeout(..), Error::Operation { status, .. }) => {
             assert_eq!(*status, WcStatus::RespTimeoutErr, "the recorded timeout, not a new post: {again}")
         }
+        (Error::Disconnected(a), Error::Disconnected(b)) => assert_eq!(a, b, "the recorded reason: {again}"),
         _ => panic!("{again:?} is not the recorded failure {first:?}"),
     }
 }
@@ -341,9 +343,10 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     let err = err.expect("writes to a dead peer must fail");
     println!("peer killed: next operation failed after {took:?} with: {err}");
     assert!(took < Duration::from_secs(25), "surfaced within the configured timeout (loosely)");
-    // Either the NIC gives up (RETRY_EXC_ERR) or mralloc's operation timeout fails the connection;
-    // both are typed, and the connection then refuses further posts at once.
-    assert!(matches!(err, Error::Operation { .. } | Error::Timeout(..)), "{err:?}");
+    // The connection watcher sees the peer's setup stream close (Disconnected); were it slower,
+    // the NIC giving up (RETRY_EXC_ERR) or the operation timeout would fail the connection. All
+    // typed, and the connection then refuses further posts at once.
+    assert!(matches!(err, Error::Disconnected(_) | Error::Operation { .. } | Error::Timeout(..)), "{err:?}");
     // A failed connection refuses posts with the failure that came first (same work request).
     let again = conn.write(&data, &remote).unwrap_err();
     assert_same_failure(&err, &again);

@@ -12,7 +12,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::clock::Stopwatch;
-use crate::error::{Error, Result};
+use crate::error::{Disconnect, Error, Result};
 use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
@@ -38,6 +38,8 @@ pub(crate) enum Failure {
     Verbs { verb: &'static str, errno: i32 },
     /// [`crate::transfer::Connection::close`] was called.
     Closed,
+    /// The connection watcher found the connection dead.
+    Lost(Disconnect),
 }
 
 impl Failure {
@@ -46,6 +48,7 @@ impl Failure {
             Failure::Op { op, wr_id, status, vendor_err } => Error::Operation { op, wr_id, status, vendor_err },
             Failure::Verbs { verb, errno } => Error::verbs_errno(verb, errno),
             Failure::Closed => Error::Closed,
+            Failure::Lost(why) => Error::Disconnected(why),
         }
     }
 

@@ -2,14 +2,15 @@
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
+use crate::error::{Disconnect, Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
 use crate::transfer::stats::ConnectionStats;
+use crate::transfer::watch::{watch, Link, Registration, Source};
 use crate::transfer::{Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcStatus};
 
@@ -25,6 +26,13 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// original error. [`Connection::close`] (or dropping the connection) moves the QP to the error
 /// state, waits for the device to flush what is outstanding and releases the buffers of
 /// operations nobody waits for.
+///
+/// An idle peer is not a dead one: a receive waits as long as the peer stays silent (unless
+/// [`Options::recv_timeout`] says otherwise). A dead one is found by mralloc's watcher thread,
+/// which fails the connection with [`Error::Disconnected`] (flushing whatever is outstanding) when
+/// the TCP stream it was set up over closes (the peer dropped the connection or its process
+/// exited), RDMA CM reports it disconnected, or the device reports its port down, its QP in
+/// error or a fatal error.
 pub struct Connection {
     /// Destroyed in `Drop`, before the buffers still held are released.
     qp: ManuallyDrop<Qp>,
@@ -36,11 +44,20 @@ pub struct Connection {
     next_id: AtomicU64,
     /// 8-byte landing zone for atomics' old values.
     scratch: Mutex<RegisteredBuf>,
+    /// Keeps the connection (and its control channel) watched: dropped first, before what it
+    /// names (the QP, the TCP stream or CM channel in `kept`) goes away — in `Drop`, and by
+    /// field order should that unwind.
+    watch: Option<Registration>,
     /// What the setup path must keep alive as long as the connection (its TCP stream, its RDMA
     /// CM id and channel), dropped after the QP is destroyed.
     kept: Vec<Box<dyn Send + Sync>>,
     /// The control channel (see the `control` module), until the async front end takes it.
     control: Option<Box<Connection>>,
+    /// What the connection watcher fails this connection through.
+    link: Arc<Link>,
+    /// The other end of a [`Connection::pair`]: told when this end goes away (no stream or CM
+    /// id tells it, the process being the same).
+    pair_peer: Option<Weak<Link>>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -114,6 +131,7 @@ impl Connection {
             WaitMode::Poller(_) => Mode::Poller,
         };
         let core = Arc::new(Core::new(send_cq, recv_cq, mode));
+        let link = Arc::new(Link::new(&core, &qp));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
         }
@@ -135,8 +153,11 @@ impl Connection {
             core,
             next_id: AtomicU64::new(1),
             scratch: Mutex::new(scratch),
+            watch: None,
             kept: Vec::new(),
             control: None,
+            link,
+            pair_peer: None,
         })
     }
 
@@ -180,6 +201,25 @@ impl Connection {
     #[cfg(test)]
     pub(crate) fn options_mut(&mut self) -> &mut Options {
         &mut self.opts
+    }
+
+    /// Starts the connection watcher on this connection and its control channel (if any): the
+    /// device's events, and `source` (its setup TCP stream or CM channel, which the connection
+    /// must own) if it has one. Call once setup is complete.
+    pub(crate) fn start_watch(&mut self, source: Option<Source>) -> Result<()> {
+        let mut links = vec![self.link.clone()];
+        links.extend(self.control.as_ref().map(|c| c.link.clone()));
+        self.watch = Some(watch(self.pd.context(), links, source)?);
+        Ok(())
+    }
+
+    /// Makes two ends of a pair tell each other when one goes away.
+    pub(crate) fn tie(a: &mut Connection, b: &mut Connection) {
+        a.pair_peer = Some(Arc::downgrade(&b.link));
+        b.pair_peer = Some(Arc::downgrade(&a.link));
+        if let (Some(ca), Some(cb)) = (a.control.as_deref_mut(), b.control.as_deref_mut()) {
+            Connection::tie(ca, cb);
+        }
     }
 
     /// Attaches the control channel set up with this connection.
@@ -465,12 +505,16 @@ impl Connection {
     /// the memory (owned) or abort (borrowed).
     pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
         let Ticket { wr_id, send } = ticket;
+        // Send-queue requests are answered by the peer's NIC; receives wait for its application.
+        let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };
         // Started by the first poll that finds nothing: a completion claimed at once costs no
         // clock read. Loops that sleep read the clock on every round.
         let mut watch = self.core.stopwatch();
         // The local failure (timeout, verbs error) that made this wait fail the connection, and
         // when (on the watch).
         let mut local: Option<(Error, Duration)> = None;
+        // When this wait, which has no deadline, saw the connection failed by someone else.
+        let mut orphaned: Option<Duration> = None;
         let mut spins = 0u32;
         #[cfg(test)]
         if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
@@ -485,20 +529,26 @@ impl Connection {
             if let Err(e) = claimed {
                 self.fail_locally(&mut local, e, now);
             }
-            if local.is_none() && now > self.opts.op_timeout {
+            if orphaned.is_none() && local.is_none() && limit.is_none() && self.core.failed.get().is_some() {
+                // No deadline of its own: a failure recorded elsewhere (the watcher, another
+                // waiter) must flush this request within FLUSH_WAIT, or its memory is lost.
+                orphaned = Some(now);
+            }
+            if let Some(limit) = limit.filter(|&l| local.is_none() && now > l) {
                 let what = if send { "waiting for a send completion" } else { "waiting for a receive" };
                 self.fail(Failure::Op { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
-                local = Some((Error::Timeout(self.opts.op_timeout, "a completion"), now));
+                local = Some((Error::Timeout(limit, "a completion"), now));
             }
-            let left = match &local {
-                Some((_, since)) => {
-                    let waited = now.saturating_sub(*since);
+            let left = match local.as_ref().map(|(_, since)| *since).or(orphaned) {
+                Some(since) => {
+                    let waited = now.saturating_sub(since);
                     if waited > FLUSH_WAIT {
                         return Err(Error::FlushLost { wr_id, waited });
                     }
                     FLUSH_WAIT - waited
                 }
-                None => self.opts.op_timeout.saturating_sub(now),
+                // Without a limit, sleep in slices (a failure flushes the request and wakes it).
+                None => limit.map_or(Duration::from_secs(1), |l| l.saturating_sub(now)),
             };
             if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1))) {
                 self.fail_locally(&mut local, e, now);
@@ -547,6 +597,9 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
+        if let Some(peer) = self.pair_peer.take().and_then(|p| p.upgrade()) {
+            peer.fail(Disconnect::PeerClosed);
+        }
         let flushed = self.close();
         // The counters take both queue locks: only when someone listens.
         if tracing::enabled!(target: "mralloc::transfer", tracing::Level::DEBUG) {
@@ -563,6 +616,9 @@ impl Drop for Connection {
                 "connection closed"
             );
         }
+        // Nothing watches the QP (or what `kept` holds) any more after these.
+        drop(self.watch.take());
+        self.link.retire();
         // SAFETY: dropped once, here; nothing uses the QP afterwards. Once it is destroyed the
         // device processes none of its requests any more.
         unsafe { ManuallyDrop::drop(&mut self.qp) };

@@ -72,8 +72,12 @@ impl Connection {
         let a = Prepared::new(pd, opts, control)?;
         let b = Prepared::new(pd, opts, control)?;
         let ((ea, ca), (eb, cb)) = (a.endpoints(), b.endpoints());
-        let a = a.finish(pd, opts, eb, cb, Vec::new())?;
-        let b = b.finish(pd, opts, ea, ca, Vec::new())?;
+        let mut a = a.finish(pd, opts, eb, cb, Vec::new())?;
+        let mut b = b.finish(pd, opts, ea, ca, Vec::new())?;
+        // One process: the device's events, and each end's drop, tell the other.
+        Connection::tie(&mut a, &mut b);
+        a.start_watch(None)?;
+        b.start_watch(None)?;
         Ok((a, b))
     }
 }

@@ -17,6 +17,11 @@
 //! (see [`crate::transfer::Secret`]) the client first sends a `Challenge` (its nonce), the server
 //! answers with `Proof` (its nonce and a MAC over both), and `Hello` / `Welcome` carry MACs over
 //! both nonces and the sender's endpoint and blob. A side that gives up sends `Refused`.
+//!
+//! After `Ready` nothing more is sent, but both sides keep the TCP connection open for the RDMA
+//! connection's whole life: its closing (or reset) tells the other side that this one dropped
+//! the connection or exited, and fails the connection there with
+//! [`crate::Error::Disconnected`].
 
 use std::io::{Read, Write};
 

@@ -51,6 +51,7 @@ mod pending;
 mod poller;
 mod stats;
 mod tcp;
+mod watch;
 
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]

@@ -156,8 +156,11 @@ impl Connection {
     ///   room to wait for).
     /// - [`Error::InvalidArgument`] if `recv_depth` receives are already posted, [`Error::Verbs`]
     ///   if the device refuses the receive: nothing is posted.
-    /// - [`Error::Timeout`] if no SEND arrives within
-    ///   [`Options::op_timeout`](crate::transfer::Options::op_timeout): the connection is failed.
+    /// - Waits as long as the peer is silent, unless
+    ///   [`Options::recv_timeout`](crate::transfer::Options::recv_timeout) is set: then
+    ///   [`Error::Timeout`] if no SEND arrives in time (the connection is failed).
+    /// - [`Error::Disconnected`] if the connection is found dead meanwhile (the peer closed it or
+    ///   exited, its RDMA CM disconnected, the port went down).
     pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
         let sge = self.checked(&*local, Verb::Recv)?;
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails

@@ -44,9 +44,19 @@ pub struct Options {
     pub connect_timeout: Duration,
     /// How threads wait for completions (default: busy polling, for the lowest latency).
     pub wait: WaitMode,
-    /// Limit on waiting for one operation's completion; past it the connection is failed (its
-    /// QP moved to the error state) so that no memory stays in the NIC's hands.
+    /// Limit on waiting for one send-queue operation's completion (WRITE, READ, SEND, atomics)
+    /// and for send-queue room; past it the connection is failed (its QP moved to the error
+    /// state) so that no memory stays in the NIC's hands. A live peer's NIC answers these
+    /// without its application (only a SEND waits for the peer to post a receive).
     pub op_timeout: Duration,
+    /// Limit on a blocking receive ([`crate::transfer::Connection::recv`],
+    /// [`crate::transfer::Pending::wait`] on a receive): `None` (the default) waits as long as
+    /// the peer stays silent — an idle peer is not a dead one. A dead peer is found without it:
+    /// mralloc watches every connection's setup TCP stream or RDMA CM events and the device's
+    /// events, and fails the connection with [`crate::Error::Disconnected`]. With a limit, a
+    /// receive that expires fails the connection (its receive must be flushed to give the
+    /// memory back).
+    pub recv_timeout: Option<Duration>,
     /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
     /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],
     /// [`Access::REMOTE_READ`], [`Access::REMOTE_ATOMIC`]; other bits are ignored). Default
@@ -86,6 +96,7 @@ impl Default for Options {
             wait: WaitMode::BusyPoll,
             connect_timeout: Duration::from_secs(10),
             op_timeout: Duration::from_secs(30),
+            recv_timeout: None,
             remote_access: Access::NONE,
             secret: None,
             async_spin: Duration::from_micros(200),

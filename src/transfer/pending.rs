@@ -85,8 +85,11 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     /// - [`Error::Operation`]: the operation failed, or was flushed after another one failed;
     /// - [`Error::Closed`] (or the first failure's [`Error::Verbs`]): it was flushed because the
     ///   connection was closed (or its completion path failed);
-    /// - [`Error::Timeout`] (the connection's `op_timeout` expired), [`Error::Verbs`] or
-    ///   [`Error::Io`] (polling or waiting failed): the connection is failed, flushed first.
+    /// - [`Error::Disconnected`]: it was flushed because the connection was found dead (the
+    ///   peer went away, the device or port failed);
+    /// - [`Error::Timeout`] (the connection's `op_timeout` expired, or for a receive its
+    ///   `recv_timeout`, if set), [`Error::Verbs`] or [`Error::Io`] (polling or waiting failed):
+    ///   the connection is failed, flushed first.
     ///
     /// [`Error::FlushLost`] comes without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {

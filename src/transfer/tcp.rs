@@ -4,11 +4,13 @@
 //! post.
 
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 
 use crate::error::{Error, Result};
 use crate::transfer::auth::{self, expect};
 use crate::transfer::control::Prepared;
 use crate::transfer::exchange::{Kind, Message};
+use crate::transfer::watch::Source;
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 
@@ -107,7 +109,9 @@ impl Listener {
         let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+        let fd = s.as_raw_fd();
         conn.keep(s);
+        conn.start_watch(Some(Source::Tcp(fd)))?;
         Ok(conn)
     }
 }
@@ -155,7 +159,9 @@ impl Connection {
         let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
+        let fd = s.as_raw_fd();
         conn.keep(s);
+        conn.start_watch(Some(Source::Tcp(fd)))?;
         Ok(conn)
     }
 }

@@ -36,5 +36,6 @@ pub fn leaked_mappings() -> u64 {
 }
 pub use mw::Mw;
 pub use pd::Pd;
+pub(crate) use qp::set_qp_error;
 pub use qp::{ConnectOptions, Qp, QpBuilder, QpCaps, QpState};
 pub use wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge, Verb};

@@ -380,10 +380,13 @@ impl Qp {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_modify_qp` fails.
     pub fn set_error(&self) -> Result<()> {
-        // SAFETY: as above.
-        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
-        self.modify(&mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0)
+        // SAFETY: the QP is live.
+        unsafe { set_qp_error(self.qp) }
+    }
+
+    /// The port the QP was created on.
+    pub fn port(&self) -> u8 {
+        self.port
     }
 
     /// The current state, as the device reports it.
@@ -548,4 +551,21 @@ impl Drop for Qp {
             tracing::warn!(qpn = self.qpn, rc, "ibv_destroy_qp failed");
         }
     }
+}
+
+/// Moves a QP to the error state (what [`Qp::set_error`] does), for a holder of its raw
+/// pointer that is not the QP's owner (the connection watcher).
+///
+/// # Safety
+/// `qp` is a live QP.
+pub(crate) unsafe fn set_qp_error(qp: *mut ffi::ibv_qp) -> Result<()> {
+    // SAFETY: an all-zero ibv_qp_attr is valid; only qp_state is read (the mask).
+    let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+    // SAFETY: the caller's live QP; attr is initialised for the masked field.
+    let rc = unsafe { ffi::ibv_modify_qp(qp, &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
+    if rc != 0 {
+        return Err(Error::verbs("ibv_modify_qp", rc));
+    }
+    Ok(())
 }

@@ -19,6 +19,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::transfer::control::{self, Prepared};
+use crate::transfer::watch::Source;
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 
@@ -26,6 +27,7 @@ pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLO
 
 pub(crate) use private::check_accept_blob;
 use private::{check_blob, frame, unframe};
+pub(crate) use raw::raw_event;
 #[cfg(feature = "tokio")]
 use raw::try_event;
 use raw::{
@@ -62,7 +64,11 @@ fn established(
         let peer = peer_endpoint(&mine.0, qpn);
         conn.set_control(Connection::wrap(pd, &control::options(opts), mine, peer, Vec::new())?);
     }
+    // The channel now only brings DISCONNECTED / DEVICE_REMOVAL: the watcher reads it.
+    hold._channel.set_nonblocking()?;
+    let channel = hold._channel.0;
     conn.keep(hold);
+    conn.start_watch(Some(Source::Cm(channel)))?;
     Ok(conn)
 }
 

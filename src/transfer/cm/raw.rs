@@ -30,7 +30,6 @@ impl Channel {
     }
 
     /// Makes reading an event with nothing queued fail with `EAGAIN` instead of blocking.
-    #[cfg(feature = "tokio")]
     pub(crate) fn set_nonblocking(&self) -> Result<()> {
         let fd = self.fd();
         // SAFETY: fcntl on the channel's own descriptor.
@@ -147,6 +146,28 @@ pub(crate) fn try_event(ch: &Channel) -> Result<Option<Event>> {
     // SAFETY: acknowledging the event we got (the ids it names stay valid).
     unsafe { ffi::rdma_ack_cm_event(ev) };
     Ok(Some(out))
+}
+
+/// The kind of the next event on a non-blocking channel (acknowledged at once): `None` if none
+/// is queued. For a connection's own channel after setup, where only the kind matters.
+///
+/// # Safety
+/// `ch` is a live event channel.
+pub(crate) unsafe fn raw_event(ch: *mut ffi::rdma_event_channel) -> Result<Option<u32>> {
+    let mut ev: *mut ffi::rdma_cm_event = std::ptr::null_mut();
+    // SAFETY: the caller's live channel; ev is an out-pointer.
+    if unsafe { ffi::rdma_get_cm_event(ch, &mut ev) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            return Ok(None);
+        }
+        return Err(Error::Io { what: "reading an RDMA CM event (rdma_get_cm_event)".into(), source: e });
+    }
+    // SAFETY: a valid event until acknowledged, which happens right after.
+    let kind = unsafe { (*ev).event };
+    // SAFETY: acknowledging the event we got.
+    unsafe { ffi::rdma_ack_cm_event(ev) };
+    Ok(Some(kind))
 }
 
 /// Waits (at most `timeout`, `None`: forever) for the next event. Interrupted waits resume

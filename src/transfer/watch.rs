@@ -1,0 +1,455 @@
+//! The liveness watcher: one background thread that finds dead connections without waiting for
+//! an operation to time out.
+//!
+//! An idle connection is not a dead one: a receive may wait for hours. What tells them apart is
+//! watched here, for every connection at once, with one `poll(2)`:
+//! - the TCP stream a connection was set up over (kept open for this): the peer's kernel closes
+//!   it when the peer drops its connection or its process exits, even on `SIGKILL`;
+//! - the RDMA CM event channel of a CM connection (`DISCONNECTED`, `DEVICE_REMOVAL`);
+//! - the asynchronous events of each device in use (`ibv_get_async_event`: port down, QP or CQ
+//!   in error, device fatal).
+//!
+//! Each finding fails the connection it concerns with [`Error::Disconnected`]: the failure is
+//! recorded first, then the QP is moved to the error state, so every waiter gets its request's
+//! flush and the reason — a receive waiting without a deadline included.
+
+use std::collections::HashMap;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rdma_sys as ffi;
+
+use crate::error::{Disconnect, Error, Result};
+use crate::transfer::cm::raw_event;
+use crate::transfer::completion::{Core, Failure};
+use crate::verbs::{set_qp_error, Context, Qp};
+
+/// What the watcher needs to fail one connection: its completion state and its QP, the latter
+/// until the connection destroys it ([`Link::retire`]).
+pub(crate) struct Link {
+    core: Arc<Core>,
+    qp: Mutex<Option<RawQp>>,
+    /// Identities for matching device events (pointers compared, never dereferenced).
+    ctx: usize,
+    qp_ptr: usize,
+    cqs: [usize; 2],
+    port: u8,
+}
+
+#[derive(Clone, Copy)]
+struct RawQp(*mut ffi::ibv_qp);
+
+// SAFETY: the pointer is only used (ibv_modify_qp, thread-safe) under the link's lock, and
+// `Link::retire` takes it away before the QP is destroyed.
+unsafe impl Send for RawQp {}
+
+impl Link {
+    pub(crate) fn new(core: &Arc<Core>, qp: &Qp) -> Link {
+        Link {
+            core: core.clone(),
+            qp: Mutex::new(Some(RawQp(qp.as_raw()))),
+            ctx: qp.pd().context().as_raw() as usize,
+            qp_ptr: qp.as_raw() as usize,
+            cqs: [core.send_cq.as_raw() as usize, core.recv_cq.as_raw() as usize],
+            port: qp.port(),
+        }
+    }
+
+    /// Fails the connection with `why` (unless it failed already) and moves its QP to the error
+    /// state, so that everything outstanding is flushed.
+    pub(crate) fn fail(&self, why: Disconnect) {
+        if !self.core.fail(Failure::Lost(why)) {
+            return;
+        }
+        tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {why}");
+        if let Some(qp) = *self.qp.lock() {
+            // SAFETY: the QP lives until `retire`, which waits for this lock.
+            if let Err(e) = unsafe { set_qp_error(qp.0) } {
+                tracing::error!("moving a lost connection's QP to the error state failed: {e}");
+            }
+        }
+    }
+
+    /// The connection is about to destroy its QP: the watcher must not touch it any more.
+    pub(crate) fn retire(&self) {
+        *self.qp.lock() = None;
+    }
+}
+
+/// What tells that a connection's peer is gone, besides the device's events.
+pub(crate) enum Source {
+    /// The TCP stream the connection was set up over (owned by the connection).
+    Tcp(RawFd),
+    /// A CM id's own, non-blocking event channel (owned by the connection).
+    Cm(*mut ffi::rdma_event_channel),
+}
+
+// SAFETY: the channel is only read (rdma_get_cm_event, thread-safe) by the watcher, under its
+// lock, while the registration that names it exists; the connection destroys it only after
+// dropping the registration.
+unsafe impl Send for Source {}
+
+impl Source {
+    fn fd(&self) -> RawFd {
+        match *self {
+            Source::Tcp(fd) => fd,
+            // SAFETY: a live channel (see Send).
+            Source::Cm(ch) => unsafe { (*ch).fd },
+        }
+    }
+
+    /// Reads what arrived: whether it shows the connection dead, and whether the source is
+    /// still worth watching (a closed socket stays readable; a broken channel would spin).
+    fn check(&self) -> (Option<Disconnect>, bool) {
+        match *self {
+            Source::Tcp(fd) => {
+                let mut buf = [0u8; 64];
+                // SAFETY: a live socket (see Send); the buffer is ours.
+                let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+                match n {
+                    0 => (Some(Disconnect::PeerClosed), false),
+                    n if n > 0 => (None, true), // Nothing is sent after setup; discarded.
+                    _ => {
+                        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                        if errno == libc::EAGAIN || errno == libc::EINTR {
+                            (None, true)
+                        } else {
+                            (Some(Disconnect::PeerReset { errno }), false)
+                        }
+                    }
+                }
+            }
+            Source::Cm(ch) => {
+                let mut found = None;
+                loop {
+                    // SAFETY: a live, non-blocking channel (see Send).
+                    match unsafe { raw_event(ch) } {
+                        Ok(Some(kind)) if kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED => {
+                            found = found.or(Some(Disconnect::CmDisconnected))
+                        }
+                        Ok(Some(kind)) if kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                            found = Some(Disconnect::DeviceRemoved)
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) => return (found, true),
+                        Err(e) => {
+                            tracing::warn!(
+                                "reading a connection's RDMA CM events failed ({e}); no longer watching them"
+                            );
+                            return (found, false);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Keeps a connection watched; dropping it stops the watching (before the connection destroys
+/// what the registration names).
+pub(crate) struct Registration {
+    watcher: &'static Watcher,
+    token: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // In a fork()ed child the parent's watcher has no thread, and its lock may have been
+        // held at the fork: leave it alone.
+        if self.watcher.pid == std::process::id() {
+            self.watcher.remove(self.token);
+        }
+    }
+}
+
+/// Starts watching `links` (a connection and its control channel): the device events of
+/// `ctx`, and `source` if there is one.
+///
+/// # Errors
+/// [`Error::Io`] if the watcher thread or its wake-up descriptor cannot be created.
+pub(crate) fn watch(ctx: &Context, links: Vec<Arc<Link>>, source: Option<Source>) -> Result<Registration> {
+    let w = watcher()?;
+    let token = {
+        let mut st = w.state.lock();
+        st.next += 1;
+        let token = st.next;
+        let key = ctx.as_raw() as usize;
+        let dev = st.devices.entry(key).or_insert_with(|| Device::new(ctx, token));
+        dev.refs += 1;
+        st.entries.insert(token, Entry { links, source, device: key });
+        token
+    };
+    w.notify();
+    Ok(Registration { watcher: w, token })
+}
+
+struct Entry {
+    links: Vec<Arc<Link>>,
+    /// `None` once it reported the peer gone (a closed socket stays readable).
+    source: Option<Source>,
+    device: usize,
+}
+
+struct Device {
+    /// Kept open while a connection on it is watched.
+    ctx: Context,
+    fd: RawFd,
+    refs: usize,
+    /// Tells this device from an earlier one at the same address (a stale poll result).
+    id: u64,
+}
+
+impl Device {
+    fn new(ctx: &Context, id: u64) -> Device {
+        // SAFETY: a live context.
+        let fd = unsafe { (*ctx.as_raw()).async_fd };
+        // Non-blocking, so that a read finding nothing (another reader took the event) returns.
+        // SAFETY: fcntl on a descriptor the context owns.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            tracing::warn!(
+                device = ctx.name(),
+                "could not make the async event descriptor non-blocking; not watching it"
+            );
+        }
+        Device { ctx: ctx.clone(), fd: if ok { fd } else { -1 }, refs: 0, id }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    entries: HashMap<u64, Entry>,
+    devices: HashMap<usize, Device>,
+}
+
+/// Which connections a device event concerns.
+enum Target {
+    Qp(usize),
+    Cq(usize),
+    Port(u8),
+    All,
+}
+
+impl State {
+    /// Reads every queued async event of a device and fails the connections they concern.
+    /// `hangup`: poll reported an error or hang-up on its descriptor.
+    fn device_events(&mut self, key: usize, id: u64, hangup: bool) {
+        let Some(dev) = self.devices.get_mut(&key).filter(|d| d.id == id) else { return };
+        loop {
+            let mut ev = std::mem::MaybeUninit::<ffi::ibv_async_event>::zeroed();
+            // SAFETY: a live context with a non-blocking descriptor; ev is an out-parameter.
+            if unsafe { ffi::ibv_get_async_event(dev.ctx.as_raw(), ev.as_mut_ptr()) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if hangup || e.raw_os_error() != Some(libc::EAGAIN) {
+                    // A removed device's descriptor would report the same forever.
+                    tracing::warn!(
+                        device = dev.ctx.name(),
+                        "reading async events failed ({e}); no longer watching them"
+                    );
+                    dev.fd = -1;
+                }
+                return;
+            }
+            // SAFETY: filled in by the call. The type is read as a number: a value this binding
+            // does not know must not become an enum.
+            let (kind, elem) = unsafe {
+                let p = ev.as_ptr();
+                (
+                    std::ptr::addr_of!((*p).event_type).cast::<u32>().read(),
+                    std::ptr::addr_of!((*p).element).cast::<u64>().read(),
+                )
+            };
+            // SAFETY: acknowledged once, at once (a QP or CQ being destroyed waits for it).
+            unsafe { ffi::ibv_ack_async_event(ev.as_mut_ptr()) };
+            let qp_event = |event| Some((Disconnect::QpError { event }, Target::Qp(elem as usize)));
+            let verdict = match kind {
+                0 => Some((Disconnect::QpError { event: "IBV_EVENT_CQ_ERR" }, Target::Cq(elem as usize))),
+                1 => qp_event("IBV_EVENT_QP_FATAL"),
+                2 => qp_event("IBV_EVENT_QP_REQ_ERR"),
+                3 => qp_event("IBV_EVENT_QP_ACCESS_ERR"),
+                7 => qp_event("IBV_EVENT_PATH_MIG_ERR"),
+                8 => Some((Disconnect::DeviceFatal, Target::All)),
+                10 => {
+                    // The union's port_num is the low 32 bits.
+                    let port = elem as u32 as u8;
+                    Some((Disconnect::PortDown { port }, Target::Port(port)))
+                }
+                _ => None,
+            };
+            tracing::debug!(target: "mralloc::transfer", device = dev.ctx.name(), kind, "async event");
+            let Some((why, target)) = verdict else { continue };
+            for link in self.entries.values().filter(|e| e.device == key).flat_map(|e| &e.links) {
+                let hit = match target {
+                    Target::Qp(qp) => link.qp_ptr == qp,
+                    Target::Cq(cq) => link.cqs.contains(&cq),
+                    Target::Port(p) => link.port == p && link.ctx == key,
+                    Target::All => true,
+                };
+                if hit {
+                    link.fail(why);
+                }
+            }
+        }
+    }
+
+    fn source_event(&mut self, token: u64) {
+        let Some(e) = self.entries.get_mut(&token) else { return };
+        let Some((why, keep)) = e.source.as_ref().map(Source::check) else { return };
+        if !keep {
+            e.source = None;
+        }
+        for link in why.iter().flat_map(|&why| e.links.iter().map(move |l| (l, why))) {
+            link.0.fail(link.1);
+        }
+    }
+}
+
+struct Watcher {
+    state: Mutex<State>,
+    /// An eventfd: written when the set of descriptors changes.
+    wake: RawFd,
+    /// The process whose thread runs it (a fork()ed child starts its own).
+    pid: u32,
+}
+
+/// The latest watcher started (in this process, or in the parent of a fork()ed child).
+static WATCHER: AtomicPtr<Watcher> = AtomicPtr::new(std::ptr::null_mut());
+
+/// This process's watcher, if one was started here.
+fn current() -> Option<&'static Watcher> {
+    // SAFETY: a non-null pointer came from Box::leak and is never freed.
+    let w = unsafe { WATCHER.load(Ordering::Acquire).as_ref() }?;
+    (w.pid == std::process::id()).then_some(w)
+}
+
+fn watcher() -> Result<&'static Watcher> {
+    if let Some(w) = current() {
+        return Ok(w);
+    }
+    // Serialises starting one. (In a fork()ed child whose parent held it mid-start, the child's
+    // first connection would wait forever: starting takes microseconds, and forking while
+    // another thread makes the process's first connection is not supported.)
+    static START: Mutex<()> = Mutex::new(());
+    let _g = START.lock();
+    if let Some(w) = current() {
+        return Ok(w);
+    }
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Io { what, source }
+    };
+    // SAFETY: plain syscall.
+    let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if wake < 0 {
+        return Err(io("creating the connection watcher's eventfd")(std::io::Error::last_os_error()));
+    }
+    let w: &'static Watcher =
+        Box::leak(Box::new(Watcher { state: Mutex::new(State::default()), wake, pid: std::process::id() }));
+    std::thread::Builder::new()
+        .name("mralloc-watch".into())
+        .spawn(move || w.run())
+        .map_err(io("starting the connection watcher thread"))?;
+    WATCHER.store(std::ptr::from_ref(w).cast_mut(), Ordering::Release);
+    Ok(w)
+}
+
+/// What a polled descriptor belongs to.
+#[derive(Clone, Copy)]
+enum Key {
+    Wake,
+    Device(usize, u64),
+    Entry(u64),
+}
+
+impl Watcher {
+    fn notify(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
+        unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
+    }
+
+    fn remove(&self, token: u64) {
+        let gone = {
+            let mut st = self.state.lock();
+            let Some(e) = st.entries.remove(&token) else { return };
+            let dev = st.devices.get_mut(&e.device).expect("a watched connection's device is registered");
+            dev.refs -= 1;
+            (dev.refs == 0).then(|| st.devices.remove(&e.device))
+        };
+        self.notify();
+        // Closing a device (the last reference) happens outside the lock.
+        drop(gone);
+    }
+
+    fn run(&self) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut keys: Vec<Key> = Vec::new();
+        loop {
+            fds.clear();
+            keys.clear();
+            let mut add = |fd: RawFd, key: Key| {
+                if fd >= 0 {
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                    keys.push(key);
+                }
+            };
+            add(self.wake, Key::Wake);
+            {
+                let st = self.state.lock();
+                for (&k, d) in &st.devices {
+                    add(d.fd, Key::Device(k, d.id));
+                }
+                for (&t, e) in &st.entries {
+                    if let Some(s) = &e.source {
+                        add(s.fd(), Key::Entry(t));
+                    }
+                }
+            }
+            // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
+            // POLLNVAL; one reused by another file reports whatever it reports: either way the
+            // key is looked up again under the lock below before anything is read.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if rc < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    tracing::error!("the connection watcher's poll failed: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                continue;
+            }
+            let mut st = self.state.lock();
+            // A panic here (a tracing subscriber's) must not end the watching for good.
+            let handled =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, &fds, &keys)));
+            if handled.is_err() {
+                tracing::error!("the connection watcher panicked handling an event; it goes on");
+            }
+        }
+    }
+}
+
+/// Handles what one poll found.
+fn handle(st: &mut State, wake: RawFd, fds: &[libc::pollfd], keys: &[Key]) {
+    for (pfd, &key) in fds.iter().zip(keys) {
+        if pfd.revents == 0 {
+            continue;
+        }
+        match key {
+            Key::Wake => {
+                let mut n = 0u64;
+                // SAFETY: reads our eventfd's counter (non-blocking).
+                unsafe { libc::read(wake, std::ptr::addr_of_mut!(n).cast(), 8) };
+            }
+            Key::Device(k, id) => {
+                st.device_events(k, id, pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0)
+            }
+            Key::Entry(t) => st.source_event(t),
+        }
+    }
+}
