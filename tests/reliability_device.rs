@@ -134,6 +134,8 @@ fn device_malformed_connection_messages_are_typed_errors() {
     ];
     for (what, bytes) in cases {
         let (done, wait_done) = std::sync::mpsc::channel::<()>();
+        // Before the client connects: the handshake's deadline starts when it is accepted.
+        let t = Instant::now();
         let h = std::thread::spawn(move || {
             let mut s = TcpStream::connect(addr).unwrap();
             s.write_all(&bytes).unwrap();
@@ -145,7 +147,6 @@ fn device_malformed_connection_messages_are_typed_errors() {
                 let _ = wait_done.recv_timeout(Duration::from_secs(60));
             }
         });
-        let t = Instant::now();
         let err = listener.accept().unwrap_err();
         let took = t.elapsed();
         let _ = done.send(()); // (the "truncated" client is gone already)

@@ -180,14 +180,13 @@ pub(crate) fn client<S: Read + Write, T>(
     Ok(Exchanged { prepared, me, peer, peer_control: welcome.control, peer_blob: welcome.blob })
 }
 
-/// The server's side up to sending its `Welcome`. `prepare` (creating this side's QP) runs only
-/// once the client proved it holds the secret (at once without one); this side's blob goes
-/// only to such a client.
+/// The server's side up to sending its `Welcome`. `prepare` (creating this side's QP, and
+/// returning the blob to send) runs only once the client proved it holds the secret (at once
+/// without one); this side's blob goes only to such a client.
 pub(crate) fn server<S: Read + Write, T>(
     s: &mut S,
     secret: Option<&Secret>,
-    blob: &[u8],
-    prepare: impl FnOnce() -> Result<Prepared<T>>,
+    prepare: impl FnOnce() -> Result<(Prepared<T>, Vec<u8>)>,
 ) -> Result<Exchanged<T>> {
     let first = Message::recv(s)?;
     let (hello, nonces) = match (first.kind, secret) {
@@ -210,10 +209,10 @@ pub(crate) fn server<S: Read + Write, T>(
         }
     };
     let peer = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
-    let (prepared, me, control) = prepare()?;
+    let ((prepared, me, control), blob) = prepare()?;
     // A control channel needs both sides: offer one only to a client that offered its own.
     let control = control.filter(|_| hello.control.is_some());
-    let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob.to_vec()) };
+    let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob) };
     if let Some((k, nc, ns)) = &nonces {
         welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some(&welcome))?);
     }

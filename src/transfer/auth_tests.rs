@@ -34,7 +34,11 @@ fn run_side(s: &mut TcpStream, is_server: bool, secret: Option<&Secret>, blob: &
         prepared.set(true);
         Ok(((), ep(qpn), Some(ep(qpn + 100))))
     };
-    let r = if is_server { server(s, secret, blob, prepare) } else { client(s, secret, blob, prepare) };
+    let r = if is_server {
+        server(s, secret, || prepare().map(|p| (p, blob.to_vec())))
+    } else {
+        client(s, secret, blob, prepare)
+    };
     Side {
         result: r.map(|x| {
             assert_eq!(x.peer.qpn, if is_server { 1 } else { 2 }, "the peer's endpoint came through");

@@ -29,6 +29,7 @@
 //! bounds-checked locally. A failed completion fails the connection: later posts return the
 //! original error at once.
 
+mod acceptor;
 #[cfg(feature = "tokio")]
 mod aio;
 mod auth;

@@ -40,8 +40,14 @@ pub struct Options {
     pub port: Option<u8>,
     /// GID index (default: `MRALLOC_GID_INDEX`, else the RoCE v2 IPv4 entry).
     pub gid_index: Option<u32>,
-    /// Limit on connection setup (TCP connect and the endpoint exchange).
+    /// Limit on connection setup as a whole (TCP connect and the endpoint exchange; on a
+    /// listener, each handshake from its TCP accept to the connection being handed to an
+    /// accept call).
     pub connect_timeout: Duration,
+    /// TCP listeners: handshakes in flight at once (default 256), each on its own small thread;
+    /// a TCP connection beyond them is closed at once. Bounds what silent or slow clients can
+    /// hold.
+    pub max_handshakes: usize,
     /// How threads wait for completions (default: busy polling, for the lowest latency).
     pub wait: WaitMode,
     /// Limit on waiting for one send-queue operation's completion (WRITE, READ, SEND, atomics)
@@ -95,6 +101,7 @@ impl Default for Options {
             gid_index: None,
             wait: WaitMode::BusyPoll,
             connect_timeout: Duration::from_secs(10),
+            max_handshakes: 256,
             op_timeout: Duration::from_secs(30),
             recv_timeout: None,
             remote_access: Access::NONE,

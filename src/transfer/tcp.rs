@@ -3,10 +3,14 @@
 //! module), then both QPs go to RTS and confirm with a `Ready` message before either side may
 //! post.
 
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::transfer::acceptor::{deadline_after, Accepting, Reply};
 use crate::transfer::auth::{self, expect};
 use crate::transfer::control::Prepared;
 use crate::transfer::exchange::{Kind, Message};
@@ -18,13 +22,54 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { what, source }
 }
 
-fn configure(s: &TcpStream, opts: &Options) -> Result<()> {
-    s.set_read_timeout(Some(opts.connect_timeout)).map_err(io("setting the TCP read timeout".into()))?;
-    s.set_write_timeout(Some(opts.connect_timeout)).map_err(io("setting the TCP write timeout".into()))?;
-    s.set_nodelay(true).map_err(io("setting TCP_NODELAY".into()))
+/// A setup stream whose reads and writes share one deadline: the whole exchange, not each
+/// call, is bounded (a peer trickling one byte a second cannot stretch it).
+struct Timed {
+    s: TcpStream,
+    until: Instant,
+    limit: Duration,
+}
+
+impl Timed {
+    fn new(s: TcpStream, until: Instant, limit: Duration) -> Result<Timed> {
+        s.set_nodelay(true).map_err(io("setting TCP_NODELAY".into()))?;
+        Ok(Timed { s, until, limit })
+    }
+
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let why = format!("the connection setup took longer than {:?} (Options::connect_timeout)", self.limit);
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        self.s.read(buf)
+    }
+}
+
+impl Write for Timed {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        self.s.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.s.flush()
+    }
 }
 
 /// Accepts RDMA connections whose endpoints arrive over TCP.
+///
+/// Handshakes run in the background, several at once (up to [`Options::max_handshakes`]), each
+/// bounded as a whole by [`Options::connect_timeout`]: a slow or silent client delays nobody
+/// else. A client whose exchange reached the point where this side must answer waits for an
+/// accept call; its queue pair is created only then.
 ///
 /// ```no_run
 /// use mralloc::transfer::{Listener, Options};
@@ -35,27 +80,42 @@ fn configure(s: &TcpStream, opts: &Options) -> Result<()> {
 /// # Ok::<(), mralloc::Error>(())
 /// ```
 pub struct Listener {
-    tcp: TcpListener,
-    pd: Pd,
-    opts: Options,
+    addr: SocketAddr,
+    accepting: Arc<Accepting>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener").field("addr", &self.addr).field("handshakes", &self.accepting.in_flight()).finish()
+    }
 }
 
 impl Listener {
     /// Listens on `addr` for connections in `pd`.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use).
+    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the listener's
+    /// acceptor thread cannot start.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Listener> {
+        Listener::bind_offering(addr, pd, &opts, false)
+    }
+
+    /// As [`Listener::bind`]; with `control`, handshakes offer a control channel.
+    pub(crate) fn bind_offering(addr: impl ToSocketAddrs, pd: &Pd, opts: &Options, control: bool) -> Result<Listener> {
         let tcp = TcpListener::bind(addr).map_err(io("binding the TCP listener".into()))?;
-        Ok(Listener { tcp, pd: pd.clone(), opts })
+        let addr = tcp.local_addr().map_err(io("reading the listener's address".into()))?;
+        let (accepting, acceptor) = Accepting::start(tcp, pd, opts, control)?;
+        Ok(Listener { addr, accepting, acceptor: Some(acceptor) })
     }
 
     /// The address it listens on.
     ///
     /// # Errors
-    /// [`Error::Io`] if the socket cannot report its address.
+    /// None at present (the address is read when binding); kept fallible for listeners that
+    /// may lose theirs.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.tcp.local_addr().map_err(io("reading the listener's address".into()))
+        Ok(self.addr)
     }
 
     /// Accepts the next connection.
@@ -68,11 +128,13 @@ impl Listener {
 
     /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to
     /// the peer with this side's endpoint. With [`Options::secret`] set, the peer must prove it
-    /// holds the same secret before a QP is created for it or `blob` is sent.
+    /// holds the same secret before a QP is created for it or `blob` is sent. Waits for a client
+    /// whose exchange reached that point (handshakes run in the background: see [`Listener`]).
     ///
     /// # Errors
-    /// - [`Error::Io`] if accepting, reading or writing the TCP connection fails, a read or write
-    ///   takes longer than [`Options::connect_timeout`], or the peer closes it.
+    /// The error of the one handshake this call took (the listener can accept the next):
+    /// - [`Error::Io`] if reading or writing its TCP connection fails, the whole exchange takes
+    ///   longer than [`Options::connect_timeout`], or the peer closes it.
     /// - [`Error::Authentication`] if the secrets differ or only one side has one (the peer is
     ///   told).
     /// - [`Error::Protocol`] if the peer sends something other than the exchange expects.
@@ -81,39 +143,68 @@ impl Listener {
     ///   the QP was created).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
     ///
-    /// Each error concerns one peer: the listener can accept the next.
+    /// A handshake that fails before reaching that point (garbage, silence, a refused secret)
+    /// returns its error from a call waiting at the time (and is only logged if none is).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
-        let (s, peer) = self.tcp.accept().map_err(io("accepting a TCP connection".into()))?;
-        Listener::serve(s, peer, &self.pd, &self.opts, blob, false)
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.accepting.offer(blob.to_vec(), Reply::Blocking(tx));
+        // The handshake that takes the offer always answers (its thread catches nothing, but a
+        // panic there drops the sender).
+        rx.recv().unwrap_or_else(|_| Err(Error::Protocol("the handshake thread ended without an answer".into())))
     }
 
-    /// The server side of the exchange on an accepted (blocking) TCP stream; with `control`, a
-    /// control channel is offered (and set up if the client offers one too).
-    pub(crate) fn serve(
-        mut s: TcpStream,
-        peer: SocketAddr,
-        pd: &Pd,
-        opts: &Options,
-        blob: &[u8],
-        control: bool,
-    ) -> Result<Connection> {
-        configure(&s, opts)?;
-        let x = auth::server(&mut s, opts.secret.as_ref(), blob, || {
-            let prepared = Prepared::new(pd, opts, control)?;
-            let (me, control) = prepared.endpoints();
-            Ok((prepared, me, control))
-        })?;
-        // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
-        // QP connected. The client posts nothing before this side's Ready, sent once it is.
-        expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
-        Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
-        tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
-        let fd = s.as_raw_fd();
-        conn.keep(s);
-        conn.start_watch(Some(Source::Tcp(fd)))?;
-        Ok(conn)
+    /// The PD connections are made in.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn pd(&self) -> &Pd {
+        self.accepting.pd()
     }
+
+    /// The shared accepting state (the async listener offers through it).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn accepting(&self) -> &Arc<Accepting> {
+        &self.accepting
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.accepting.stop();
+        if let Some(t) = self.acceptor.take() {
+            // Within ~100 ms: the acceptor polls with that timeout. The port is free after.
+            let _ = t.join();
+        }
+    }
+}
+
+/// The server side of the exchange on an accepted TCP stream, all of it before `deadline`;
+/// `blob` gives what to send (it waits for an accept call); with `control`, a control channel
+/// is offered (and set up if the client offers one too).
+pub(crate) fn serve(
+    s: TcpStream,
+    peer: SocketAddr,
+    deadline: Instant,
+    pd: &Pd,
+    opts: &Options,
+    control: bool,
+    blob: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Connection> {
+    let mut s = Timed::new(s, deadline, opts.connect_timeout)?;
+    let x = auth::server(&mut s, opts.secret.as_ref(), || {
+        let blob = blob()?;
+        let prepared = Prepared::new(pd, opts, control)?;
+        let (me, control) = prepared.endpoints();
+        Ok(((prepared, me, control), blob))
+    })?;
+    // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
+    // QP connected. The client posts nothing before this side's Ready, sent once it is.
+    expect(Message::recv(&mut s)?, Kind::Ready)?;
+    let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
+    Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
+    tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+    let fd = s.s.as_raw_fd();
+    conn.keep(s.s);
+    conn.start_watch(Some(Source::Tcp(fd)))?;
+    Ok(conn)
 }
 
 impl Connection {
@@ -131,7 +222,9 @@ impl Connection {
     ///
     /// # Errors
     /// As [`Listener::accept_with`]; [`Error::Io`] if `addr` cannot be resolved or the TCP
-    /// connect fails or times out (only the first address `addr` resolves to is tried);
+    /// connect fails (each address `addr` resolves to is tried in turn, within
+    /// [`Options::connect_timeout`] for the whole setup: the last failure is reported);
+    /// [`Error::Timeout`] if no address was tried before the deadline;
     /// [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false)
@@ -146,11 +239,35 @@ impl Connection {
         blob: &[u8],
         control: bool,
     ) -> Result<Connection> {
+        let until = deadline_after(opts.connect_timeout);
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
-        let target = *addrs.first().ok_or_else(|| Error::InvalidArgument("the address resolved to nothing".into()))?;
-        let mut s = TcpStream::connect_timeout(&target, opts.connect_timeout)
-            .map_err(io(format!("connecting to {target} (is the peer listening?)")))?;
-        configure(&s, &opts)?;
+        if addrs.is_empty() {
+            return Err(Error::InvalidArgument("the address resolved to nothing".into()));
+        }
+        // Each address in turn, within the one deadline; the last failure is reported.
+        let mut last = None;
+        let mut stream = None;
+        for target in &addrs {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match TcpStream::connect_timeout(target, left) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some((*target, e)),
+            }
+        }
+        let s = match (stream, last) {
+            (Some(s), _) => s,
+            (None, Some((target, e))) => return Err(io(format!("connecting to {target} (is the peer listening?)"))(e)),
+            (None, None) => {
+                return Err(Error::Timeout(opts.connect_timeout, "a TCP connection to the peer"));
+            }
+        };
+        let mut s = Timed::new(s, until, opts.connect_timeout)?;
         let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
             let prepared = Prepared::new(pd, &opts, control)?;
             let (me, control) = prepared.endpoints();
@@ -159,8 +276,8 @@ impl Connection {
         let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let fd = s.as_raw_fd();
-        conn.keep(s);
+        let fd = s.s.as_raw_fd();
+        conn.keep(s.s);
         conn.start_watch(Some(Source::Tcp(fd)))?;
         Ok(conn)
     }

@@ -2,17 +2,19 @@
 
 use std::net::SocketAddr;
 
-use tokio::net::{TcpListener, ToSocketAddrs};
+use tokio::net::ToSocketAddrs;
 
 use crate::error::{Error, Result};
 use crate::heap::Heap;
-use crate::transfer::aio::connection::{async_options, blocking};
+use crate::transfer::acceptor::{Accepting, Reply};
+use crate::transfer::aio::connection::async_options;
 use crate::transfer::aio::lending::{check_lending_heap, RemoteLimits};
 use crate::transfer::{AsyncConnection, Listener, Options};
 use crate::verbs::Pd;
 
-/// Accepts RDMA connections whose endpoints arrive over TCP, as [`Listener`] does, for tokio:
-/// the TCP accept is async and the exchange runs on tokio's blocking pool. Peers connect with
+/// Accepts RDMA connections whose endpoints arrive over TCP, as [`Listener`] does (handshakes
+/// on threads of its own, several at once, each within [`Options::connect_timeout`]), for
+/// tokio: an accept call is a future that waits for a handshake to serve. Peers connect with
 /// [`AsyncConnection::connect`] or [`crate::transfer::Connection::connect`].
 ///
 /// ```no_run
@@ -27,10 +29,7 @@ use crate::verbs::Pd;
 /// ```
 #[derive(Debug)]
 pub struct AsyncListener {
-    tcp: TcpListener,
-    pd: Pd,
-    opts: Options,
-    /// What accepted connections lend their peers from their first message on.
+    listener: Listener,
     serving: Option<(Heap, RemoteLimits)>,
 }
 
@@ -38,13 +37,15 @@ impl AsyncListener {
     /// Listens on `addr` for connections in `pd`.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound. (A runtime without I/O enabled
-    /// makes tokio panic here; it is not reported as an error.)
+    /// [`Error::Io`] if `addr` cannot be resolved or bound, or the listener's acceptor thread
+    /// cannot start.
     pub async fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncListener> {
-        let tcp = TcpListener::bind(addr)
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
             .await
-            .map_err(|source| Error::Io { what: "binding the TCP listener".into(), source })?;
-        Ok(AsyncListener { tcp, pd: pd.clone(), opts: async_options(opts), serving: None })
+            .map_err(|source| Error::Io { what: "resolving the listener's address".into(), source })?
+            .collect();
+        let listener = Listener::bind_offering(&addrs[..], pd, &async_options(opts), true)?;
+        Ok(AsyncListener { listener, serving: None })
     }
 
     /// Makes every connection accepted from now on lend its peer memory of `heap` within
@@ -57,7 +58,7 @@ impl AsyncListener {
     /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD; as
     /// [`Heap::alloc`] if the one-byte allocation that checks the binding fails.
     pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
-        check_lending_heap(heap, &self.pd)?;
+        check_lending_heap(heap, self.listener.pd())?;
         self.serving = Some((heap.clone(), limits));
         Ok(())
     }
@@ -67,7 +68,7 @@ impl AsyncListener {
     /// # Errors
     /// [`Error::Io`] if the socket cannot report it.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.tcp.local_addr().map_err(|source| Error::Io { what: "reading the listener's address".into(), source })
+        self.listener.local_addr()
     }
 
     /// Accepts the next connection.
@@ -80,25 +81,30 @@ impl AsyncListener {
 
     /// Accepts the next connection, sending `blob` to the peer with this side's endpoint.
     ///
-    /// Cancelling the future while it waits for a TCP connection loses nothing; once a peer is
-    /// accepted, its exchange runs to the end on the blocking pool and a cancelled accept drops
-    /// the finished connection (the peer sees it close).
+    /// Cancelling the future before a handshake took its blob loses nothing (the blob is
+    /// withdrawn, and the handshake waits for the next accept call). Cancelled after, while the
+    /// handshake finishes, the finished connection is dropped (the peer sees it fail with
+    /// [`Error::Disconnected`]).
     ///
     /// # Errors
-    /// As [`Listener::accept_with`]; [`Error::Io`] also if the accepted stream cannot be taken
-    /// from the reactor and made blocking, the setup task on the blocking pool panics or is
-    /// cancelled, or the connection cannot be registered with the runtime's reactor.
+    /// As [`Listener::accept_with`]; [`Error::Protocol`] if the handshake's thread ended without
+    /// an answer; [`Error::Io`] if the connection cannot be registered with the runtime's
+    /// reactor.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
-        let (s, peer) = self
-            .tcp
-            .accept()
-            .await
-            .map_err(|source| Error::Io { what: "accepting a TCP connection".into(), source })?;
-        let s = s.into_std().map_err(|source| Error::Io { what: "taking the accepted TCP stream".into(), source })?;
-        s.set_nonblocking(false)
-            .map_err(|source| Error::Io { what: "making the accepted TCP stream blocking".into(), source })?;
-        let (pd, opts) = (self.pd.clone(), self.opts.clone());
-        let conn = blocking(move || Listener::serve(s, peer, &pd, &opts, &blob, true)).await?;
+        let accepting = self.listener.accepting();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let id = accepting.offer(blob, Reply::Async(tx));
+        // Cancelled before a handshake took the offer: take it back (after, the handshake's
+        // connection is dropped with the answer nobody reads).
+        struct Withdraw<'a>(&'a Accepting, u64);
+        impl Drop for Withdraw<'_> {
+            fn drop(&mut self) {
+                self.0.withdraw(self.1);
+            }
+        }
+        let _withdraw = Withdraw(accepting, id);
+        let conn =
+            rx.await.unwrap_or_else(|_| Err(Error::Protocol("the handshake thread ended without an answer".into())))?;
         AsyncConnection::wrap_serving(conn, self.serving.clone())
     }
 }
