@@ -42,6 +42,7 @@ mod control;
 pub mod exchange;
 #[cfg(test)]
 mod fault_tests;
+mod gather;
 mod grant;
 mod iobuf;
 mod local;
