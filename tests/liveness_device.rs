@@ -17,6 +17,12 @@ use mralloc::{Disconnect, Error};
 /// generous bound of a slow, emulated VM).
 const BOUND: Duration = Duration::from_secs(5);
 
+/// Options whose receives give up after 30 s: were the watcher broken, the tests below would
+/// fail with a timeout instead of hanging.
+fn bounded() -> Options {
+    Options { recv_timeout: Some(Duration::from_secs(30)), ..Options::default() }
+}
+
 fn setup() -> (Pd, Heap) {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).build().unwrap();
@@ -123,7 +129,7 @@ fn device_a_killed_tcp_peer_is_found_by_its_closed_stream() {
         return;
     }
     let (pd, heap) = setup();
-    let listener = Listener::bind("127.0.0.1:0", &pd, Options::default()).unwrap();
+    let listener = Listener::bind("127.0.0.1:0", &pd, bounded()).unwrap();
     let addr = listener.local_addr().unwrap();
     let child =
         spawn_self("device_a_killed_tcp_peer_is_found_by_its_closed_stream", ("MRALLOC_PEER_TCP", addr.to_string()));
@@ -147,7 +153,7 @@ fn device_a_killed_cm_peer_is_found_by_its_disconnect() {
         .expect("MRALLOC_CM_ADDR: an IP address of the RDMA device (scripts/softroce sets it)");
     let (pd, heap) = setup();
     let port = 30000 + (std::process::id() % 20000) as u16;
-    let mut l = CmListener::bind((ip.as_str(), port), &pd, Options::default()).unwrap();
+    let mut l = CmListener::bind((ip.as_str(), port), &pd, bounded()).unwrap();
     let child =
         spawn_self("device_a_killed_cm_peer_is_found_by_its_disconnect", ("MRALLOC_PEER_CM", format!("{ip}:{port}")));
     let conn = l.accept().unwrap();
@@ -188,7 +194,7 @@ fn device_port_down_fails_connections_through_the_async_event() {
     let (pd, heap) = setup();
     let ctx = pd.context().clone();
     let dev = netdev_of(ctx.name());
-    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
     let waiter = std::thread::spawn({
         let heap = heap.clone();
         move || {
@@ -229,7 +235,7 @@ fn device_port_down_fails_connections_through_the_async_event() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_dropping_one_end_of_a_pair_fails_the_other() {
     let (pd, heap) = setup();
-    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
     let waiter = std::thread::spawn({
         let heap = heap.clone();
         move || {
