@@ -52,6 +52,11 @@ impl Reply {
     }
 }
 
+/// What an accept call reports if its handshake's thread ended without answering (it panicked).
+pub(crate) fn no_answer() -> Error {
+    Error::Protocol("the handshake thread ended without an answer".into())
+}
+
 /// An accept call waiting for a handshake to serve.
 struct Offer {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]

@@ -4,8 +4,9 @@
 
 use crate::error::{Error, Result};
 use crate::transfer::completion::{Completed, Failure, Ticket};
+use crate::transfer::local::Sges;
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, Sge, WcStatus};
+use crate::verbs::{SendFlags, SendOp, WcStatus};
 
 /// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
 /// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
@@ -68,10 +69,10 @@ impl Connection {
     /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
     /// operations post. Returns only when the NIC is done with the memory; aborts the process
     /// if the device never releases it.
-    pub(crate) fn post_and_wait_borrowed(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
+    pub(crate) fn post_and_wait_borrowed(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
         // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
         // before the tail's completion (or its flush) is claimed; FlushLost aborts.
-        let t = match unsafe { self.post_chain(sges, ops, flags) } {
+        let t = match unsafe { self.post_requests(sges, ops, flags) } {
             Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
             r => r?,
         };

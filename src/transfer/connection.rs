@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
+use crate::transfer::local::Sges;
 use crate::transfer::stats::ConnectionStats;
 use crate::transfer::watch::{watch, Link, Registration, Source};
 use crate::transfer::{Options, WaitMode};
@@ -352,6 +353,15 @@ impl Connection {
     /// [`Error::FlushLost`], forever (leak or abort).
     pub(crate) unsafe fn post_chain(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Ticket> {
         debug_assert_eq!(sges.len(), ops.len());
+        // SAFETY: the caller's contract.
+        unsafe { self.post_requests(Sges::PerRequest(sges), ops, flags) }
+    }
+
+    /// [`Connection::post_chain`] for any [`Sges`] (a single request may gather several).
+    ///
+    /// # Safety
+    /// As [`Connection::post_chain`].
+    pub(crate) unsafe fn post_requests(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags) -> Result<Ticket> {
         let k = ops.len() as u32;
         let Some(tail) = ops.last().filter(|_| k <= self.opts.send_depth) else {
             return Err(Error::InvalidArgument(format!("a chain holds 1..={} requests", self.opts.send_depth)));
@@ -386,7 +396,7 @@ impl Connection {
         self.check()?;
         let flags = self.inline_flag(&what, sge.len() as usize);
         // SAFETY: the caller's contract.
-        match unsafe { self.attempt(&[sge], &[what], flags, false)? } {
+        match unsafe { self.attempt(Sges::PerRequest(&[sge]), &[what], flags, false)? } {
             Attempt::Posted(id) => Ok(Some(Ticket::send(id))),
             Attempt::Full => Ok(None),
             // A single request is accepted or refused whole (qp.rs reports a refused first
@@ -411,7 +421,7 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::post_chain`].
-    unsafe fn attempt(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags, reap: bool) -> Result<Attempt> {
+    unsafe fn attempt(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags, reap: bool) -> Result<Attempt> {
         let k = ops.len() as u32;
         self.core.with_send(|core, slots| {
             if slots.used() + k > self.opts.send_depth {
@@ -426,32 +436,29 @@ impl Connection {
             }
             let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
             let tail = first + u64::from(k) - 1;
-            fn wr(first: u64, k: u32, flags: SendFlags, i: usize, op: SendOp, sge: &Sge) -> SendWr<'_> {
+            let wr = |i: usize, op: SendOp| {
                 let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
-                let list: &[Sge] = if sge.is_empty() { &[] } else { std::slice::from_ref(sge) };
-                SendWr { wr_id: first + i as u64, sges: list, op, flags: f }
-            }
+                SendWr { wr_id: first + i as u64, sges: sges.of(i), op, flags: f }
+            };
             let r = if k == 1 {
                 // The common single request: no allocation.
-                let one = [wr(first, k, flags, 0, ops[0], &sges[0])];
+                let one = [wr(0, ops[0])];
                 // SAFETY: the caller keeps the memory valid until the tail completes.
                 unsafe { self.qp.post_send(&one) }
             } else {
-                let wrs: Vec<SendWr<'_>> =
-                    ops.iter().zip(sges).enumerate().map(|(i, (&op, sge))| wr(first, k, flags, i, op, sge)).collect();
+                let wrs: Vec<SendWr<'_>> = ops.iter().enumerate().map(|(i, &op)| wr(i, op)).collect();
                 // SAFETY: as above.
                 unsafe { self.qp.post_send(&wrs) }
             };
-            let bytes = |n: usize| sges.iter().take(n).map(|s| u64::from(s.len())).sum::<u64>();
             match r {
                 Ok(()) => {
-                    slots.posted(tail, k, k, ops[ops.len() - 1].name(), bytes(ops.len()));
+                    slots.posted(tail, k, k, ops[ops.len() - 1].name(), sges.bytes(ops.len()));
                     Ok(Attempt::Posted(tail))
                 }
                 Err(e @ Error::PartialPost { posted, .. }) => {
                     // The accepted requests use their memory until they complete or are
                     // flushed; none of them is signaled, so a marker will cover them.
-                    slots.posted_untracked(posted as u32, bytes(posted));
+                    slots.posted_untracked(posted as u32, sges.bytes(posted));
                     Ok(Attempt::Partial(e, posted as u32))
                 }
                 Err(e) => Err(e),
@@ -575,18 +582,15 @@ impl Connection {
         }
     }
 
-    /// Posts one receive. Returns its ticket.
+    /// Posts one receive into `list` (empty: a receive without memory, several: scattered).
+    /// Returns its ticket.
     ///
     /// # Safety
-    /// The SGE's memory must stay valid and untouched until the receive is claimed with
+    /// The SGEs' memory must stay valid and untouched until the receive is claimed with
     /// [`Connection::wait`] (or its buffer is parked with the connection).
-    pub(crate) unsafe fn post_recv_raw(&self, sge: Option<Sge>) -> Result<Ticket> {
+    pub(crate) unsafe fn post_recv_raw(&self, list: &[Sge]) -> Result<Ticket> {
         self.check()?;
         let id = self.next_wr_id();
-        let list: &[Sge] = match &sge {
-            Some(s) => std::slice::from_ref(s),
-            None => &[],
-        };
         self.core.with_recv_slot(self.opts.recv_depth, || {
             // SAFETY: the caller keeps the memory valid until the receive is claimed.
             unsafe { self.qp.post_recv(id, list) }

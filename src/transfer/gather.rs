@@ -2,15 +2,12 @@
 //! header and a payload, say, from different allocations), one receive scattering into several.
 //! Like the other blocking calls, each returns only once the NIC is done with every part.
 
-use std::time::Duration;
-
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::completion::Ticket;
-use crate::transfer::local::{Local, LocalMut};
+use crate::transfer::local::{Local, LocalMut, Sges};
 use crate::transfer::ops::Received;
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, SendWr, Sge, Verb};
+use crate::verbs::{SendOp, Sge, Verb};
 
 impl Connection {
     /// One SEND of `parts`, in order, as a single message (the peer receives their
@@ -61,13 +58,10 @@ impl Connection {
         count(parts.len(), max)?;
         let sges = parts.iter().map(|p| self.checked(&**p, Verb::Recv)).collect::<Result<Vec<Sge>>>()?;
         total(&sges)?;
-        let id = self.next_wr_id();
-        self.core().with_recv_slot(self.options().recv_depth, || {
-            // SAFETY: `parts` are exclusively borrowed until the receive is claimed below
-            // (wait_borrowed waits for the flush on any error, aborts if it never comes).
-            unsafe { self.qp().post_recv(id, &sges) }
-        })?;
-        self.wait_borrowed(Ticket::recv(id)).map(Received::from)
+        // SAFETY: `parts` are exclusively borrowed until the receive is claimed below
+        // (wait_borrowed waits for the flush on any error, aborts if it never comes).
+        let t = unsafe { self.post_recv_raw(&sges)? };
+        self.wait_borrowed(t).map(Received::from)
     }
 
     /// The SGEs of `parts` for `verb` (checked: count, each non-empty and registered).
@@ -79,39 +73,11 @@ impl Connection {
         Ok(sges)
     }
 
-    /// Posts one signaled request naming every SGE (waiting for send-queue room as
-    /// [`Connection::write_at`] does) and waits for it.
+    /// Posts one request naming every SGE and waits for it, as every blocking operation does
+    /// ([`Connection::post_and_wait_borrowed`]); inline when small.
     fn gather_and_wait(&self, sges: &[Sge], op: SendOp) -> Result<crate::transfer::Completed> {
-        let bytes = total(sges)?;
-        let mut watch = self.core().stopwatch();
-        let depth = self.options().send_depth;
-        let ticket = loop {
-            self.check()?;
-            let posted = self.core().with_send(|core, slots| -> Result<Option<u64>> {
-                if slots.used() + 1 > depth {
-                    slots.reap(core)?;
-                    if slots.used() + 1 > depth {
-                        return Ok(None);
-                    }
-                }
-                let id = self.next_wr_id();
-                let flags = self.inline_flag(&op, bytes as usize) | SendFlags::SIGNALED;
-                let wr = [SendWr { wr_id: id, sges, op, flags }];
-                // SAFETY: the parts are borrowed by our caller for this whole call, and we do
-                // not return before the completion (or its flush) is claimed; FlushLost aborts.
-                unsafe { self.qp().post_send(&wr)? };
-                slots.posted(id, 1, 1, op.name(), bytes);
-                Ok(Some(id))
-            })?;
-            if let Some(id) = posted {
-                break Ticket::send(id);
-            }
-            if watch.elapsed() > self.options().op_timeout {
-                return Err(Error::Timeout(self.options().op_timeout, "send-queue room"));
-            }
-            self.core().pause(&mut 0, Duration::from_millis(1))?;
-        };
-        self.wait_borrowed(ticket)
+        let flags = self.inline_flag(&op, total(sges)? as usize);
+        self.post_and_wait_borrowed(Sges::Gather(sges), &[op], flags)
     }
 }
 

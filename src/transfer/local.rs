@@ -139,3 +139,33 @@ unsafe impl Local for Vec<u8> {
 }
 // SAFETY: as above; operations take it by value or &mut.
 unsafe impl LocalMut for Vec<u8> {}
+
+/// The local memory of a chain of send-queue requests: one SGE per request (an empty SGE names
+/// no memory), or, for a single request, a scatter/gather list of several.
+#[derive(Clone, Copy)]
+pub(crate) enum Sges<'a> {
+    /// `sges[i]` is request `i`'s memory.
+    PerRequest(&'a [Sge]),
+    /// Every SGE belongs to the chain's one request.
+    Gather(&'a [Sge]),
+}
+
+impl<'a> Sges<'a> {
+    /// Request `i`'s scatter/gather list.
+    pub(crate) fn of(self, i: usize) -> &'a [Sge] {
+        match self {
+            Sges::PerRequest(s) if s[i].is_empty() => &[],
+            Sges::PerRequest(s) => std::slice::from_ref(&s[i]),
+            Sges::Gather(s) => s,
+        }
+    }
+
+    /// Bytes the first `n` requests name.
+    pub(crate) fn bytes(self, n: usize) -> u64 {
+        match self {
+            Sges::PerRequest(s) => s.iter().take(n).map(|s| u64::from(s.len())).sum(),
+            Sges::Gather(s) if n > 0 => s.iter().map(|s| u64::from(s.len())).sum(),
+            Sges::Gather(_) => 0,
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::local::{sge_of, Local, LocalMut};
+use crate::transfer::local::{sge_of, Local, LocalMut, Sges};
 use crate::transfer::{Completed, Connection};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge, Verb};
 
@@ -46,7 +46,7 @@ pub(crate) fn nonempty(len: usize, verb: Verb) -> Result<()> {
 impl Connection {
     pub(crate) fn one(&self, sge: Sge, what: SendOp) -> Result<Completed> {
         let flags = self.inline_flag(&what, sge.len() as usize);
-        self.post_and_wait_borrowed(&[sge], &[what], flags)
+        self.post_and_wait_borrowed(Sges::PerRequest(&[sge]), &[what], flags)
     }
 
     /// `INLINE` for an operation that carries a payload (SEND, WRITE, with or without immediate)
@@ -165,7 +165,7 @@ impl Connection {
         let sge = self.checked(&*local, Verb::Recv)?;
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
         // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
-        let t = unsafe { self.post_recv_raw(Some(sge))? };
+        let t = unsafe { self.post_recv_raw(std::slice::from_ref(&sge))? };
         self.wait_borrowed(t).map(Received::from)
     }
 
@@ -179,7 +179,7 @@ impl Connection {
     /// - [`Error::FlushLost`] if the device never flushes the receive after a failure.
     pub fn recv_imm(&self) -> Result<u32> {
         // SAFETY: a receive without memory.
-        let t = unsafe { self.post_recv_raw(None)? };
+        let t = unsafe { self.post_recv_raw(&[])? };
         immediate_of(self.wait(t)?)
     }
 

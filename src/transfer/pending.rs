@@ -252,7 +252,7 @@ impl Connection {
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
         // SAFETY: as in post_owned (a refused receive post touches nothing).
-        match unsafe { self.post_recv_raw(Some(sge)) } {
+        match unsafe { self.post_recv_raw(std::slice::from_ref(&sge)) } {
             Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: Some((B::filled, None)) }),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }

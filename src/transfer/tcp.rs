@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::transfer::acceptor::{deadline_after, Accepting, Reply};
+use crate::transfer::acceptor::{deadline_after, no_answer, Accepting, Reply};
 use crate::transfer::auth::{self, expect};
 use crate::transfer::control::Prepared;
 use crate::transfer::exchange::{Kind, Message};
@@ -150,7 +150,7 @@ impl Listener {
         self.accepting.offer(blob.to_vec(), Reply::Blocking(tx));
         // The handshake that takes the offer always answers (its thread catches nothing, but a
         // panic there drops the sender).
-        rx.recv().unwrap_or_else(|_| Err(Error::Protocol("the handshake thread ended without an answer".into())))
+        rx.recv().unwrap_or_else(|_| Err(no_answer()))
     }
 
     /// The PD connections are made in.
@@ -201,10 +201,16 @@ pub(crate) fn serve(
     let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
     tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+    keep_watched(&mut conn, s)?;
+    Ok(conn)
+}
+
+/// The connection keeps its setup stream open for life, and the watcher reads it: its closing
+/// is how the peer's end going away shows here.
+fn keep_watched(conn: &mut Connection, s: Timed) -> Result<()> {
     let fd = s.s.as_raw_fd();
     conn.keep(s.s);
-    conn.start_watch(Some(Source::Tcp(fd)))?;
-    Ok(conn)
+    conn.start_watch(Some(Source::Tcp(fd)))
 }
 
 impl Connection {
@@ -276,9 +282,7 @@ impl Connection {
         let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let fd = s.s.as_raw_fd();
-        conn.keep(s.s);
-        conn.start_watch(Some(Source::Tcp(fd)))?;
+        keep_watched(&mut conn, s)?;
         Ok(conn)
     }
 }

@@ -31,8 +31,8 @@ use crate::verbs::{set_qp_error, Context, Qp};
 pub(crate) struct Link {
     core: Arc<Core>,
     qp: Mutex<Option<RawQp>>,
-    /// Identities for matching device events (pointers compared, never dereferenced).
-    ctx: usize,
+    /// Identities for matching device events (pointers compared, never dereferenced); the
+    /// device is the entry's.
     qp_ptr: usize,
     cqs: [usize; 2],
     port: u8,
@@ -50,7 +50,6 @@ impl Link {
         Link {
             core: core.clone(),
             qp: Mutex::new(Some(RawQp(qp.as_raw()))),
-            ctx: qp.pd().context().as_raw() as usize,
             qp_ptr: qp.as_raw() as usize,
             cqs: [core.send_cq.as_raw() as usize, core.recv_cq.as_raw() as usize],
             port: qp.port(),
@@ -288,7 +287,7 @@ impl State {
                 let hit = match target {
                     Target::Qp(qp) => link.qp_ptr == qp,
                     Target::Cq(cq) => link.cqs.contains(&cq),
-                    Target::Port(p) => link.port == p && link.ctx == key,
+                    Target::Port(p) => link.port == p,
                     Target::All => true,
                 };
                 if hit {

@@ -6,7 +6,7 @@ use tokio::net::ToSocketAddrs;
 
 use crate::error::{Error, Result};
 use crate::heap::Heap;
-use crate::transfer::acceptor::{Accepting, Reply};
+use crate::transfer::acceptor::{no_answer, Accepting, Reply};
 use crate::transfer::aio::connection::async_options;
 use crate::transfer::aio::lending::{check_lending_heap, RemoteLimits};
 use crate::transfer::{AsyncConnection, Listener, Options};
@@ -103,8 +103,7 @@ impl AsyncListener {
             }
         }
         let _withdraw = Withdraw(accepting, id);
-        let conn =
-            rx.await.unwrap_or_else(|_| Err(Error::Protocol("the handshake thread ended without an answer".into())))?;
+        let conn = rx.await.unwrap_or_else(|_| Err(no_answer()))?;
         AsyncConnection::wrap_serving(conn, self.serving.clone())
     }
 }

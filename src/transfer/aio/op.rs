@@ -97,7 +97,7 @@ impl<B: Send + 'static> Op<B> {
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
         let posted = match req.what {
-            None => unsafe { conn.post_recv_raw(req.sge) },
+            None => unsafe { conn.post_recv_raw(req.sge.as_slice()) },
             Some(what) => {
                 // Behind waiting requests, or without room (`Ok(None)`): queue.
                 let attempt = |backlog: &Backlog| {
