@@ -96,6 +96,11 @@ pub enum Error {
     /// the device or port failed (see [`Disconnect`]). Every operation in flight was flushed.
     #[error("the connection is lost: {0}")]
     Disconnected(Disconnect),
+    /// A fork()ed child used an object its parent made ({0}): the parent's heaps, connections
+    /// and verbs objects stay the parent's (their memory and queues are not the child's). The
+    /// child may make its own.
+    #[error("{0} belongs to the parent of this fork()ed process; make a new one in the child")]
+    Forked(&'static str),
     /// `ibv_post_send` accepted only the first `posted` requests of a chain (`bad_wr` pointed at
     /// the next one). The accepted ones were flushed before this error was returned.
     #[error("{verb} accepted {posted} of {total} requests, then failed: {text} (errno {errno})")]

@@ -130,8 +130,17 @@
 //! to purge, decommit or unmap registered memory (after `MADV_DONTNEED` the CPU and the NIC see
 //! different pages, silently) and refuse merges across chunks; chunks are released whole when
 //! their heap is dropped. Registration failures come back as [`Error::Registration`] with the
-//! current memlock limit; nothing aborts inside an allocator hook. Scoped-heap chunks are excluded
-//! from `fork()` children (`MADV_DONTFORK`).
+//! current memlock limit; nothing aborts inside an allocator hook.
+//!
+//! ## `fork()`
+//!
+//! A child's copies of the parent's devices, heaps and connections stay the parent's: using one
+//! fails with [`Error::Forked`], dropping one releases nothing (the kernel objects are shared
+//! with the parent, which keeps using them), and scoped-heap data chunks are not in the child
+//! at all (`MADV_DONTFORK`, as `ibv_fork_init` does). mralloc's process-wide locks are free in
+//! the child whichever parent thread held them, and the global allocator keeps allocating there
+//! (new chunks unregistered). The child may open a device and build heaps and connections of
+//! its own.
 //!
 //! ## Getting an RDMA device
 //!
@@ -144,6 +153,7 @@
 
 mod clock;
 mod error;
+mod fork;
 pub mod heap;
 mod mmap;
 mod remote;

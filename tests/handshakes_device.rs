@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use common::{assert_bytes_eq, open, pattern};
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options};
+use mralloc::transfer::{CmListener, Connection, Listener, Options};
 use mralloc::verbs::Pd;
+use mralloc::Error;
 
 fn setup() -> (Pd, Heap) {
     let pd = Pd::new(&open()).unwrap();
@@ -120,4 +121,158 @@ fn device_handshakes_beyond_the_bound_wait_their_turn() {
         assert!(took >= Duration::from_secs(2));
         let _srv = server.join().unwrap();
     });
+}
+
+/// A raw RDMA CM client (librdmacm, no QP of its own): sends one connect request and never
+/// confirms the answer, as a hostile or crashed-midway client does.
+struct RawCm {
+    ch: *mut rdma_sys::rdma_event_channel,
+    id: *mut rdma_sys::rdma_cm_id,
+}
+
+impl RawCm {
+    /// `qp_num` must differ between clients: the CM rejects a second request naming the same
+    /// remote QP as a stale connection.
+    fn request(ip: &str, port: u16, private: &[u8], qp_num: u32) -> RawCm {
+        use rdma_sys as ffi;
+        // SAFETY: plain librdmacm calls on objects created here; every event is acknowledged.
+        unsafe {
+            let ch = ffi::rdma_create_event_channel();
+            assert!(!ch.is_null());
+            let mut id = std::ptr::null_mut();
+            assert_eq!(ffi::rdma_create_id(ch, &mut id, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP), 0);
+            let me = RawCm { ch, id };
+            let addr: std::net::SocketAddrV4 = format!("{ip}:{port}").parse().unwrap();
+            let mut sin: libc::sockaddr_in = std::mem::zeroed();
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = port.to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(addr.ip().octets());
+            assert_eq!(
+                ffi::rdma_resolve_addr(id, std::ptr::null_mut(), (&mut sin as *mut libc::sockaddr_in).cast(), 2000),
+                0
+            );
+            assert_eq!(me.next(Duration::from_secs(5)), Some(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED));
+            assert_eq!(ffi::rdma_resolve_route(id, 2000), 0);
+            assert_eq!(me.next(Duration::from_secs(5)), Some(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED));
+            let mut param: ffi::rdma_conn_param = std::mem::zeroed();
+            param.private_data = private.as_ptr().cast();
+            param.private_data_len = private.len() as u8;
+            param.responder_resources = 1;
+            param.initiator_depth = 1;
+            param.retry_count = 7;
+            param.rnr_retry_count = 7;
+            param.qp_num = qp_num;
+            assert_eq!(ffi::rdma_connect(id, &mut param), 0);
+            me
+        }
+    }
+
+    /// The kind of the next event within `within`.
+    fn next(&self, within: Duration) -> Option<u32> {
+        // SAFETY: our live channel; the event is acknowledged at once.
+        unsafe {
+            let mut pfd = libc::pollfd { fd: (*self.ch).fd, events: libc::POLLIN, revents: 0 };
+            if libc::poll(&mut pfd, 1, within.as_millis() as i32) != 1 {
+                return None;
+            }
+            let mut ev = std::ptr::null_mut();
+            assert_eq!(rdma_sys::rdma_get_cm_event(self.ch, &mut ev), 0);
+            let kind = (*ev).event;
+            rdma_sys::rdma_ack_cm_event(ev);
+            Some(kind)
+        }
+    }
+}
+
+impl Drop for RawCm {
+    fn drop(&mut self) {
+        // SAFETY: created in `request`, destroyed once.
+        unsafe {
+            rdma_sys::rdma_destroy_id(self.id);
+            rdma_sys::rdma_destroy_event_channel(self.ch);
+        }
+    }
+}
+
+/// The CM ids naming `port` (listening, accepted or connecting), as the kernel sees them.
+fn cm_ids_on(port: u16) -> usize {
+    common::rdma_res("cm_id").lines().filter(|l| l.contains(&format!(":{port} "))).count()
+}
+
+/// Garbage and half-open RDMA CM requests while accept calls run side by side: the garbage is
+/// rejected at once, the half-open ones when their accept's deadline passes, a real client
+/// connects meanwhile, and no CM id or QP is left of any of them.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing() {
+    use rdma_sys::rdma_cm_event_type as T;
+    let ip = std::env::var("MRALLOC_CM_ADDR").expect("MRALLOC_CM_ADDR (scripts/softroce sets it)");
+    let (pd, _heap) = setup();
+    let port = 30000 + (std::process::id() % 10000) as u16;
+    let limit = Duration::from_secs(3);
+    let listener =
+        CmListener::bind((ip.as_str(), port), &pd, Options { connect_timeout: limit, ..Options::default() }).unwrap();
+    let qps_before = common::resources("qp", &common::our_pdns());
+    // Accept calls that never return would hang the scope below: fail the process instead.
+    let (alive, watchdog) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = watchdog.recv_timeout(Duration::from_secs(120)) {
+            eprintln!("device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing hung; exiting");
+            std::process::exit(3);
+        }
+    });
+    const GARBAGE: usize = 4;
+    const HALF_OPEN: usize = 8;
+    let (results, raw_events, real) = std::thread::scope(|s| {
+        // One accept call per request, all at once.
+        let accepts: Vec<_> = (0..GARBAGE + HALF_OPEN + 1)
+            .map(|_| s.spawn(|| listener.accept_with(b"hi").map(|c| c.peer_blob().to_vec())))
+            .collect();
+        let garbage: Vec<RawCm> =
+            (0..GARBAGE).map(|i| RawCm::request(&ip, port, &[200, 1, 2], 0x4200 + i as u32)).collect();
+        let half: Vec<RawCm> = (0..HALF_OPEN).map(|i| RawCm::request(&ip, port, &[0], 0x4300 + i as u32)).collect();
+        let t = Instant::now();
+        let c = Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"real").unwrap();
+        let real = (t.elapsed(), c.peer_blob().to_vec());
+        drop(c);
+        let mut events = Vec::new();
+        for g in &garbage {
+            events.push(("garbage", g.next(Duration::from_secs(2))));
+        }
+        for h in &half {
+            // The server answered (it cannot tell before), then gave up at its deadline.
+            events.push(("half-open answer", h.next(Duration::from_secs(5))));
+            events.push(("half-open end", h.next(limit + Duration::from_secs(5))));
+        }
+        let results: Vec<_> = accepts.into_iter().map(|a| a.join().unwrap()).collect();
+        drop((garbage, half));
+        (results, events, real)
+    });
+    println!("cm: real client connected in {:?}; raw clients saw {raw_events:?}", real.0);
+    assert_eq!(real.1, b"hi");
+    assert!(real.0 < Duration::from_secs(2), "the real client waited {:?}", real.0);
+    for (what, e) in &raw_events {
+        match *what {
+            "garbage" => assert_eq!(*e, Some(T::RDMA_CM_EVENT_REJECTED), "garbage is rejected at once"),
+            "half-open answer" => assert_eq!(*e, Some(T::RDMA_CM_EVENT_CONNECT_RESPONSE)),
+            _ => assert!(
+                matches!(*e, Some(k) if k == T::RDMA_CM_EVENT_REJECTED || k == T::RDMA_CM_EVENT_DISCONNECTED || k == T::RDMA_CM_EVENT_CONNECT_ERROR),
+                "a half-open client is let go at the deadline: {e:?}"
+            ),
+        }
+    }
+    let ok = results.iter().filter(|r| r.as_ref().is_ok_and(|b| b == b"real")).count();
+    let protocol = results.iter().filter(|r| matches!(r, Err(Error::Protocol(_)))).count();
+    let timeouts = results.iter().filter(|r| matches!(r, Err(Error::Timeout(..)))).count();
+    assert_eq!((ok, protocol, timeouts), (1, GARBAGE, HALF_OPEN), "{results:?}");
+    // Nothing left but the listener: no accepted, rejected or timed-out id, no QP.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cm_ids_on(port) > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(cm_ids_on(port), 1, "only the listener's CM id is left:\n{}", common::rdma_res("cm_id"));
+    assert_eq!(common::resources("qp", &common::our_pdns()), qps_before, "no QP left");
+    drop(listener);
+    assert_eq!(cm_ids_on(port), 0);
+    drop(alive);
 }

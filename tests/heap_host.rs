@@ -321,7 +321,7 @@ fn fork_with_a_live_heap_leaves_the_child_working() {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
-        let check = std::panic::AssertUnwindSafe(|| child_after_fork(&heap, b.as_ptr(), live));
+        let check = std::panic::AssertUnwindSafe(|| child_after_fork(&heap, &b, live));
         let code = std::panic::catch_unwind(check).unwrap_or(99);
         // SAFETY: leaves the child without running the parent's atexit handlers or destructors.
         unsafe { libc::_exit(code) };
@@ -339,18 +339,37 @@ fn fork_with_a_live_heap_leaves_the_child_working() {
 }
 
 /// What the forked child checks; 0 when all held, else the number of the check that failed.
-fn child_after_fork(heap: &Heap, data: *const u8, live: u64) -> i32 {
+fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
+    let data = buf.as_ptr();
     // 1. The heap's metadata came along: its statistics answer, unchanged.
     if heap.stats().live_bytes != live {
         return 1;
     }
-    // 2. Its data chunk did not: the page is not mapped in the child (mincore says ENOMEM).
+    // 2. Its data chunk did not: the page is not resident in the child, and the hole is
+    // reserved (inaccessible), so no mapping of the child lands where a parent's buffer was.
     let mut vec = [0u8; 1];
     let page = (data as usize & !4095) as *mut libc::c_void;
     // SAFETY: mincore only inspects the mapping and writes one byte to `vec`.
     let r = unsafe { libc::mincore(page, 4096, vec.as_mut_ptr()) };
-    if r != -1 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOMEM) {
+    if r != 0 || vec[0] & 1 != 0 {
         return 2;
+    }
+    // SAFETY: asks for a mapping exactly there, refused if anything is mapped (then nothing
+    // changes); unmapped again if it was granted.
+    let p = unsafe {
+        libc::mmap(
+            page,
+            4096,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    };
+    if p != libc::MAP_FAILED {
+        // SAFETY: our fresh mapping.
+        unsafe { libc::munmap(p, 4096) };
+        return 8;
     }
     // 3. A heap made in the child works: a new arena, new chunks through the hooks.
     let fresh = Heap::builder().build().unwrap();
@@ -363,6 +382,25 @@ fn child_after_fork(heap: &Heap, data: *const u8, live: u64) -> i32 {
     drop((small, big));
     if fresh.stats().live_bytes != 0 {
         return 4;
+    }
+    // 5. The parent's heap refuses to allocate here, with a typed error (its data chunks are
+    // not the child's, and its thread cache holds the parent's pointers).
+    if !matches!(heap.alloc(64), Err(mralloc::Error::Forked(_)))
+        || heap.allocate(std::alloc::Layout::new::<u64>()).is_ok()
+    {
+        return 5;
+    }
+    if !matches!(heap.alloc_uninit(1 << 20), Err(mralloc::Error::Forked(_))) {
+        return 6;
+    }
+    // 6. Dropping the parent's buffer and a handle of its heap here releases nothing (and does
+    // not crash on the absent data).
+    // SAFETY: an owned copy of the parent's buffer, dropped once here; the original is never
+    // dropped in the child (it _exits).
+    drop(unsafe { std::ptr::read(buf) });
+    drop(heap.clone());
+    if heap.stats().live_bytes != live {
+        return 7;
     }
     0
 }

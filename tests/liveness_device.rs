@@ -153,7 +153,7 @@ fn device_a_killed_cm_peer_is_found_by_its_disconnect() {
         .expect("MRALLOC_CM_ADDR: an IP address of the RDMA device (scripts/softroce sets it)");
     let (pd, heap) = setup();
     let port = 30000 + (std::process::id() % 20000) as u16;
-    let mut l = CmListener::bind((ip.as_str(), port), &pd, bounded()).unwrap();
+    let l = CmListener::bind((ip.as_str(), port), &pd, bounded()).unwrap();
     let child =
         spawn_self("device_a_killed_cm_peer_is_found_by_its_disconnect", ("MRALLOC_PEER_CM", format!("{ip}:{port}")));
     let conn = l.accept().unwrap();
@@ -249,4 +249,100 @@ fn device_dropping_one_end_of_a_pair_fails_the_other() {
     let r = waiter.join().unwrap();
     println!("pair end dropped: {r:?} after {:?}", t.elapsed());
     assert!(matches!(r, Err(Error::Disconnected(Disconnect::PeerClosed))), "{r:?}");
+}
+
+/// fork(): the child's copies of the parent's device, PD, heap and connections refuse every use
+/// with `Error::Forked` and destroy nothing when dropped; the child opens a device of its own and
+/// connects; the parent's connection works on after the child's drops (its QP was not destroyed).
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_forked_child_gets_typed_errors_and_leaves_the_parent_working() {
+    let ctx = open();
+    let pd = Pd::new(&ctx).unwrap();
+    let heap = Heap::builder().bind(&pd).build().unwrap();
+    let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
+    let mut msg = heap.alloc(4096).unwrap();
+    msg.copy_from_slice(&pattern(7, 4096));
+    // SAFETY: the test threads run one at a time (scripts/test); the child runs the checks in
+    // its only thread and _exits without unwinding into libtest.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let checks = std::panic::AssertUnwindSafe(|| forked_child(&ctx, &pd, &heap, &a, &b, &msg));
+        let code = std::panic::catch_unwind(checks).unwrap_or(99);
+        // SAFETY: leaves the child at once.
+        unsafe { libc::_exit(code) };
+    }
+    let start = Instant::now();
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } != pid {
+        if start.elapsed() > Duration::from_secs(60) {
+            // SAFETY: our child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the forked child hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    assert_eq!(libc::WEXITSTATUS(status), 0, "child check {} failed (see forked_child)", libc::WEXITSTATUS(status));
+    // The parent's pair is intact: a round trip after the child dropped its copies.
+    let mut inbox = heap.alloc(4096).unwrap();
+    std::thread::scope(|s| {
+        let r = s.spawn(|| b.recv(&mut inbox).unwrap().len);
+        a.send(&msg).unwrap();
+        assert_eq!(r.join().unwrap(), 4096);
+    });
+    assert_bytes_eq(&inbox, &pattern(7, 4096), "a message after the fork");
+    assert!(a.error().is_none() && b.error().is_none());
+    println!("fork: the child got typed errors and made its own connection; the parent's pair works on");
+}
+
+/// The forked child's checks: 0 when all held, else the number of the one that failed.
+fn forked_child(
+    ctx: &mralloc::verbs::Context,
+    pd: &Pd,
+    heap: &Heap,
+    a: &Connection,
+    b: &Connection,
+    msg: &mralloc::Buffer,
+) -> i32 {
+    let forked = |r: Result<(), Error>| matches!(r, Err(Error::Forked(_)));
+    if !forked(a.send(msg).map(drop)) {
+        return 1;
+    }
+    let local = mralloc::verbs::RegisteredBuf::new(pd, 64, mralloc::verbs::Access::LOCAL_WRITE);
+    if !forked(local.map(drop)) || !forked(b.progress().map(drop)) || !forked(a.close()) {
+        return 2;
+    }
+    if !forked(heap.alloc(64).map(drop)) || !forked(Pd::new(ctx).map(drop)) {
+        return 3;
+    }
+    // Dropping copies of the parent's objects destroys nothing of the parent's.
+    // SAFETY: owned copies, each dropped once here; the originals are never dropped in the
+    // child (it _exits).
+    unsafe {
+        drop(std::ptr::read(a));
+        drop(std::ptr::read(b));
+        drop(std::ptr::read(msg));
+        drop(std::ptr::read(heap));
+        drop(std::ptr::read(pd));
+        drop(std::ptr::read(ctx));
+    }
+    // The child's own device, heap and pair work.
+    let pd2 = Pd::new(&open()).unwrap();
+    let heap2 = Heap::builder().bind(&pd2).build().unwrap();
+    let (c, d) = Connection::pair(&pd2, &bounded()).unwrap();
+    let mut m = heap2.alloc(512).unwrap();
+    m.copy_from_slice(&pattern(9, 512));
+    let mut r = heap2.alloc(512).unwrap();
+    let got = std::thread::scope(|s| {
+        let t = s.spawn(|| d.recv(&mut r).map(|g| g.len));
+        c.send(&m).unwrap();
+        t.join().unwrap()
+    });
+    if got.ok() != Some(512) || r[..] != pattern(9, 512)[..] {
+        return 4;
+    }
+    0
 }

@@ -342,7 +342,7 @@ async fn device_remote_memory_over_async_rdma_cm() {
     let port2 = port + 1;
     let (ip3, pd3) = (ip.clone(), pd.clone());
     let listener = std::thread::spawn(move || {
-        let mut l = CmListener::bind((ip3.as_str(), port2), &pd3, rights(rw())).unwrap();
+        let l = CmListener::bind((ip3.as_str(), port2), &pd3, rights(rw())).unwrap();
         let c = l.accept_with(b"blocking").unwrap();
         assert_eq!(c.peer_blob(), b"a");
         std::thread::sleep(Duration::from_millis(200));

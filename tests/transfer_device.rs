@@ -366,7 +366,7 @@ fn device_two_processes_over_rdma_cm() {
     if let Ok(port) = std::env::var("MRALLOC_CM_SERVER") {
         let (pd, heap) = setup();
         let inbox = heap.alloc(256 << 10).unwrap().expose().unwrap();
-        let mut l = mralloc::transfer::CmListener::bind(
+        let l = mralloc::transfer::CmListener::bind(
             (ip.as_str(), port.parse::<u16>().unwrap()),
             &pd,
             rights(Access::REMOTE_WRITE),

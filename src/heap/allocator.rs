@@ -29,6 +29,9 @@ fn allocate_arena(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocErr
 unsafe impl allocator_api2::alloc::Allocator for Heap {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        if !self.born.here() {
+            return Err(AllocError); // a parent's heap in a fork()ed child
+        }
         if layout.size() != 0 {
             if let Some(p) = self.take_cached(layout, false) {
                 return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
@@ -43,7 +46,7 @@ unsafe impl allocator_api2::alloc::Allocator for Heap {
 
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() != 0 {
+        if layout.size() != 0 && self.born.here() {
             // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
             // is this handle's copy of the record's.
             unsafe { free_in(self.id, self.shared, ptr, layout) };

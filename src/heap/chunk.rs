@@ -8,8 +8,8 @@
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use crate::fork::{ForkGuard, ForkLock};
 use rdma_sys as ffi;
-use std::sync::Mutex;
 
 use crate::heap::pagemap::{PAGEMAP, SLOT};
 
@@ -96,16 +96,26 @@ impl ChunkRec {
 
 static TABLE: [ChunkRec; MAX_CHUNKS] = [const { ChunkRec::EMPTY }; MAX_CHUNKS];
 
-struct FreeList {
+pub(crate) struct FreeList {
     /// Records never used yet start here.
     fresh: u32,
     /// Head of the list of released records (u32::MAX = empty).
     head: u32,
 }
 
-/// A `std` mutex (a futex): taken inside jemalloc's hooks, where parking_lot's allocation on a
-/// thread's first park would re-enter the allocator.
-static ALLOC: Mutex<FreeList> = Mutex::new(FreeList { fresh: 0, head: u32::MAX });
+/// Taken inside jemalloc's hooks, so it never allocates (parking_lot's first park on a thread
+/// would re-enter the allocator); a fork()ed child finds it unlocked (see `crate::fork`).
+pub(crate) static ALLOC: ForkLock<FreeList> = ForkLock::new(FreeList { fresh: 0, head: u32::MAX });
+
+/// `ALLOC`, held; in a fork()ed child whose parent held it mid-update, the free list is dropped
+/// (its records leak: a torn list could hand out a record twice).
+fn alloc_lock() -> ForkGuard<'static, FreeList> {
+    let mut fl = ALLOC.lock();
+    if fl.after_fork {
+        fl.head = u32::MAX;
+    }
+    fl
+}
 
 /// The record at `index`.
 #[inline]
@@ -130,7 +140,7 @@ pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
 /// full or the page map could not grow.
 pub(crate) fn publish(owner: u64, base: usize, len: usize, meta: bool) -> Option<u32> {
     let index = {
-        let mut fl = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut fl = alloc_lock();
         if fl.head != u32::MAX {
             let i = fl.head;
             fl.head = rec(i).next_free.load(Ordering::Relaxed);
@@ -162,14 +172,41 @@ pub(crate) fn release(index: u32) {
     for m in &r.mrs {
         m.store(ptr::null_mut(), Ordering::Release);
     }
-    let mut fl = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut fl = alloc_lock();
     r.next_free.store(fl.head, Ordering::Relaxed);
     fl.head = index;
 }
 
+/// In a fork()ed child (run by the fork handler, before anything else): the data chunks of
+/// scoped heaps were excluded from the child (`MADV_DONTFORK`), leaving holes where the parent's
+/// buffers were. Reserve them (inaccessible): the child's own mappings must never land there,
+/// or a copy of a parent's buffer would read or write them.
+pub(crate) fn reserve_excluded_in_child() {
+    for r in &TABLE {
+        let owner = r.owner.load(Ordering::Acquire);
+        // u64::MAX: the global allocator's chunks, which are not excluded; metadata never is.
+        if owner == 0 || owner == u64::MAX || r.meta.load(Ordering::Relaxed) {
+            continue;
+        }
+        let (base, len) = (r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed));
+        // SAFETY: maps fresh inaccessible pages over a range nothing in this process maps (the
+        // kernel refuses if something does: then there is no hole to fill).
+        unsafe {
+            libc::mmap(
+                base as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+    }
+}
+
 /// Every live record owned by `owner` (scans the used part of the table).
 pub(crate) fn owned_by(owner: u64) -> impl Iterator<Item = (u32, &'static ChunkRec)> {
-    let used = ALLOC.lock().unwrap_or_else(std::sync::PoisonError::into_inner).fresh;
+    let used = alloc_lock().fresh;
     (0..used).map(|i| (i, rec(i))).filter(move |(_, r)| r.owner.load(Ordering::Acquire) == owner)
 }
 

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use tikv_jemalloc_sys::extent_hooks_t;
 
 use crate::error::{memlock_text, Error, Result};
+use crate::fork::Born;
 use crate::heap::chunk::{self, MAX_PDS};
 use crate::heap::hooks;
 use crate::heap::numa;
@@ -95,6 +96,8 @@ pub(crate) struct Owner {
     /// Must stay the first field: jemalloc hands this pointer back to the hooks.
     pub(crate) hooks: extent_hooks_t,
     pub(crate) id: u64,
+    /// A fork()ed child registers nothing for (and never binds) an owner its parent made.
+    pub(crate) born: Born,
     pub(crate) bound: Mutex<Bound>,
     pub(crate) access: Access,
     /// NUMA node to bind new chunks to; u32::MAX = none.
@@ -168,9 +171,11 @@ pub(crate) fn allocations_under_bound() -> Option<u64> {
 
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
+        crate::fork::on_child(chunk::reserve_excluded_in_child);
         Owner {
             hooks: hooks::HOOKS,
             id: NEXT_OWNER_ID.fetch_add(1, Ordering::Relaxed),
+            born: Born::now(),
             bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
             access,
             numa_node: AtomicU32::new(numa_node.unwrap_or(u32::MAX)),
@@ -188,6 +193,7 @@ impl Owner {
         Owner {
             hooks: hooks::HOOKS,
             id: u64::MAX,
+            born: Born::FIRST,
             bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
             access,
             numa_node: AtomicU32::new(u32::MAX),
@@ -236,6 +242,9 @@ impl Owner {
         looks_like_metadata: bool,
     ) -> std::result::Result<usize, HookError> {
         let meta = looks_like_metadata;
+        if !self.born.here() {
+            return self.new_chunk_unregistered(size, align, meta);
+        }
         let bound = self.lock_bound();
         let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
         if mapped.saturating_add(size) > self.limit {
@@ -304,6 +313,24 @@ impl Owner {
         Ok(base)
     }
 
+    /// A chunk in a fork()ed child for an owner the parent made (the global allocator: the
+    /// child keeps allocating): mapped and published, registered with nothing (the parent's PDs
+    /// are not the child's) and without taking `bound` (a parent thread may have held it).
+    fn new_chunk_unregistered(&self, size: usize, align: usize, meta: bool) -> std::result::Result<usize, HookError> {
+        let base = chunk::map(size, align).map_err(HookError::Map)?;
+        chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta);
+        if chunk::publish(self.id, base, size, meta).is_none() {
+            chunk::deregister_and_unmap(&[], base, size);
+            return Err(HookError::TableFull);
+        }
+        self.counters.chunks.fetch_add(1, Ordering::Relaxed);
+        self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
+        if meta {
+            self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
+        }
+        Ok(base)
+    }
+
     /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
     ///
     /// Nothing here allocates while `bound` is held: the alloc hook takes the same lock, and
@@ -311,6 +338,7 @@ impl Owner {
     /// lock deadlocked, alone or with a thread holding jemalloc's grow mutex). Registrations are
     /// published into the chunk records as they are made and rolled back from there.
     pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
+        self.born.check("this heap")?;
         let started = Instant::now();
         let mut bound = self.lock_bound();
         if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
@@ -386,6 +414,11 @@ impl Owner {
     /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
     /// knows the pages read as zero).
     pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
+        if !self.born.here() {
+            // A fork()ed child: a parent thread may have held `bound` at the fork. Not purging
+            // is always allowed.
+            return false;
+        }
         let bound = self.lock_bound();
         if bound.pds.iter().any(Option::is_some) {
             return false; // registered memory is never purged

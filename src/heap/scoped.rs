@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::heap::buffer::Buffer;
 use crate::heap::front::{add_live, alloc_size, Front, DEFAULT_THREAD_CACHE};
 use crate::heap::keys::{keys_in_slot, Keys};
@@ -170,10 +171,12 @@ impl HeapBuilder {
             }
         };
         let id = owner.id;
+        let born = owner.born;
         let heap = Heap {
             shared: Shared::create(owner, arena, self.max_chunk, self.access, self.whole_chunks, self.thread_cache),
             id,
             arena,
+            born,
         };
         jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
@@ -196,8 +199,10 @@ impl HeapBuilder {
 ///
 /// `fork()`: the heap's data chunks are excluded from children (`MADV_DONTFORK`, what
 /// `ibv_fork_init` does for registered memory: the parent keeps its pinned pages and nothing is
-/// copied). A child must not touch the heap's buffers or allocate from it; it may exec, use
-/// other allocators, or build a heap of its own.
+/// copied). In the child the heap is the parent's: allocating fails with [`Error::Forked`]
+/// (an allocator-api2 allocation with `AllocError`), dropping it or its buffers releases
+/// nothing, and the buffers' bytes are not mapped (reading one faults). The child may exec, use
+/// other allocators, or build a heap of its own, which works as usual.
 ///
 /// ```no_run
 /// use mralloc::heap::Heap;
@@ -240,6 +245,8 @@ pub struct Heap {
     /// Copies of the record's id and arena, read on every allocation without a pointer chase.
     pub(crate) id: u64,
     pub(crate) arena: u32,
+    /// The fork generation the heap was made in (a fork()ed child may not use it).
+    pub(crate) born: Born,
 }
 
 // SAFETY: the shared record is thread-safe (atomics, locks, jemalloc's own thread safety); a
@@ -251,12 +258,17 @@ unsafe impl Sync for Heap {}
 impl Clone for Heap {
     fn clone(&self) -> Heap {
         self.shared().acquire();
-        Heap { shared: self.shared, id: self.id, arena: self.arena }
+        Heap { shared: self.shared, id: self.id, arena: self.arena, born: self.born }
     }
 }
 
 impl Drop for Heap {
     fn drop(&mut self) {
+        if !self.born.here() {
+            // A fork()ed child's copy of a parent's heap: the parent's to tear down (its data
+            // chunks are not even mapped here).
+            return;
+        }
         // SAFETY: this handle is live and is given up here, once.
         unsafe { Shared::release(self.shared) };
     }
@@ -387,6 +399,7 @@ impl Heap {
     /// the size class, else from the arena through this thread's tcache.
     #[inline(always)]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
+        self.born.check("this heap")?;
         match self.take_cached(layout, zeroed) {
             Some(p) => Ok(p),
             None => self.raw_alloc_arena(layout, zeroed),
@@ -574,7 +587,10 @@ fn front(id: u64, shared: NonNull<Shared>) -> Option<NonNull<Front>> {
 #[inline]
 pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     // SAFETY: the allocation being freed keeps the record alive up to the counter store.
-    let id = unsafe { shared.as_ref() }.id;
+    let (id, born) = unsafe { (shared.as_ref().id, shared.as_ref().born) };
+    if !born.here() {
+        return; // a parent's allocation in a fork()ed child: its data is not mapped here
+    }
     // SAFETY: forwarded contract; `id` is the record's.
     unsafe { free_in(id, shared, ptr, layout) }
 }

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use crate::fork::{Born, ForkGuard, ForkLock};
 
 use crate::heap::jemalloc;
 use crate::heap::owner::Owner;
@@ -34,6 +34,8 @@ use crate::verbs::Access;
 /// What a heap's handles and buffers point at.
 pub(crate) struct Shared {
     pub(crate) id: u64,
+    /// The owner's: a fork()ed child leaves the heap alone (see `crate::fork`).
+    pub(crate) born: Born,
     pub(crate) owner: Arc<Owner>,
     pub(crate) tcaches: Arc<Registry>,
     pub(crate) arena: u32,
@@ -48,7 +50,7 @@ pub(crate) struct Shared {
 
 /// A `Shared` pointer that may cross threads (it is only dereferenced while the heap lives).
 #[derive(Clone, Copy, PartialEq, Eq)]
-struct Ptr(NonNull<Shared>);
+pub(crate) struct Ptr(NonNull<Shared>);
 // SAFETY: Shared is Sync (atomics, Arcs of Sync types, plain integers); the pointer is only
 // dereferenced while the record is alive (see the module docs).
 unsafe impl Send for Ptr {}
@@ -65,6 +67,7 @@ impl Shared {
     ) -> NonNull<Shared> {
         let s = Box::new(Shared {
             id: owner.id,
+            born: owner.born,
             owner,
             tcaches: Arc::new(Registry::new(thread_cache)),
             arena,
@@ -129,20 +132,33 @@ unsafe fn teardown(this: NonNull<Shared>) {
     }
 }
 
-struct Draining {
+pub(crate) struct Draining {
     heaps: Vec<Ptr>,
     reaper: bool,
 }
 
-static DRAINING: Mutex<Draining> = parking_lot::const_mutex(Draining { heaps: Vec::new(), reaper: false });
+/// Process-wide; a fork()ed child finds it unlocked (see `crate::fork`).
+pub(crate) static DRAINING: ForkLock<Draining> = ForkLock::new(Draining { heaps: Vec::new(), reaper: false });
+
+/// `DRAINING`, held. In a fork()ed child the parent's draining heaps are the parent's (their
+/// data is not in the child) and its reaper thread is not there: start afresh (the list, which
+/// may have been mid-update at the fork, is leaked rather than freed).
+fn draining_lock() -> ForkGuard<'static, Draining> {
+    let mut d = DRAINING.lock();
+    if d.after_fork {
+        std::mem::forget(std::mem::take(&mut d.heaps));
+        d.reaper = false;
+    }
+    d
+}
 
 /// How many heaps wait for their last allocations to be freed (for tests and stats).
 pub(crate) fn draining() -> usize {
-    DRAINING.lock().heaps.len()
+    draining_lock().heaps.len()
 }
 
 fn drain(p: Ptr) {
-    let mut d = DRAINING.lock();
+    let mut d = draining_lock();
     d.heaps.push(p);
     if d.reaper {
         return;
@@ -165,7 +181,7 @@ fn reap() {
         nap = (nap * 2).min(Duration::from_millis(50));
         let mut done = Vec::new();
         {
-            let mut d = DRAINING.lock();
+            let mut d = draining_lock();
             d.heaps.retain(|p| {
                 // SAFETY: a draining record lives until it leaves this list (only here).
                 if unsafe { p.0.as_ref() }.live() == 0 {

@@ -17,6 +17,8 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
+use crate::fork::Born;
+
 use crate::error::Result;
 use crate::heap::front::Front;
 use crate::heap::jemalloc;
@@ -64,12 +66,20 @@ pub(crate) struct Registry {
     retired: AtomicI64,
     /// Bytes each thread's front cache may keep.
     limit: usize,
+    /// A fork()ed child leaves a parent heap's caches alone (its lock may be held).
+    born: Born,
 }
 
 impl Registry {
     pub(crate) fn new(limit: usize) -> Registry {
         crate::heap::front::check_classes_once();
-        Registry { slots: Mutex::new(Vec::new()), closed: Default::default(), retired: AtomicI64::new(0), limit }
+        Registry {
+            slots: Mutex::new(Vec::new()),
+            closed: Default::default(),
+            retired: AtomicI64::new(0),
+            limit,
+            born: Born::now(),
+        }
     }
 
     /// Live bytes over every thread that used the heap.
@@ -114,6 +124,10 @@ impl Drop for ThreadCaches {
         let _ = LAST.try_with(|c| c.set((0, std::ptr::null_mut())));
         for e in self.entries.drain(..) {
             let Some(reg) = e.registry.upgrade() else { continue };
+            if !reg.born.here() {
+                std::mem::forget(reg); // a parent heap's, in a fork()ed child
+                continue;
+            }
             let mut slots = reg.slots.lock();
             if let Some(s) = slots.iter_mut().find(|s| s.front == e.front && s.alive) {
                 // SAFETY: alive, locked, and this thread (the front's) is exiting: nothing of it

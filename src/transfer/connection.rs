@@ -34,6 +34,11 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// the TCP stream it was set up over closes (the peer dropped the connection or its process
 /// exited), RDMA CM reports it disconnected, or the device reports its port down, its QP in
 /// error or a fatal error.
+///
+/// `fork()`: a child's copy of a connection is the parent's. Every operation on it fails with
+/// [`Error::Forked`] (before taking any lock a parent thread may have held at the fork), and
+/// dropping it destroys nothing (the QP, its CM id and the buffers it holds stay the
+/// parent's, which keeps using them). The child may open devices and connect on its own.
 pub struct Connection {
     /// Destroyed in `Drop`, before the buffers still held are released.
     qp: ManuallyDrop<Qp>,
@@ -86,13 +91,20 @@ impl Connection {
     /// Creates the QP (INIT) and CQs for a connection in `pd`.
     pub(crate) fn prepare(pd: &Pd, opts: &Options) -> Result<(Qp, Cq, Cq)> {
         let ctx = pd.context();
+        // With a shared receive queue the connection's own receive CQ stays empty (the QP
+        // completes receives on the shared receiver's CQ): one entry is enough.
+        let recv_depth = if opts.shared_receive.is_some() { 1 } else { opts.recv_depth + 8 };
         let (send_cq, recv_cq) = if matches!(opts.wait, WaitMode::Event) {
             let ch = crate::verbs::CompChannel::new(ctx)?;
-            (Cq::with_channel(ctx, opts.send_depth + 8, &ch)?, Cq::with_channel(ctx, opts.recv_depth + 8, &ch)?)
+            (Cq::with_channel(ctx, opts.send_depth + 8, &ch)?, Cq::with_channel(ctx, recv_depth, &ch)?)
         } else {
-            (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, opts.recv_depth + 8)?)
+            (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, recv_depth)?)
         };
-        let mut b = Qp::builder(pd, &send_cq, &recv_cq).caps(opts.caps()).remote_access(opts.remote_access);
+        let mut b = match &opts.shared_receive {
+            Some(shared) => Qp::builder(pd, &send_cq, shared.cq()).srq(shared.srq()),
+            None => Qp::builder(pd, &send_cq, &recv_cq),
+        };
+        b = b.caps(opts.caps()).remote_access(opts.remote_access);
         if let Some(p) = opts.port {
             b = b.port(p);
         }
@@ -136,6 +148,11 @@ impl Connection {
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
         }
+        let mut kept: Vec<Box<dyn Send + Sync>> = Vec::new();
+        if let Some(shared) = &opts.shared_receive {
+            // The queue and its memory outlive the QP (dropped after it).
+            kept.push(Box::new(shared.keepalive()));
+        }
         tracing::debug!(
             target: "mralloc::transfer",
             qpn = qp.qpn(),
@@ -155,7 +172,7 @@ impl Connection {
             next_id: AtomicU64::new(1),
             scratch: Mutex::new(scratch),
             watch: None,
-            kept: Vec::new(),
+            kept,
             control: None,
             link,
             pair_peer: None,
@@ -281,7 +298,9 @@ impl Connection {
     ///
     /// # Errors
     /// [`Error::Verbs`] if polling a CQ fails; the connection is failed then.
+    /// [`Error::Forked`] in a fork()ed child of the process that made the connection.
     pub fn progress(&self) -> Result<usize> {
+        self.qp.born().check("this connection")?;
         self.core.progress().inspect_err(|e| self.fail(Failure::local(e)))
     }
 
@@ -296,7 +315,10 @@ impl Connection {
     /// device fault, or the queue pair could not be moved to the error state — that failure
     /// itself is not reported): dropping the connection waits once more, and leaks the buffers
     /// still held if the flush has not come by then. Closing twice is not an error.
+    /// [`Error::Forked`] in a fork()ed child of the process that made the connection (nothing
+    /// is closed: the connection is the parent's).
     pub fn close(&self) -> Result<()> {
+        self.qp.born().check("this connection")?;
         self.fail(Failure::Closed);
         // Idempotent; the QP may already be in the error state (any failed completion puts it
         // there), and a failure recorded first did this already.
@@ -319,6 +341,8 @@ impl Connection {
     }
 
     pub(crate) fn check(&self) -> Result<()> {
+        // Before any lock: in a fork()ed child, a parent thread may have held one at the fork.
+        self.qp.born().check("this connection")?;
         match self.core.failed.get() {
             Some(f) => Err(f.error()),
             None => Ok(()),
@@ -511,6 +535,7 @@ impl Connection {
     /// except with [`Error::FlushLost`], when the flush never came: then the caller must leak
     /// the memory (owned) or abort (borrowed).
     pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
+        self.qp.born().check("this connection")?;
         let Ticket { wr_id, send } = ticket;
         // Send-queue requests are answered by the peer's NIC; receives wait for its application.
         let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };
@@ -601,6 +626,18 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
+        if !self.qp.born().here() {
+            // A fork()ed child's copy of a parent's connection: the QP, its CM id, its buffers
+            // are the parent's, which keeps using them. Touch nothing (a parent thread may have
+            // held one of its locks at the fork) and release nothing: the CQs, QP and MRs skip
+            // their destruction here anyway, and a CM id must not be disconnected.
+            std::mem::forget(std::mem::take(&mut self.kept));
+            std::mem::forget(Arc::clone(&self.core));
+            std::mem::forget(self.control.take());
+            // Its Poller's last handle would join a thread the child does not have.
+            std::mem::forget(std::mem::take(&mut self.opts));
+            return;
+        }
         if let Some(peer) = self.pair_peer.take().and_then(|p| p.upgrade()) {
             peer.fail(Disconnect::PeerClosed);
         }

@@ -24,6 +24,7 @@ pub(crate) fn options(opts: &Options) -> Options {
         wait: WaitMode::Event,
         remote_access: Access::NONE,
         secret: None,
+        shared_receive: None,
         ..opts.clone()
     }
 }

@@ -95,6 +95,10 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
     fn drop(&mut self) {
         let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
         let held = Box::new(Held { _mw: mw, _buf: buf });
+        if !self.conn.qp().born().here() {
+            std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
+            return;
+        }
         match self.post_invalidate() {
             Ok(id) => {
                 self.conn.core().park(id, held);

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::transfer::{Poller, Secret};
+use crate::transfer::{Poller, Secret, SharedReceiver};
 use crate::verbs::{Access, ConnectOptions, Context, QpCaps};
 
 /// How a thread waiting for a completion waits.
@@ -85,6 +85,12 @@ pub struct Options {
     /// authenticates, it does not encrypt. RDMA CM setups refuse options with a secret;
     /// [`crate::transfer::Connection::pair`] (one process) ignores it. Never printed by `Debug`.
     pub secret: Option<Secret>,
+    /// Take receives from this shared receive queue instead of a receive queue per connection
+    /// (servers with many peers: receive memory stays fixed). Connections set up with it
+    /// refuse their own receive calls ([`Error::InvalidArgument`](crate::Error::InvalidArgument));
+    /// their messages arrive through [`SharedReceiver::recv`]. It must be in the connection's
+    /// PD. Async connections refuse it. Default: `None`.
+    pub shared_receive: Option<SharedReceiver>,
 }
 
 impl Default for Options {
@@ -107,6 +113,7 @@ impl Default for Options {
             remote_access: Access::NONE,
             secret: None,
             async_spin: Duration::from_micros(200),
+            shared_receive: None,
         }
     }
 }

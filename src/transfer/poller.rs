@@ -8,6 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::transfer::completion::Core;
 
 struct Shared {
@@ -18,10 +19,15 @@ struct Shared {
 struct Thread {
     shared: Arc<Shared>,
     handle: Mutex<Option<JoinHandle<()>>>,
+    /// A fork()ed child has no poller thread to join.
+    born: Born,
 }
 
 impl Drop for Thread {
     fn drop(&mut self) {
+        if !self.born.here() {
+            return;
+        }
         self.shared.stop.store(true, Ordering::Release);
         if let Some(h) = self.handle.lock().take() {
             let _ = h.join();
@@ -82,7 +88,7 @@ impl Poller {
                 run(&s);
             })
             .map_err(|source| Error::Io { what: "spawning the poller thread".into(), source })?;
-        let thread = Arc::new(Thread { shared, handle: Mutex::new(Some(handle)) });
+        let thread = Arc::new(Thread { shared, handle: Mutex::new(Some(handle)), born: Born::now() });
         if let Ok(Err(source)) = rx.recv() {
             return Err(Error::Io { what: format!("pinning the poller thread to CPU {}", cpu.unwrap_or(0)), source });
         }

@@ -83,6 +83,8 @@ pub struct Listener {
     addr: SocketAddr,
     accepting: Arc<Accepting>,
     acceptor: Option<std::thread::JoinHandle<()>>,
+    /// A fork()ed child has no acceptor thread to stop.
+    born: crate::fork::Born,
 }
 
 impl std::fmt::Debug for Listener {
@@ -106,7 +108,7 @@ impl Listener {
         let tcp = TcpListener::bind(addr).map_err(io("binding the TCP listener".into()))?;
         let addr = tcp.local_addr().map_err(io("reading the listener's address".into()))?;
         let (accepting, acceptor) = Accepting::start(tcp, pd, opts, control)?;
-        Ok(Listener { addr, accepting, acceptor: Some(acceptor) })
+        Ok(Listener { addr, accepting, acceptor: Some(acceptor), born: crate::fork::Born::now() })
     }
 
     /// The address it listens on.
@@ -168,6 +170,9 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
+        if !self.born.here() {
+            return;
+        }
         self.accepting.stop();
         if let Some(t) = self.acceptor.take() {
             // Within ~100 ms: the acceptor polls with that timeout. The port is free after.

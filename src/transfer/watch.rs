@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 use rdma_sys as ffi;
 
 use crate::error::{Disconnect, Error, Result};
+use crate::fork::ForkLock;
 use crate::transfer::cm::raw_event;
 use crate::transfer::completion::{Core, Failure};
 use crate::verbs::{set_qp_error, Context, Qp};
@@ -317,6 +318,9 @@ struct Watcher {
     pid: u32,
 }
 
+/// Serialises starting a watcher.
+pub(crate) static START: ForkLock<()> = ForkLock::new(());
+
 /// The latest watcher started (in this process, or in the parent of a fork()ed child).
 static WATCHER: AtomicPtr<Watcher> = AtomicPtr::new(std::ptr::null_mut());
 
@@ -331,10 +335,7 @@ fn watcher() -> Result<&'static Watcher> {
     if let Some(w) = current() {
         return Ok(w);
     }
-    // Serialises starting one. (In a fork()ed child whose parent held it mid-start, the child's
-    // first connection would wait forever: starting takes microseconds, and forking while
-    // another thread makes the process's first connection is not supported.)
-    static START: Mutex<()> = Mutex::new(());
+    // Serialises starting one (a fork()ed child finds it unlocked, see `crate::fork`).
     let _g = START.lock();
     if let Some(w) = current() {
         return Ok(w);

@@ -21,6 +21,9 @@ unsafe impl Sync for ChanInner {}
 
 impl Drop for ChanInner {
     fn drop(&mut self) {
+        if !self._ctx.owned_here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: created by ibv_create_comp_channel; no CQ uses it any more.
         unsafe { ffi::ibv_destroy_comp_channel(self.ch) };
     }
@@ -45,6 +48,7 @@ impl CompChannel {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_create_comp_channel` fails.
     pub fn new(ctx: &Context) -> Result<CompChannel> {
+        ctx.usable()?;
         // SAFETY: ctx is live.
         let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
         if ch.is_null() {
@@ -97,6 +101,7 @@ impl CompChannel {
     /// [`Error::Verbs`] if `ibv_get_cq_event` fails for another reason than "no event" or an
     /// interruption (both return `Ok(false)`).
     pub fn try_event(&self) -> Result<bool> {
+        self.inner._ctx.usable()?;
         let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut libc::c_void = std::ptr::null_mut();
         // SAFETY: the channel is live and its descriptor non-blocking (the caller's contract; a
@@ -123,6 +128,7 @@ impl CompChannel {
     /// An interrupted `poll`, and an event that another reader of a non-blocking descriptor
     /// took first, return `Ok(false)`, not an error.
     pub fn wait(&self, timeout: Duration) -> Result<bool> {
+        self.inner._ctx.usable()?;
         let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd.

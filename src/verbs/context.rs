@@ -5,6 +5,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::verbs::device::{numa_node_of, DeviceList};
 use crate::verbs::{Gid, Mtu};
 
@@ -67,6 +68,8 @@ pub struct GidEntry {
 pub(crate) struct ContextInner {
     pub(crate) ctx: *mut ffi::ibv_context,
     pub(crate) name: String,
+    /// A fork()ed child neither uses nor destroys its parent's verbs objects (see `crate::fork`).
+    pub(crate) born: Born,
 }
 
 // SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
@@ -77,6 +80,9 @@ unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
+        if !self.born.here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: ctx came from ibv_open_device; every PD/CQ holds an Arc to this inner value,
         // so none is alive any more.
         let rc = unsafe { ffi::ibv_close_device(self.ctx) };
@@ -101,7 +107,20 @@ impl std::fmt::Debug for Context {
 
 impl Context {
     pub(crate) fn from_raw(ctx: *mut ffi::ibv_context, name: String) -> Context {
-        Context { inner: Arc::new(ContextInner { ctx, name }) }
+        Context { inner: Arc::new(ContextInner { ctx, name, born: Born::now() }) }
+    }
+
+    /// `Ok` unless this is a fork()ed child of the process that opened the device:
+    /// [`Error::Forked`] then (verbs objects of the parent are not the child's to use).
+    #[inline(always)]
+    pub(crate) fn usable(&self) -> Result<()> {
+        self.inner.born.check("this RDMA device context (and what was made from it)")
+    }
+
+    /// Whether this process opened the device (not a fork()ed child of it): its objects are
+    /// destroyed only then.
+    pub(crate) fn owned_here(&self) -> bool {
+        self.inner.born.here()
     }
 
     /// Opens the device called `name`.

@@ -8,6 +8,7 @@ use rdma_sys as ffi;
 
 use crate::clock::{Stopwatch, BUSY};
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::verbs::{CompChannel, Context};
 
 macro_rules! wc_statuses {
@@ -238,6 +239,8 @@ impl std::fmt::Debug for WorkCompletion {
 pub(crate) struct CqInner {
     pub(crate) cq: *mut ffi::ibv_cq,
     pub(crate) ctx: Context,
+    /// The context's: checked on every poll (a fork()ed child must not use the parent's CQ).
+    pub(crate) born: Born,
     pub(crate) depth: u32,
     /// Dropped after the CQ is destroyed (field order after Drop::drop).
     pub(crate) _channel: Option<CompChannel>,
@@ -251,6 +254,9 @@ unsafe impl Sync for CqInner {}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
+        if !self.born.here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: cq came from ibv_create_cq; QPs using it hold an Arc, so none is alive.
         let rc = unsafe { ffi::ibv_destroy_cq(self.cq) };
         if rc != 0 {
@@ -290,6 +296,7 @@ impl Cq {
     }
 
     fn create(ctx: &Context, depth: u32, channel: Option<CompChannel>) -> Result<Cq> {
+        ctx.usable()?;
         if depth == 0 || depth > i32::MAX as u32 {
             return Err(Error::InvalidArgument(format!("CQ depth {depth} out of range")));
         }
@@ -301,7 +308,9 @@ impl Cq {
         }
         // SAFETY: cq is live; cqe is the actual capacity the provider chose.
         let actual = unsafe { (*cq).cqe }.max(0) as u32;
-        Ok(Cq { inner: Arc::new(CqInner { cq, ctx: ctx.clone(), depth: actual, _channel: channel }) })
+        Ok(Cq {
+            inner: Arc::new(CqInner { cq, born: ctx.inner.born, ctx: ctx.clone(), depth: actual, _channel: channel }),
+        })
     }
 
     /// The completion channel the CQ raises events on, if any.
@@ -315,6 +324,7 @@ impl Cq {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
     pub fn arm(&self) -> Result<()> {
+        self.inner.born.check("this completion queue")?;
         // SAFETY: the CQ is live.
         let rc = unsafe { ffi::ibv_req_notify_cq(self.inner.cq, 0) };
         if rc != 0 {
@@ -333,12 +343,18 @@ impl Cq {
         self.inner.cq
     }
 
+    /// [`Error::Forked`] in a fork()ed child of the process that made the CQ.
+    pub(crate) fn usable(&self) -> Result<()> {
+        self.inner.born.check("this completion queue")
+    }
+
     /// Polls once, without waiting: fills the front of `out` and returns how many it filled.
     ///
     /// # Errors
     /// [`Error::Verbs`] if `ibv_poll_cq` returns a negative value (its errno is taken to be that
     /// value negated). Failed completions are not errors: check each entry's status.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.inner.born.check("this completion queue")?;
         let n = out.len().min(i32::MAX as usize) as i32;
         // SAFETY: the CQ is live; WorkCompletion is repr(transparent) over ibv_wc, so `out` is
         // `n` writable ibv_wc slots.

@@ -7,6 +7,9 @@
 //! Posting work requests ([`Qp::post_send`], [`Qp::post_recv`]) is `unsafe` at this layer: the
 //! NIC touches the memory after the call returns. The transfer layer makes that safe by owning
 //! or borrowing the memory until the completion is reaped.
+//!
+//! In a `fork()`ed child, the parent's objects refuse every verbs call with
+//! [`crate::Error::Forked`] and destroy nothing when dropped (they are the parent's).
 
 mod channel;
 mod context;
@@ -17,6 +20,7 @@ mod mr;
 mod mw;
 mod pd;
 mod qp;
+mod srq;
 mod wr;
 
 pub use channel::CompChannel;
@@ -26,6 +30,7 @@ pub use device::{devices, numa_node_of, DeviceInfo};
 pub use endpoint::{Endpoint, Gid, Mtu};
 pub(crate) use mr::{release as release_registered, LEAKED_MAPPINGS};
 pub use mr::{Access, Mr, RegisteredBuf};
+pub use srq::Srq;
 
 /// How many registered mappings (heap chunks, registered buffers, mapped files — and heap
 /// buffers whose own key could not be revoked) this process leaked because the device refused

@@ -115,6 +115,7 @@ impl Mr {
         let started = Instant::now();
         // SAFETY: pd is live; the caller guarantees the range is valid memory (function
         // contract). ibv_reg_mr validates the range and access bits and returns NULL on error.
+        pd.context().usable()?;
         let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), addr.cast(), len, access.bits() as i32) };
         if mr.is_null() {
             return Err(Error::verbs("ibv_reg_mr", 0));
@@ -224,6 +225,7 @@ impl Mr {
     /// or windows — so its memory must stay mapped and must not be reused (leak it).
     pub fn deregister(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
+        this.pd.context().usable()?;
         // SAFETY: mr came from ibv_reg_mr and is deregistered once: `this` is never dropped.
         let rc = unsafe { ffi::ibv_dereg_mr(this.mr) };
         // SAFETY: the Pd clone is dropped exactly once, here (`this` is ManuallyDrop).
@@ -237,6 +239,9 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        if !self.pd.context().owned_here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: mr came from ibv_reg_mr and is deregistered exactly once; the PD is still
         // alive because we hold a clone.
         let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
@@ -251,6 +256,12 @@ impl Drop for Mr {
 /// leaks the mapping (unmapping pinned, still-registered memory would let the NIC reach pages
 /// the kernel reuses).
 pub(crate) fn release<M>(mr: Mr, map: M) {
+    if !mr.pd.context().owned_here() {
+        // A fork()ed child's copy: the region is the parent's (and the mapping may not even be
+        // in the child). Nothing to release, nothing to report.
+        std::mem::forget((mr, map));
+        return;
+    }
     match mr.deregister() {
         Ok(()) => drop(map),
         Err(e) => {

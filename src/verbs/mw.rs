@@ -24,6 +24,7 @@ impl Mw {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_alloc_mw` fails (`EOPNOTSUPP` when the provider has no windows).
     pub fn new(pd: &Pd) -> Result<Mw> {
+        pd.context().usable()?;
         // SAFETY: pd is live; returns None (errno EOPNOTSUPP) when the provider lacks windows.
         match unsafe { ffi::ibv_alloc_mw(pd.as_raw(), ffi::ibv_mw_type::IBV_MW_TYPE_2) } {
             Some(mw) if !mw.is_null() => Ok(Mw { mw, _pd: pd.clone() }),
@@ -51,6 +52,9 @@ impl Mw {
 
 impl Drop for Mw {
     fn drop(&mut self) {
+        if !self._pd.context().owned_here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: allocated by ibv_alloc_mw, deallocated once.
         let rc = unsafe { ffi::ibv_dealloc_mw(self.mw) };
         if rc != 0 {

@@ -20,6 +20,9 @@ unsafe impl Sync for PdInner {}
 
 impl Drop for PdInner {
     fn drop(&mut self) {
+        if !self.ctx.owned_here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: pd came from ibv_alloc_pd; every MR and QP holds an Arc to this value, so none
         // is alive any more. The context outlives this call (we hold a clone).
         let rc = unsafe { ffi::ibv_dealloc_pd(self.pd) };
@@ -57,6 +60,7 @@ impl Pd {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_alloc_pd` fails.
     pub fn new(ctx: &Context) -> Result<Pd> {
+        ctx.usable()?;
         // SAFETY: ctx is a live context.
         let pd = unsafe { ffi::ibv_alloc_pd(ctx.as_raw()) };
         if pd.is_null() {

@@ -6,6 +6,8 @@ use std::hash::{BuildHasher, Hasher};
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
+use crate::verbs::Srq;
 use crate::verbs::{Access, Cq, Endpoint, Gid, LinkLayer, Mtu, Pd, SendOp, SendWr, Sge};
 
 /// Sizes of a queue pair's queues.
@@ -94,9 +96,19 @@ pub struct QpBuilder {
     port: Option<u8>,
     gid_index: Option<u32>,
     access: Access,
+    srq: Option<Srq>,
 }
 
 impl QpBuilder {
+    /// Takes receives from `srq` instead of a receive queue of its own (the receive caps are
+    /// then ignored, and [`Qp::post_recv`] refuses): post receives with [`Srq::post_recv`];
+    /// their completions arrive on the builder's receive CQ, naming this QP. The QP keeps the
+    /// queue alive.
+    pub fn srq(mut self, srq: &Srq) -> Self {
+        self.srq = Some(srq.clone());
+        self
+    }
+
     /// Queue sizes (default: 128 deep, 4 SGEs, 64 bytes inline).
     pub fn caps(mut self, caps: QpCaps) -> Self {
         self.caps = caps;
@@ -139,6 +151,7 @@ impl QpBuilder {
     ///   `ibv_modify_qp` to INIT fails (the QP is destroyed then).
     pub fn build(self) -> Result<Qp> {
         let ctx = self.pd.context().clone();
+        ctx.usable()?;
         let port = match self.port {
             Some(p) => p,
             None => ctx
@@ -165,13 +178,20 @@ impl QpBuilder {
         init.recv_cq = self.recv_cq.as_raw();
         init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
+        let shared = self.srq.is_some();
         init.cap = ffi::ibv_qp_cap {
             max_send_wr: self.caps.max_send_wr,
-            max_recv_wr: self.caps.max_recv_wr,
+            max_recv_wr: if shared { 0 } else { self.caps.max_recv_wr },
             max_send_sge: self.caps.max_send_sge,
-            max_recv_sge: self.caps.max_recv_sge,
+            max_recv_sge: if shared { 0 } else { self.caps.max_recv_sge },
             max_inline_data: self.caps.max_inline_data,
         };
+        if let Some(srq) = &self.srq {
+            if srq.pd() != &self.pd {
+                return Err(Error::InvalidArgument("a QP and its shared receive queue must be in the same PD".into()));
+            }
+            init.srq = srq.as_raw();
+        }
         // SAFETY: pd and both CQs are live (we hold them); init is fully initialised.
         let qp = unsafe { ffi::ibv_create_qp(self.pd.as_raw(), &mut init) };
         if qp.is_null() {
@@ -199,9 +219,11 @@ impl QpBuilder {
             mtu: port_info.active_mtu,
             link_layer: port_info.link_layer,
             caps,
+            born: ctx.inner.born,
             pd: self.pd,
             send_cq: self.send_cq,
             recv_cq: self.recv_cq,
+            srq: self.srq,
         };
         // SAFETY: ibv_qp_attr is plain old data; all-zero is a valid value.
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -234,6 +256,10 @@ pub struct Qp {
     pd: Pd,
     send_cq: Cq,
     recv_cq: Cq,
+    /// The shared receive queue its receives come from, if any (kept alive by the QP).
+    srq: Option<Srq>,
+    /// The context's: checked on every post (a fork()ed child must not use the parent's QP).
+    born: Born,
 }
 
 // SAFETY: libibverbs providers serialise posting and state changes on a QP internally; the
@@ -266,6 +292,7 @@ impl Qp {
             port: None,
             gid_index: None,
             access: Access::NONE,
+            srq: None,
         }
     }
 
@@ -299,12 +326,29 @@ impl Qp {
         &self.recv_cq
     }
 
+    /// The fork generation the QP was made in.
+    pub(crate) fn born(&self) -> Born {
+        self.born
+    }
+
+    /// [`Error::Forked`] in a fork()ed child of the process that made the QP.
+    #[inline(always)]
+    fn usable(&self) -> Result<()> {
+        self.born.check("this queue pair")
+    }
+
+    /// The shared receive queue its receives come from, if it was built with one.
+    pub(crate) fn srq(&self) -> Option<&Srq> {
+        self.srq.as_ref()
+    }
+
     /// The raw `ibv_qp`, valid while this `Qp` lives.
     pub fn as_raw(&self) -> *mut ffi::ibv_qp {
         self.qp
     }
 
     fn modify(&self, attr: &mut ffi::ibv_qp_attr, mask: u32) -> Result<()> {
+        self.usable()?;
         // SAFETY: qp is live; attr is fully initialised for the fields named by mask.
         let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask as i32) };
         if rc != 0 {
@@ -380,6 +424,7 @@ impl Qp {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_modify_qp` fails.
     pub fn set_error(&self) -> Result<()> {
+        self.usable()?;
         // SAFETY: the QP is live.
         unsafe { set_qp_error(self.qp) }
     }
@@ -456,6 +501,7 @@ impl Qp {
     ///   QP is moved to the error state, until their flush completions have been polled. A
     ///   provider that fails a chain without setting `bad_wr` gives `posted == total`.
     pub unsafe fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        self.usable()?;
         for wr in wrs {
             self.validate(wr)?;
         }
@@ -515,10 +561,17 @@ impl Qp {
     /// the receive's completion has been polled (or the QP is destroyed).
     ///
     /// # Errors
-    /// - [`Error::InvalidArgument`] if `sges` has more entries than the QP's `max_recv_sge`
+    /// - [`Error::InvalidArgument`] if the QP takes its receives from a shared receive queue,
+    ///   or `sges` has more entries than the QP's `max_recv_sge`
     ///   (nothing is posted).
     /// - [`Error::Verbs`] if `ibv_post_recv` fails (e.g. `ENOMEM`: the receive queue is full).
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
+        self.usable()?;
+        if self.srq.is_some() {
+            return Err(Error::InvalidArgument(
+                "this QP takes its receives from a shared receive queue: post them there".into(),
+            ));
+        }
         if sges.len() > self.caps.max_recv_sge as usize {
             return Err(Error::InvalidArgument(format!(
                 "receive {wr_id} has {} SGEs; the QP allows {}",
@@ -544,6 +597,9 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        if !self.born.here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: qp came from ibv_create_qp and is destroyed once; PD and CQs are still alive
         // (we hold clones, dropped after this).
         let rc = unsafe { ffi::ibv_destroy_qp(self.qp) };

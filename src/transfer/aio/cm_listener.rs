@@ -64,7 +64,7 @@ impl AsyncCmListener {
     /// As [`CmListener::bind`]; [`Error::Io`] if there is no tokio runtime with I/O enabled, or
     /// the event channel cannot be made non-blocking or registered with it.
     pub fn bind(addr: impl std::net::ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncCmListener> {
-        let opts = async_options(opts);
+        let opts = async_options(opts)?;
         let listener = CmListener::bind(addr, pd, opts.clone())?;
         listener.set_nonblocking()?;
         let what = "registering an RDMA CM event channel with tokio (it needs a runtime with I/O enabled)";

@@ -68,9 +68,14 @@ impl std::fmt::Debug for AsyncConnection {
 
 /// Options for a connection whose completions the async driver handles: CQs on a completion
 /// channel, whatever wait mode was asked for.
-pub(crate) fn async_options(mut opts: Options) -> Options {
+pub(crate) fn async_options(mut opts: Options) -> Result<Options> {
+    if opts.shared_receive.is_some() {
+        return Err(Error::InvalidArgument(
+            "async connections receive through their own queues: Options::shared_receive is for blocking ones".into(),
+        ));
+    }
     opts.wait = WaitMode::Event;
-    opts
+    Ok(opts)
 }
 
 /// Resolves `addr` without blocking the executor.
@@ -150,7 +155,7 @@ impl AsyncConnection {
     ) -> Result<AsyncConnection> {
         let addrs = resolve(addr).await?;
         let pd = pd.clone();
-        let conn = blocking(move || connect(&addrs[..], &pd, async_options(opts), &blob)).await?;
+        let conn = blocking(move || connect(&addrs[..], &pd, async_options(opts)?, &blob)).await?;
         AsyncConnection::wrap(conn)
     }
 
@@ -160,7 +165,7 @@ impl AsyncConnection {
     /// # Errors
     /// As [`Connection::pair`]; [`Error::Io`] outside a tokio runtime with I/O enabled.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(AsyncConnection, AsyncConnection)> {
-        let (a, b) = Connection::pair_with(pd, &async_options(opts.clone()), true)?;
+        let (a, b) = Connection::pair_with(pd, &async_options(opts.clone())?, true)?;
         Ok((AsyncConnection::wrap(a)?, AsyncConnection::wrap(b)?))
     }
 

@@ -44,7 +44,7 @@ impl AsyncListener {
             .await
             .map_err(|source| Error::Io { what: "resolving the listener's address".into(), source })?
             .collect();
-        let listener = Listener::bind_offering(&addrs[..], pd, &async_options(opts), true)?;
+        let listener = Listener::bind_offering(&addrs[..], pd, &async_options(opts)?, true)?;
         Ok(AsyncListener { listener, serving: None })
     }
 

@@ -215,8 +215,11 @@ impl CmListener {
         if unsafe { ffi::rdma_bind_addr(id.0, (&mut sa as *mut libc::sockaddr_storage).cast()) } != 0 {
             return Err(Error::verbs("rdma_bind_addr", 0));
         }
+        // Connect requests no accept call has taken yet queue up to `max_handshakes`; the kernel
+        // rejects those beyond.
+        let backlog = opts.max_handshakes.clamp(1, i32::MAX as usize) as i32;
         // SAFETY: bound id.
-        if unsafe { ffi::rdma_listen(id.0, 16) } != 0 {
+        if unsafe { ffi::rdma_listen(id.0, backlog) } != 0 {
             return Err(Error::verbs("rdma_listen", 0));
         }
         Ok(CmListener { id, channel, pd: pd.clone(), opts })
@@ -226,7 +229,7 @@ impl CmListener {
     ///
     /// # Errors
     /// As [`CmListener::accept_with`].
-    pub fn accept(&mut self) -> Result<Connection> {
+    pub fn accept(&self) -> Result<Connection> {
         self.accept_with(&[])
     }
 
@@ -243,8 +246,15 @@ impl CmListener {
     ///   creating the queue pair); [`Error::Io`] if the CM's event channel cannot be read.
     ///
     /// Only a removed device ends the listener: after any other error, accept the next
-    /// connection.
-    pub fn accept_with(&mut self, blob: &[u8]) -> Result<Connection> {
+    /// connection. A rejected or failed request is rejected toward its client (its CM id is
+    /// destroyed, which answers it with a REJ), so nothing of it is left.
+    ///
+    /// Several threads may accept at once: a client that never confirms its connection (it
+    /// sent a request, got the answer and went silent) holds one accept call for
+    /// [`Options::connect_timeout`], not the others. Requests no accept call has taken yet
+    /// queue up to [`Options::max_handshakes`]; the kernel rejects those beyond.
+    pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
+        self.id.1.check("this RDMA CM listener")?;
         check_accept_blob(blob, false)?;
         let req = self.next_request()?;
         accept_request(req, &self.pd, &self.opts, blob, false)
@@ -263,6 +273,7 @@ impl CmListener {
     /// The next connect request, if one is queued (the channel must be non-blocking).
     #[cfg(feature = "tokio")]
     pub(crate) fn try_request(&self) -> Result<Option<CmRequest>> {
+        self.id.1.check("this RDMA CM listener")?;
         while let Some(e) = try_event(&self.channel)? {
             if let Some(req) = self.take_request(e)? {
                 return Ok(Some(req));
@@ -279,7 +290,7 @@ impl CmListener {
         use ffi::rdma_cm_event_type as T;
         match e.kind {
             T::RDMA_CM_EVENT_CONNECT_REQUEST => {
-                let child = Id(e.id);
+                let child = Id(e.id, crate::fork::Born::now());
                 let own = Channel::new()?;
                 child.migrate(&own)?;
                 Ok(Some(CmRequest { child, own, private: e.private, qp_num: e.qp_num }))
@@ -357,7 +368,7 @@ mod tests {
         let ip = std::env::var("MRALLOC_CM_ADDR").expect("MRALLOC_CM_ADDR (scripts/softroce sets it)");
         let pd = Pd::new(&Options::default().open_device().unwrap()).unwrap();
         let port = 40000 + (std::process::id() % 20000) as u16;
-        let mut l = CmListener::bind((ip.as_str(), port), &pd, Options::default()).unwrap();
+        let l = CmListener::bind((ip.as_str(), port), &pd, Options::default()).unwrap();
         let (ip2, pd2) = (ip.clone(), pd.clone());
         let client = std::thread::spawn(move || {
             let bad = [200u8, 1, 2]; // claims 200 bytes

@@ -9,6 +9,7 @@ use std::time::Duration;
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::transfer::Options;
 use crate::verbs::{Endpoint, Gid, Pd, Qp};
 
@@ -54,7 +55,9 @@ impl Drop for Channel {
     }
 }
 
-pub(crate) struct Id(pub(crate) *mut ffi::rdma_cm_id);
+/// A CM id, and the fork generation it was made in (a fork()ed child must not destroy it: the
+/// kernel object is shared with the parent).
+pub(crate) struct Id(pub(crate) *mut ffi::rdma_cm_id, pub(crate) Born);
 
 impl Id {
     /// A TCP-port-space id whose events arrive on `channel`.
@@ -66,7 +69,7 @@ impl Id {
         {
             return Err(Error::verbs("rdma_create_id", 0));
         }
-        Ok(Id(raw))
+        Ok(Id(raw, Born::now()))
     }
 
     /// Moves the id's events (queued and future) to `channel`.
@@ -81,6 +84,9 @@ impl Id {
 
 impl Drop for Id {
     fn drop(&mut self) {
+        if !self.1.here() {
+            return; // the parent's (a fork()ed child's copy)
+        }
         // SAFETY: a live id whose events have all been acknowledged.
         unsafe {
             ffi::rdma_disconnect(self.0);
@@ -323,7 +329,8 @@ pub(crate) fn conn_param(qp: &Qp, pd: &Pd, opts: &Options, private: &[u8]) -> Re
         flow_control: 1,
         retry_count: opts.retry_count.min(7),
         rnr_retry_count: opts.rnr_retry.min(7),
-        srq: 0,
+        // The CM tells the peer whether this side takes receives from a shared queue.
+        srq: u8::from(qp.srq().is_some()),
         qp_num: qp.qpn(),
     })
 }

@@ -1,0 +1,254 @@
+//! `fork()`: telling a parent's objects from a child's, and the crate's process-wide locks that a
+//! child must find unlocked.
+//!
+//! A child has one thread, a copy of the parent's memory (minus the data chunks of scoped heaps,
+//! excluded with `MADV_DONTFORK`) and the parent's verbs descriptors. The parent's queue pairs,
+//! memory regions and heaps stay the parent's: the child must neither use them (their rings and
+//! pages are not the child's) nor destroy them (the kernel objects are shared with the parent,
+//! which keeps using them). So each object remembers the fork *generation* it was made in: a
+//! child's handler bumps the generation, after which the parent's objects refuse every use with
+//! [`Error::Forked`] and release nothing when dropped, while objects made in the child work.
+//!
+//! The crate's process-wide locks are [`ForkLock`]s, which a child finds unlocked even if
+//! another parent thread held one at the fork (that thread does not exist in the child). jemalloc's own
+//! locks are jemalloc's (its fork handlers); a heap's own locks are only taken by the parent's
+//! objects, which the child no longer uses.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+
+use crate::error::{Error, Result};
+
+/// Bumped in every forked child (by the handler `install` registers).
+static GENERATION: AtomicU32 = AtomicU32::new(0);
+
+/// The fork generation an object was made in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Born(u32);
+
+impl Born {
+    /// The current generation (installing the fork handler first: an object made now must be
+    /// told apart in any later child).
+    pub(crate) fn now() -> Born {
+        install();
+        Born(GENERATION.load(Ordering::Relaxed))
+    }
+
+    /// The generation of objects that exist before any fork (the global allocator's).
+    #[cfg_attr(not(feature = "global"), allow(dead_code))]
+    pub(crate) const FIRST: Born = Born(0);
+
+    /// Whether the object lives in the process that made it (not in a fork()ed child of it).
+    #[inline(always)]
+    pub(crate) fn here(self) -> bool {
+        GENERATION.load(Ordering::Relaxed) == self.0
+    }
+
+    /// `Ok` in the process that made the object; [`Error::Forked`] in a child.
+    #[inline(always)]
+    pub(crate) fn check(self, what: &'static str) -> Result<()> {
+        if self.here() {
+            Ok(())
+        } else {
+            Err(Error::Forked(what))
+        }
+    }
+}
+
+/// Registers the child handler (once per process; a child inherits the registration).
+/// (Not a `Once`: a fork while another thread runs it would leave the child's copy running for
+/// ever. Two threads racing here may both register; the generation then moves by two in a
+/// child, which tells parent from child just as well.)
+pub(crate) fn install() {
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
+    if INSTALLED.load(Ordering::Acquire) || INSTALLED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    // SAFETY: registers a handler that runs in the child only; it makes atomic updates and
+    // raw mmap calls (no allocation, no lock).
+    let rc = unsafe { libc::pthread_atfork(None, None, Some(child)) };
+    if rc != 0 {
+        tracing::error!(
+            rc,
+            "pthread_atfork failed: a fork()ed child may find the parent's objects usable and mralloc's locks held"
+        );
+    }
+}
+
+/// What else a child must do at once (the heap's: reserve the holes its excluded chunks leave).
+static CHILD_HOOK: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Runs `hook` in every child, right after the fork (it must not allocate or lock).
+pub(crate) fn on_child(hook: fn()) {
+    CHILD_HOOK.store(hook as *mut (), Ordering::Release);
+}
+
+extern "C" fn child() {
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    let hook = CHILD_HOOK.load(Ordering::Acquire);
+    if !hook.is_null() {
+        // SAFETY: only `on_child` stores here, always a `fn()`.
+        let hook: fn() = unsafe { std::mem::transmute::<*mut (), fn()>(hook) };
+        hook();
+    }
+}
+
+/// A process-wide lock for short critical sections (spins, then yields) that a fork()ed child
+/// finds unlocked: its word holds the generation of its last holder, and a lock held by a
+/// thread of an earlier generation (a parent thread, which the child does not have) counts as
+/// free. The data may have been mid-update at the fork: the first holder of a new generation
+/// gets [`ForkGuard::after_fork`] `true` and repairs it. It never allocates, so it may be taken
+/// inside jemalloc's hooks.
+pub(crate) struct ForkLock<T> {
+    /// `generation << 1 | held`.
+    word: AtomicU32,
+    data: UnsafeCell<T>,
+}
+
+// SAFETY: the data is only reached through a guard, which the lock hands to one thread at a time.
+unsafe impl<T: Send> Sync for ForkLock<T> {}
+
+impl<T> ForkLock<T> {
+    pub(crate) const fn new(data: T) -> ForkLock<T> {
+        ForkLock { word: AtomicU32::new(0), data: UnsafeCell::new(data) }
+    }
+
+    pub(crate) fn lock(&self) -> ForkGuard<'_, T> {
+        let gen = GENERATION.load(Ordering::Relaxed);
+        let mine = (gen << 1) | 1;
+        let mut spins = 0u32;
+        loop {
+            let w = self.word.load(Ordering::Relaxed);
+            let held_here = w & 1 == 1 && w >> 1 == gen;
+            if !held_here && self.word.compare_exchange_weak(w, mine, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return ForkGuard { lock: self, after_fork: w >> 1 != gen };
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                // SAFETY: plain syscall.
+                unsafe { libc::sched_yield() };
+            }
+        }
+    }
+}
+
+/// A held [`ForkLock`].
+pub(crate) struct ForkGuard<'a, T> {
+    lock: &'a ForkLock<T>,
+    /// The first holder since a fork (or ever): the data may be torn.
+    pub(crate) after_fork: bool,
+}
+
+impl<T> std::ops::Deref for ForkGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the lock.
+        unsafe { &*self.lock.data.get() }
+    }
+}
+
+impl<T> std::ops::DerefMut for ForkGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: the guard holds the lock exclusively.
+        unsafe { &mut *self.lock.data.get() }
+    }
+}
+
+impl<T> Drop for ForkGuard<'_, T> {
+    fn drop(&mut self) {
+        // Keeps the generation: the next holder in this process sees no fork.
+        self.lock.word.fetch_and(!1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_excludes_and_counts() {
+        static L: ForkLock<u64> = ForkLock::new(0);
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    for _ in 0..10_000 {
+                        *L.lock() += 1;
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*L.lock(), 40_000);
+    }
+
+    /// A lock another thread holds at the fork is free in the child (that thread is not there),
+    /// and the child's first holder is told to repair the data; objects made before the fork
+    /// are not the child's.
+    #[test]
+    fn a_child_finds_locks_free_and_parent_objects_foreign() {
+        static L: ForkLock<u64> = ForkLock::new(7);
+        let born = Born::now();
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let g = L.lock();
+            held_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+            drop(g);
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only takes the lock, reads atomics and _exits (no allocation, no
+        // lock of anything but `L`).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let g = L.lock();
+            let code = if !g.after_fork || *g != 7 {
+                1
+            } else if born.here() || born.check("x").is_ok() {
+                2
+            } else if !Born::now().here() {
+                3
+            } else {
+                0
+            };
+            drop(g);
+            let again = L.lock();
+            let code = if code == 0 && again.after_fork { 4 } else { code };
+            // SAFETY: leaves the child at once.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: pid is our child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(20) {
+                // SAFETY: our child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the child hung on a lock its parent's thread held at the fork");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child check failed: status {status:#x}");
+        assert!(born.here(), "the parent is unchanged");
+        assert!(!L.lock().after_fork);
+    }
+
+    #[test]
+    fn born_now_is_here() {
+        let b = Born::now();
+        assert!(b.here());
+        assert!(b.check("x").is_ok());
+        assert!(Born::FIRST.here(), "no fork in this process");
+    }
+}
