@@ -1,8 +1,8 @@
 //! `fork()`: telling a parent's objects from a child's, and the crate's process-wide locks that a
 //! child must find unlocked.
 //!
-//! A child has one thread, a copy of the parent's memory (minus the data chunks of scoped heaps,
-//! excluded with `MADV_DONTFORK`) and the parent's verbs descriptors. The parent's queue pairs,
+//! A child has one thread, a copy of the parent's memory (minus the data chunks of scoped heaps
+//! and registered buffers, which it sees as fresh zero pages: `MADV_WIPEONFORK`) and the parent's verbs descriptors. The parent's queue pairs,
 //! memory regions and heaps stay the parent's: the child must neither use them (their rings and
 //! pages are not the child's) nor destroy them (the kernel objects are shared with the parent,
 //! which keeps using them). So each object remembers the fork *generation* it was made in: a
@@ -15,7 +15,7 @@
 //! objects, which the child no longer uses.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -58,14 +58,15 @@ impl Born {
 /// Registers the child handler (once per process; a child inherits the registration).
 /// (Not a `Once`: a fork while another thread runs it would leave the child's copy running for
 /// ever. Two threads racing here may both register; the generation then moves by two in a
-/// child, which tells parent from child just as well.)
+/// child, which tells parent from child just as well. A caller returns only once a handler is
+/// registered.)
 pub(crate) fn install() {
     static INSTALLED: AtomicBool = AtomicBool::new(false);
-    if INSTALLED.load(Ordering::Acquire) || INSTALLED.swap(true, Ordering::AcqRel) {
+    if INSTALLED.load(Ordering::Acquire) {
         return;
     }
-    // SAFETY: registers a handler that runs in the child only; it makes atomic updates and
-    // raw mmap calls (no allocation, no lock).
+    // SAFETY: registers a handler that runs in the child only; it makes one atomic update (no
+    // allocation, no lock).
     let rc = unsafe { libc::pthread_atfork(None, None, Some(child)) };
     if rc != 0 {
         tracing::error!(
@@ -73,24 +74,24 @@ pub(crate) fn install() {
             "pthread_atfork failed: a fork()ed child may find the parent's objects usable and mralloc's locks held"
         );
     }
+    // Only now: whoever sees it set finds the handler registered.
+    INSTALLED.store(true, Ordering::Release);
 }
 
-/// What else a child must do at once (the heap's: reserve the holes its excluded chunks leave).
-static CHILD_HOOK: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
-
-/// Runs `hook` in every child, right after the fork (it must not allocate or lock).
-pub(crate) fn on_child(hook: fn()) {
-    CHILD_HOOK.store(hook as *mut (), Ordering::Release);
-}
+/// With the global allocator, the handler is registered when the program is loaded: `Global`
+/// makes no object that would register it, and its chunk table's lock must be free in a child.
+#[cfg(feature = "global")]
+#[used]
+#[link_section = ".init_array"]
+static INSTALL_AT_LOAD: extern "C" fn() = {
+    extern "C" fn install_at_load() {
+        install();
+    }
+    install_at_load
+};
 
 extern "C" fn child() {
     GENERATION.fetch_add(1, Ordering::Relaxed);
-    let hook = CHILD_HOOK.load(Ordering::Acquire);
-    if !hook.is_null() {
-        // SAFETY: only `on_child` stores here, always a `fn()`.
-        let hook: fn() = unsafe { std::mem::transmute::<*mut (), fn()>(hook) };
-        hook();
-    }
 }
 
 /// A process-wide lock for short critical sections (spins, then yields) that a fork()ed child
@@ -137,7 +138,7 @@ impl<T> ForkLock<T> {
 /// A held [`ForkLock`].
 pub(crate) struct ForkGuard<'a, T> {
     lock: &'a ForkLock<T>,
-    /// The first holder since a fork (or ever): the data may be torn.
+    /// The first holder since a fork: the data may be torn.
     pub(crate) after_fork: bool,
 }
 

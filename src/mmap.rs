@@ -30,9 +30,24 @@ pub(crate) fn page_size() -> usize {
     }
 }
 
+/// Keeps `[base, base+len)` (a private anonymous mapping) out of `fork()` children without
+/// leaving a hole there: `MADV_WIPEONFORK` gives the child fresh zero pages at the same
+/// addresses and leaves the parent's (pinned) pages alone — no copy-on-write, nothing copied.
+/// On kernels before 4.14, `MADV_DONTFORK` (the child then has no mapping there).
+pub(crate) fn exclude_from_fork(base: usize, len: usize) {
+    // SAFETY: advice on a mapping the caller owns; neither changes the parent's contents.
+    unsafe {
+        if libc::madvise(base as *mut libc::c_void, len, libc::MADV_WIPEONFORK) != 0
+            && libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK) != 0
+        {
+            tracing::debug!("madvise(MADV_DONTFORK) failed: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
 impl Mapping {
     /// Maps `len` bytes (rounded up to whole pages, at least one page) of zeroed memory.
-    /// The pages are excluded from `fork()` children (`MADV_DONTFORK`), as pinned DMA memory
+    /// The pages are kept out of `fork()` children ([`exclude_from_fork`]), as pinned DMA memory
     /// must be: a child touching them would otherwise trigger copy-on-write in the parent.
     pub(crate) fn anonymous(len: usize) -> Result<Mapping> {
         let page = page_size();
@@ -57,10 +72,7 @@ impl Mapping {
                 source: std::io::Error::last_os_error(),
             });
         }
-        // SAFETY: [p, p+rounded) is the mapping we just created.
-        if unsafe { libc::madvise(p, rounded, libc::MADV_DONTFORK) } != 0 {
-            tracing::debug!("madvise(MADV_DONTFORK) failed: {}", std::io::Error::last_os_error());
-        }
+        exclude_from_fork(p as usize, rounded);
         Ok(Mapping { ptr: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FAILED"), len: rounded })
     }
 

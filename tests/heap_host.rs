@@ -300,10 +300,10 @@ fn a_buffer_becomes_bytes_without_a_copy() {
 
 #[test]
 fn fork_with_a_live_heap_leaves_the_child_working() {
-    // A scoped heap's data chunks are excluded from fork() children (MADV_DONTFORK: registered
+    // A scoped heap's data chunks are kept out of fork() children (MADV_WIPEONFORK: registered
     // memory is neither shared copy-on-write nor copied); its metadata is not, because
     // jemalloc's fork handlers touch every arena's metadata in the child (regression: the child
-    // died of SIGSEGV). So in the child: the heap's metadata answers, its data pages are absent,
+    // died of SIGSEGV). So in the child: the heap's metadata answers, its data pages are fresh zeros,
     // and a heap created there allocates, writes and frees. The fork happens in a re-exec of this
     // binary running only this test, so no other test's thread can hold a lock at the fork.
     const NAME: &str = "fork_with_a_live_heap_leaves_the_child_working";
@@ -345,8 +345,8 @@ fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
     if heap.stats().live_bytes != live {
         return 1;
     }
-    // 2. Its data chunk did not: the page is not resident in the child, and the hole is
-    // reserved (inaccessible), so no mapping of the child lands where a parent's buffer was.
+    // 2. Its data chunk did not: the page is not resident in the child, yet mapped (fresh zero
+    // pages, MADV_WIPEONFORK), so no mapping of the child lands where a parent's buffer was.
     let mut vec = [0u8; 1];
     let page = (data as usize & !4095) as *mut libc::c_void;
     // SAFETY: mincore only inspects the mapping and writes one byte to `vec`.
@@ -370,6 +370,10 @@ fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
         // SAFETY: our fresh mapping.
         unsafe { libc::munmap(p, 4096) };
         return 8;
+    }
+    // SAFETY: the parent's buffer's bytes, mapped in the child (zero pages): reading is sound.
+    if unsafe { std::slice::from_raw_parts(data, 4096) }.iter().any(|&x| x != 0) {
+        return 9;
     }
     // 3. A heap made in the child works: a new arena, new chunks through the hooks.
     let fresh = Heap::builder().build().unwrap();

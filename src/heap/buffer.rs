@@ -149,7 +149,8 @@ impl Buffer {
     /// # Errors
     /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
     /// [`Error::NotRegistered`] if the heap is bound to no PD, [`Error::Verbs`] if the device
-    /// refuses the registration (`ibv_reg_mr`; the memlock limit is the usual cause).
+    /// refuses the registration (`ibv_reg_mr`; the memlock limit is the usual cause),
+    /// [`Error::Forked`] in a fork()ed child of the process that made the heap.
     pub fn remote(&self) -> Result<RemoteBuf> {
         let pd = self.primary_pd()?;
         self.remote_for(&pd)
@@ -162,6 +163,7 @@ impl Buffer {
     /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
     /// [`Error::Verbs`] if the device refuses the registration.
     pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
+        self.shared().born.check("this heap")?;
         if !self.shared().access.contains(Access::REMOTE_READ) {
             return Err(Error::NoRemoteAccess);
         }
@@ -169,6 +171,8 @@ impl Buffer {
     }
 
     pub(crate) fn primary_pd(&self) -> Result<Pd> {
+        // Before the heap's lock (a fork()ed child: a parent thread may hold it).
+        self.shared().born.check("this heap")?;
         if !self.shared().access.is_remote() {
             return Err(Error::NoRemoteAccess);
         }
@@ -268,6 +272,9 @@ impl DerefMut for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        if !self.shared().born.here() {
+            return; // a parent's buffer in a fork()ed child: nothing to release, nothing to say
+        }
         if let Err(e) = self.exposure.revoke() {
             // A peer may still reach these bytes: they must never be reused. The heap stays
             // alive (this allocation is never freed), so its chunks stay mapped.

@@ -177,33 +177,6 @@ pub(crate) fn release(index: u32) {
     fl.head = index;
 }
 
-/// In a fork()ed child (run by the fork handler, before anything else): the data chunks of
-/// scoped heaps were excluded from the child (`MADV_DONTFORK`), leaving holes where the parent's
-/// buffers were. Reserve them (inaccessible): the child's own mappings must never land there,
-/// or a copy of a parent's buffer would read or write them.
-pub(crate) fn reserve_excluded_in_child() {
-    for r in &TABLE {
-        let owner = r.owner.load(Ordering::Acquire);
-        // u64::MAX: the global allocator's chunks, which are not excluded; metadata never is.
-        if owner == 0 || owner == u64::MAX || r.meta.load(Ordering::Relaxed) {
-            continue;
-        }
-        let (base, len) = (r.base.load(Ordering::Relaxed), r.len.load(Ordering::Relaxed));
-        // SAFETY: maps fresh inaccessible pages over a range nothing in this process maps (the
-        // kernel refuses if something does: then there is no hole to fill).
-        unsafe {
-            libc::mmap(
-                base as *mut libc::c_void,
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
-                -1,
-                0,
-            )
-        };
-    }
-}
-
 /// Every live record owned by `owner` (scans the used part of the table).
 pub(crate) fn owned_by(owner: u64) -> impl Iterator<Item = (u32, &'static ChunkRec)> {
     let used = alloc_lock().fresh;
@@ -258,7 +231,7 @@ pub(crate) fn advise(base: usize, len: usize, hugepages: bool, dontfork: bool) {
     // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
     unsafe {
         if dontfork {
-            libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK);
+            crate::mmap::exclude_from_fork(base, len);
         }
         if hugepages {
             libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE);

@@ -171,7 +171,6 @@ pub(crate) fn allocations_under_bound() -> Option<u64> {
 
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
-        crate::fork::on_child(chunk::reserve_excluded_in_child);
         Owner {
             hooks: hooks::HOOKS,
             id: NEXT_OWNER_ID.fetch_add(1, Ordering::Relaxed),
@@ -187,7 +186,7 @@ impl Owner {
         }
     }
 
-    /// `const` form for the global allocator (no NUMA binding, no DONTFORK, no limit).
+    /// `const` form for the global allocator (no NUMA binding, not kept out of fork children, no limit).
     #[cfg(feature = "global")]
     pub(crate) const fn new_static(access: Access) -> Owner {
         Owner {

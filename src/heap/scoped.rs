@@ -197,11 +197,11 @@ impl HeapBuilder {
 /// is deregistered and unmapped: at once if the handle goes last, otherwise within a few
 /// milliseconds of the last buffer's drop (a small reaper thread exists only meanwhile).
 ///
-/// `fork()`: the heap's data chunks are excluded from children (`MADV_DONTFORK`, what
-/// `ibv_fork_init` does for registered memory: the parent keeps its pinned pages and nothing is
-/// copied). In the child the heap is the parent's: allocating fails with [`Error::Forked`]
-/// (an allocator-api2 allocation with `AllocError`), dropping it or its buffers releases
-/// nothing, and the buffers' bytes are not mapped (reading one faults). The child may exec, use
+/// `fork()`: the heap's data chunks are kept out of children (`MADV_WIPEONFORK`: the parent
+/// keeps its pinned pages, nothing is copied or made copy-on-write, and the child sees fresh
+/// zero pages there). In the child the heap is the parent's: allocating fails with
+/// [`Error::Forked`] (an allocator-api2 allocation with `AllocError`), dropping it or its
+/// buffers releases nothing, and a buffer's bytes read as zeros. The child may exec, use
 /// other allocators, or build a heap of its own, which works as usual.
 ///
 /// ```no_run

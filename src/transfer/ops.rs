@@ -191,6 +191,7 @@ impl Connection {
         what: impl FnOnce(RemoteAddr) -> SendOp,
     ) -> Result<u64> {
         let to = atomic_target(verb, remote, offset)?;
+        self.check()?; // before the lock (a fork()ed child: Forked)
         let scratch = self.scratch().lock();
         let sge = scratch.sge(0..8)?;
         self.one(sge, what(to))?;

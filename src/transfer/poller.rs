@@ -26,6 +26,7 @@ struct Thread {
 impl Drop for Thread {
     fn drop(&mut self) {
         if !self.born.here() {
+            std::mem::forget(self.handle.get_mut().take()); // the parent's thread
             return;
         }
         self.shared.stop.store(true, Ordering::Release);

@@ -79,6 +79,10 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // SAFETY: both fields are taken once, here.
         let (srq, memory) = unsafe { (ManuallyDrop::take(&mut self.srq), ManuallyDrop::take(&mut self.memory)) };
+        if self.cq.usable().is_err() {
+            std::mem::forget((srq, memory)); // a fork()ed child's copy: the parent's
+            return;
+        }
         match srq.destroy() {
             Ok(()) => drop(memory),
             Err(e) => {
@@ -232,7 +236,11 @@ impl SharedReceiver {
                 Some(g) => g,
                 None => return Ok(None),
             },
-            _ => inner.polling.lock(),
+            Some(d) => match inner.polling.try_lock_until(d) {
+                Some(g) => g,
+                None => return Ok(None),
+            },
+            None => inner.polling.lock(),
         };
         let mut wc = [WorkCompletion::empty()];
         loop {
@@ -353,6 +361,9 @@ impl Deref for SharedMessage {
 
 impl Drop for SharedMessage {
     fn drop(&mut self) {
+        if self.inner.cq.usable().is_err() {
+            return; // a fork()ed child's copy: the queue is the parent's
+        }
         if let Err(e) = self.inner.post(self.slot) {
             tracing::error!("reposting a shared receive buffer: {e}; one buffer fewer");
         }

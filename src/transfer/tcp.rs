@@ -148,6 +148,8 @@ impl Listener {
     /// A handshake that fails before reaching that point (garbage, silence, a refused secret)
     /// returns its error from a call waiting at the time (and is only logged if none is).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
+        // A fork()ed child has no acceptor thread (and a parent thread may hold its locks).
+        self.born.check("this listener")?;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.accepting.offer(blob.to_vec(), Reply::Blocking(tx));
         // The handshake that takes the offer always answers (its thread catches nothing, but a
@@ -171,6 +173,7 @@ impl Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         if !self.born.here() {
+            std::mem::forget(self.acceptor.take()); // the parent's thread: not ours to detach
             return;
         }
         self.accepting.stop();
