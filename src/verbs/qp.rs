@@ -7,6 +7,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::fork::Born;
+use crate::verbs::wr::post_one_recv;
 use crate::verbs::Srq;
 use crate::verbs::{Access, Cq, Endpoint, Gid, LinkLayer, Mtu, Pd, SendOp, SendWr, Sge};
 
@@ -572,26 +573,14 @@ impl Qp {
                 "this QP takes its receives from a shared receive queue: post them there".into(),
             ));
         }
-        if sges.len() > self.caps.max_recv_sge as usize {
-            return Err(Error::InvalidArgument(format!(
-                "receive {wr_id} has {} SGEs; the QP allows {}",
-                sges.len(),
-                self.caps.max_recv_sge
-            )));
+        let qp = self.qp;
+        // SAFETY: the QP is live (also for the verb in the closure, given a valid request); memory
+        // per the contract.
+        unsafe {
+            post_one_recv(wr_id, sges, self.caps.max_recv_sge, "the QP", "ibv_post_recv", |wr, bad| {
+                ffi::ibv_post_recv(qp, wr, bad)
+            })
         }
-        let mut wr = ffi::ibv_recv_wr {
-            wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: sges.as_ptr() as *mut ffi::ibv_sge,
-            num_sge: sges.len() as i32,
-        };
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: qp is live; wr and its SGE list outlive the call; memory per the contract.
-        let rc = unsafe { ffi::ibv_post_recv(self.qp, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(Error::verbs("ibv_post_recv", rc));
-        }
-        Ok(())
     }
 }
 

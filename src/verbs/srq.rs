@@ -6,6 +6,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::fork::Born;
+use crate::verbs::wr::post_one_recv;
 use crate::verbs::{Pd, Sge};
 
 pub(crate) struct SrqInner {
@@ -143,26 +144,18 @@ impl Srq {
     /// - [`Error::Forked`] in a fork()ed child of the process that made the queue.
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
         self.inner.born.check("this shared receive queue")?;
-        if sges.len() > self.inner.max_sge as usize {
-            return Err(Error::InvalidArgument(format!(
-                "receive {wr_id} has {} SGEs; the shared receive queue allows {}",
-                sges.len(),
-                self.inner.max_sge
-            )));
+        let srq = self.inner.srq;
+        // SAFETY: the queue is live (also for the verb in the closure, given a valid request);
+        // memory per the contract.
+        unsafe {
+            post_one_recv(
+                wr_id,
+                sges,
+                self.inner.max_sge,
+                "the shared receive queue",
+                "ibv_post_srq_recv",
+                |wr, bad| ffi::ibv_post_srq_recv(srq, wr, bad),
+            )
         }
-        let mut wr = ffi::ibv_recv_wr {
-            wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: sges.as_ptr() as *mut ffi::ibv_sge,
-            num_sge: sges.len() as i32,
-        };
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: the queue is live; wr and its SGE list outlive the call; memory per the
-        // contract.
-        let rc = unsafe { ffi::ibv_post_srq_recv(self.inner.srq, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(Error::verbs("ibv_post_srq_recv", rc));
-        }
-        Ok(())
     }
 }

@@ -2,6 +2,8 @@
 
 use rdma_sys as ffi;
 
+use crate::error::{Error, Result};
+
 /// A scatter/gather entry: `len` bytes at `addr`, inside a region with local key `lkey`.
 /// Laid out exactly as `ibv_sge`, so slices of it are posted without copying.
 #[derive(Clone, Copy)]
@@ -297,6 +299,42 @@ impl<'a> SendWr<'a> {
         }
         wr
     }
+}
+
+/// Posts one receive request of `sges` through `post` (`ibv_post_recv` on a QP or
+/// `ibv_post_srq_recv` on a shared queue, named by `verb`), after checking the SGE count
+/// against `max_sge` of `queue`.
+///
+/// # Safety
+/// `post` calls the verb on a live queue; the memory contract is the caller's (see
+/// [`crate::verbs::Qp::post_recv`]).
+pub(crate) unsafe fn post_one_recv(
+    wr_id: u64,
+    sges: &[Sge],
+    max_sge: u32,
+    queue: &str,
+    verb: &'static str,
+    post: impl FnOnce(*mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32,
+) -> Result<()> {
+    if sges.len() > max_sge as usize {
+        return Err(Error::InvalidArgument(format!(
+            "receive {wr_id} has {} SGEs; {queue} allows {max_sge}",
+            sges.len()
+        )));
+    }
+    let mut wr = ffi::ibv_recv_wr {
+        wr_id,
+        next: std::ptr::null_mut(),
+        sg_list: sges.as_ptr() as *mut ffi::ibv_sge,
+        num_sge: sges.len() as i32,
+    };
+    let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+    // The request and its SGE list outlive the call.
+    let rc = post(&mut wr, &mut bad);
+    if rc != 0 {
+        return Err(Error::verbs(verb, rc));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
