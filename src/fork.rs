@@ -2,17 +2,17 @@
 //! child must find unlocked.
 //!
 //! A child has one thread, a copy of the parent's memory (minus the data chunks of scoped heaps
-//! and registered buffers, which it sees as fresh zero pages: `MADV_WIPEONFORK`) and the parent's verbs descriptors. The parent's queue pairs,
-//! memory regions and heaps stay the parent's: the child must neither use them (their rings and
-//! pages are not the child's) nor destroy them (the kernel objects are shared with the parent,
-//! which keeps using them). So each object remembers the fork *generation* it was made in: a
+//! and registered buffers, which it sees as fresh zero pages: `MADV_WIPEONFORK`) and the
+//! parent's verbs descriptors. The parent's queue pairs, memory regions and heaps stay the
+//! parent's: the child must neither use them (their rings and pages are not the child's) nor
+//! destroy them (the kernel objects are shared with the parent, which keeps using them). So each object remembers the fork *generation* it was made in: a
 //! child's handler bumps the generation, after which the parent's objects refuse every use with
 //! [`Error::Forked`] and release nothing when dropped, while objects made in the child work.
 //!
 //! The crate's process-wide locks are [`ForkLock`]s, which a child finds unlocked even if
-//! another parent thread held one at the fork (that thread does not exist in the child). jemalloc's own
-//! locks are jemalloc's (its fork handlers); a heap's own locks are only taken by the parent's
-//! objects, which the child no longer uses.
+//! another parent thread held one at the fork (that thread does not exist in the child).
+//! jemalloc's own locks are jemalloc's (its fork handlers); a heap's own locks are only taken by
+//! the parent's objects, which the child no longer uses.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

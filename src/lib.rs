@@ -138,10 +138,9 @@
 //! fails with [`Error::Forked`], dropping one releases nothing (the kernel objects are shared
 //! with the parent, which keeps using them), and the data of scoped heaps and registered buffers
 //! is not copied to the child (`MADV_WIPEONFORK`: the child sees zero pages there, the parent's
-//! pinned pages stay as they are). mralloc's process-wide locks are free in
-//! the child whichever parent thread held them, and the global allocator keeps allocating there
-//! (new chunks unregistered). The child may open a device and build heaps and connections of
-//! its own.
+//! pinned pages stay as they are). mralloc's process-wide locks are free in the child whichever
+//! parent thread held them, and the global allocator keeps allocating there (new chunks
+//! unregistered). The child may open a device and build heaps and connections of its own.
 //!
 //! ## Getting an RDMA device
 //!

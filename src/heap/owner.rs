@@ -291,11 +291,7 @@ impl Owner {
                 self.counters.registered[slot].fetch_add(size as u64, Ordering::Relaxed);
             }
         }
-        self.counters.chunks.fetch_add(1, Ordering::Relaxed);
-        self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
-        if meta {
-            self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
-        }
+        self.count_new_chunk(size, meta);
         drop(bound);
         if self.trace_chunks {
             // Emitted by this thread once jemalloc returns (see events.rs).
@@ -312,6 +308,15 @@ impl Owner {
         Ok(base)
     }
 
+    /// Counts a chunk just published.
+    fn count_new_chunk(&self, size: usize, meta: bool) {
+        self.counters.chunks.fetch_add(1, Ordering::Relaxed);
+        self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
+        if meta {
+            self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
+        }
+    }
+
     /// A chunk in a fork()ed child for an owner the parent made (the global allocator: the
     /// child keeps allocating): mapped and published, registered with nothing (the parent's PDs
     /// are not the child's) and without taking `bound` (a parent thread may have held it).
@@ -322,11 +327,7 @@ impl Owner {
             chunk::deregister_and_unmap(&[], base, size);
             return Err(HookError::TableFull);
         }
-        self.counters.chunks.fetch_add(1, Ordering::Relaxed);
-        self.counters.mapped.fetch_add(size as u64, Ordering::Relaxed);
-        if meta {
-            self.counters.meta.fetch_add(size as u64, Ordering::Relaxed);
-        }
+        self.count_new_chunk(size, meta);
         Ok(base)
     }
 

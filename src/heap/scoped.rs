@@ -266,7 +266,7 @@ impl Drop for Heap {
     fn drop(&mut self) {
         if !self.born.here() {
             // A fork()ed child's copy of a parent's heap: the parent's to tear down (its data
-            // chunks are not even mapped here).
+            // chunks are only zero pages here).
             return;
         }
         // SAFETY: this handle is live and is given up here, once.
@@ -589,7 +589,7 @@ pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
     // SAFETY: the allocation being freed keeps the record alive up to the counter store.
     let (id, born) = unsafe { (shared.as_ref().id, shared.as_ref().born) };
     if !born.here() {
-        return; // a parent's allocation in a fork()ed child: its data is not mapped here
+        return; // a parent's allocation in a fork()ed child: the parent's to free
     }
     // SAFETY: forwarded contract; `id` is the record's.
     unsafe { free_in(id, shared, ptr, layout) }

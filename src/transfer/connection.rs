@@ -300,7 +300,7 @@ impl Connection {
     /// [`Error::Verbs`] if polling a CQ fails; the connection is failed then.
     /// [`Error::Forked`] in a fork()ed child of the process that made the connection.
     pub fn progress(&self) -> Result<usize> {
-        self.qp.born().check("this connection")?;
+        self.usable()?;
         self.core.progress().inspect_err(|e| self.fail(Failure::local(e)))
     }
 
@@ -318,7 +318,7 @@ impl Connection {
     /// [`Error::Forked`] in a fork()ed child of the process that made the connection (nothing
     /// is closed: the connection is the parent's).
     pub fn close(&self) -> Result<()> {
-        self.qp.born().check("this connection")?;
+        self.usable()?;
         self.fail(Failure::Closed);
         // Idempotent; the QP may already be in the error state (any failed completion puts it
         // there), and a failure recorded first did this already.
@@ -340,9 +340,15 @@ impl Connection {
         }
     }
 
+    /// [`Error::Forked`] in a fork()ed child of the process that made the connection: checked
+    /// before any lock (a parent thread may have held one at the fork).
+    #[inline(always)]
+    fn usable(&self) -> Result<()> {
+        self.qp.born().check("this connection")
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
-        // Before any lock: in a fork()ed child, a parent thread may have held one at the fork.
-        self.qp.born().check("this connection")?;
+        self.usable()?;
         match self.core.failed.get() {
             Some(f) => Err(f.error()),
             None => Ok(()),
@@ -535,7 +541,7 @@ impl Connection {
     /// except with [`Error::FlushLost`], when the flush never came: then the caller must leak
     /// the memory (owned) or abort (borrowed).
     pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
-        self.qp.born().check("this connection")?;
+        self.usable()?;
         let Ticket { wr_id, send } = ticket;
         // Send-queue requests are answered by the peer's NIC; receives wait for its application.
         let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };

@@ -230,12 +230,8 @@ impl SharedReceiver {
         let inner = &self.inner;
         // Before the lock: in a fork()ed child a parent thread may hold it.
         inner.cq.usable()?;
+        // Another receiver in `recv` does not make a deadline wait longer (try_recv: not at all).
         let _one = match deadline {
-            // try_recv does not wait for another receiver either.
-            Some(d) if d <= Instant::now() => match inner.polling.try_lock() {
-                Some(g) => g,
-                None => return Ok(None),
-            },
             Some(d) => match inner.polling.try_lock_until(d) {
                 Some(g) => g,
                 None => return Ok(None),
@@ -243,6 +239,7 @@ impl SharedReceiver {
             None => inner.polling.lock(),
         };
         let mut wc = [WorkCompletion::empty()];
+        let mut armed = false;
         loop {
             if inner.cq.poll(&mut wc)? == 1 {
                 if let Some(m) = self.take(&wc[0]) {
@@ -250,13 +247,11 @@ impl SharedReceiver {
                 }
                 continue;
             }
-            // Arm, then look once more: a completion that arrived before the arm raises no
-            // event.
-            inner.cq.arm()?;
-            if inner.cq.poll(&mut wc)? == 1 {
-                if let Some(m) = self.take(&wc[0]) {
-                    return Ok(Some(m));
-                }
+            if !armed {
+                // Arm, then look once more: a completion that arrived before the arm raises
+                // no event.
+                inner.cq.arm()?;
+                armed = true;
                 continue;
             }
             let wait = match deadline {
@@ -270,6 +265,7 @@ impl SharedReceiver {
                 }
             };
             inner.channel.wait(wait)?;
+            armed = false; // an event disarms the CQ (after a timeout, arming again is harmless)
         }
     }
 

@@ -324,7 +324,7 @@ impl Cq {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
     pub fn arm(&self) -> Result<()> {
-        self.inner.born.check("this completion queue")?;
+        self.usable()?;
         // SAFETY: the CQ is live.
         let rc = unsafe { ffi::ibv_req_notify_cq(self.inner.cq, 0) };
         if rc != 0 {
@@ -344,6 +344,7 @@ impl Cq {
     }
 
     /// [`Error::Forked`] in a fork()ed child of the process that made the CQ.
+    #[inline(always)]
     pub(crate) fn usable(&self) -> Result<()> {
         self.inner.born.check("this completion queue")
     }
@@ -354,7 +355,7 @@ impl Cq {
     /// [`Error::Verbs`] if `ibv_poll_cq` returns a negative value (its errno is taken to be that
     /// value negated). Failed completions are not errors: check each entry's status.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.inner.born.check("this completion queue")?;
+        self.usable()?;
         let n = out.len().min(i32::MAX as usize) as i32;
         // SAFETY: the CQ is live; WorkCompletion is repr(transparent) over ibv_wc, so `out` is
         // `n` writable ibv_wc slots.

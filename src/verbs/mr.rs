@@ -112,10 +112,10 @@ impl Mr {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot register an empty memory range".into()));
         }
+        pd.context().usable()?;
         let started = Instant::now();
         // SAFETY: pd is live; the caller guarantees the range is valid memory (function
         // contract). ibv_reg_mr validates the range and access bits and returns NULL on error.
-        pd.context().usable()?;
         let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), addr.cast(), len, access.bits() as i32) };
         if mr.is_null() {
             return Err(Error::verbs("ibv_reg_mr", 0));

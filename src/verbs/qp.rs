@@ -563,8 +563,7 @@ impl Qp {
     ///
     /// # Errors
     /// - [`Error::InvalidArgument`] if the QP takes its receives from a shared receive queue,
-    ///   or `sges` has more entries than the QP's `max_recv_sge`
-    ///   (nothing is posted).
+    ///   or `sges` has more entries than the QP's `max_recv_sge` (nothing is posted).
     /// - [`Error::Verbs`] if `ibv_post_recv` fails (e.g. `ENOMEM`: the receive queue is full).
     pub unsafe fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
         self.usable()?;
