@@ -101,6 +101,13 @@ pub enum Error {
     /// child may make its own.
     #[error("{0} belongs to the parent of this fork()ed process; make a new one in the child")]
     Forked(&'static str),
+    /// The RDMA device was removed (`rdma link delete`, a driver unbound, a NIC unplugged):
+    /// nothing new can be made on it. See [`crate::verbs::Context::is_removed`].
+    #[error("the RDMA device {device} was removed")]
+    DeviceRemoved {
+        /// The device's name.
+        device: String,
+    },
     /// `ibv_post_send` accepted only the first `posted` requests of a chain (`bad_wr` pointed at
     /// the next one). The accepted ones were flushed before this error was returned.
     #[error("{verb} accepted {posted} of {total} requests, then failed: {text} (errno {errno})")]

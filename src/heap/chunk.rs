@@ -69,12 +69,18 @@ impl ChunkRec {
     }
 
     /// The registration of `slot` if it belongs to `pd` (no dereference of the `ibv_mr`).
-    /// Registrations are published once, after their keys and PD, and only withdrawn when the
-    /// chunk is released, so the fields read after `mrs` belong to it.
+    /// Registrations are published after their keys and PD, and withdrawn when the chunk is
+    /// released or its slot's device removed (`Owner::unbind_removed`, which leaves the
+    /// `ibv_mr` alive until its PD is dropped: a request naming it is never left dangling).
     #[inline]
     pub(crate) fn mr_in(&self, slot: usize, pd: *mut ffi::ibv_pd) -> Option<*mut ffi::ibv_mr> {
         let mr = self.mrs[slot].load(Ordering::Acquire);
-        (!mr.is_null() && self.pds[slot].load(Ordering::Relaxed) == pd).then_some(mr)
+        if mr.is_null() || self.pds[slot].load(Ordering::Acquire) != pd {
+            return None;
+        }
+        // Still the registration the PD was read for: a device removal may have withdrawn `mr`
+        // and the slot been bound to `pd` since (then `mr` may be freed already).
+        (self.mrs[slot].load(Ordering::Acquire) == mr).then_some(mr)
     }
 
     /// Whether the chunk is (or may still be) registered with any PD.

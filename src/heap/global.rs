@@ -219,14 +219,15 @@ impl Global {
     /// # Errors
     /// [`crate::Error::InvalidArgument`] if this `Global` is not the process allocator (or
     /// another one owns jemalloc's arenas); [`crate::Error::Registration`] if registering an
-    /// existing chunk fails.
+    /// existing chunk fails; [`crate::Error::DeviceRemoved`] if `pd`'s device was removed
+    /// (a binding whose device is removed later is dropped, as for [`crate::heap::Heap::bind`]).
     pub fn bind(&'static self, pd: &Pd) -> Result<()> {
         if !self.ensure_init() {
             return Err(crate::Error::InvalidArgument(
                 "mralloc::heap::Global is not the process allocator (or another Global is)".into(),
             ));
         }
-        self.owner.bind(pd)?;
+        self.owner.bind_static(pd)?;
         // Registered memory is never purged (the hooks refuse): stop jemalloc's decay from
         // trying. Until the first bind, decay runs and unregistered pages are purged normally.
         self.set_decay(-1);

@@ -7,7 +7,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use tikv_jemalloc_sys::extent_hooks_t;
 
 use crate::error::{memlock_text, Error, Result};
@@ -15,7 +15,8 @@ use crate::fork::Born;
 use crate::heap::chunk::{self, MAX_PDS};
 use crate::heap::hooks;
 use crate::heap::numa;
-use crate::verbs::{Access, Pd};
+use crate::verbs::removal::{self, Subscription};
+use crate::verbs::{Access, Context, Pd};
 
 /// Why the last extent-hook call on this thread failed. Read by the allocating call after
 /// jemalloc returned NULL, to turn it into a typed error.
@@ -99,6 +100,13 @@ pub(crate) struct Owner {
     /// A fork()ed child registers nothing for (and never binds) an owner its parent made.
     pub(crate) born: Born,
     pub(crate) bound: Mutex<Bound>,
+    /// Per PD slot, the device-removal watch of that PD's device. Only touched under
+    /// `binding` and never under `bound` (dropping one takes the monitor's lock, which may
+    /// allocate).
+    watches: Mutex<[Option<Subscription>; MAX_PDS]>,
+    /// Held for a whole bind or removal unbind (slot and watch stay paired). Never taken by
+    /// the hooks; taken before `bound`.
+    binding: Mutex<()>,
     pub(crate) access: Access,
     /// NUMA node to bind new chunks to; u32::MAX = none.
     pub(crate) numa_node: AtomicU32,
@@ -176,6 +184,8 @@ impl Owner {
             id: NEXT_OWNER_ID.fetch_add(1, Ordering::Relaxed),
             born: Born::now(),
             bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
+            watches: Mutex::new([const { None }; MAX_PDS]),
+            binding: Mutex::new(()),
             access,
             numa_node: AtomicU32::new(numa_node.unwrap_or(u32::MAX)),
             hugepages,
@@ -194,6 +204,8 @@ impl Owner {
             id: u64::MAX,
             born: Born::FIRST,
             bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
+            watches: Mutex::new([const { None }; MAX_PDS]),
+            binding: Mutex::new(()),
             access,
             numa_node: AtomicU32::new(u32::MAX),
             hugepages: true,
@@ -331,14 +343,37 @@ impl Owner {
         Ok(base)
     }
 
+    /// [`Owner::bind`] for a scoped heap: the removal watch holds the owner weakly.
+    pub(crate) fn bind_shared(self: &Arc<Self>, pd: &Pd) -> Result<usize> {
+        let owner = Arc::downgrade(self);
+        self.bind(
+            pd,
+            Arc::new(move |ctx: &Context| {
+                if let Some(owner) = owner.upgrade() {
+                    owner.unbind_removed(ctx);
+                }
+            }),
+        )
+    }
+
+    /// [`Owner::bind`] for the global allocator.
+    #[cfg(feature = "global")]
+    pub(crate) fn bind_static(&'static self, pd: &Pd) -> Result<usize> {
+        self.bind(pd, Arc::new(move |ctx: &Context| self.unbind_removed(ctx)))
+    }
+
     /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
+    /// When `pd`'s device is removed, `on_removed` (which calls [`Owner::unbind_removed`]) runs
+    /// on the device monitor's thread.
     ///
     /// Nothing here allocates while `bound` is held: the alloc hook takes the same lock, and
     /// for the global allocator every allocation may need a new chunk (a `Vec` push under the
     /// lock deadlocked, alone or with a thread holding jemalloc's grow mutex). Registrations are
     /// published into the chunk records as they are made and rolled back from there.
-    pub(crate) fn bind(&self, pd: &Pd) -> Result<usize> {
+    fn bind(&self, pd: &Pd, on_removed: removal::Callback) -> Result<usize> {
         self.born.check("this heap")?;
+        pd.context().usable_for_new()?;
+        let _binding = self.binding.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let started = Instant::now();
         let mut bound = self.lock_bound();
         if let Some(slot) = bound.pds.iter().position(|p| p.as_ref() == Some(pd)) {
@@ -395,6 +430,11 @@ impl Owner {
         let chunks = chunk::owned_by(self.id).count();
         let bytes = self.counters.registered[slot].load(Ordering::Relaxed);
         drop(bound);
+        // Subscribed after the bind: a removal in between is reported at once (`subscribe`).
+        match removal::subscribe(pd.context(), on_removed) {
+            Ok(sub) => self.lock_watches()[slot] = Some(sub),
+            Err(e) => tracing::warn!("the heap will not notice its device's removal: {e}"),
+        }
         // After the lock: a subscriber may allocate (see `bind`'s docs).
         tracing::info!(
             target: "mralloc::heap",
@@ -466,6 +506,73 @@ impl Owner {
     /// The slot `pd` is bound in.
     pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
         self.lock_bound().pds.iter().position(|p| p.as_ref() == Some(pd))
+    }
+
+    fn lock_watches(&self) -> std::sync::MutexGuard<'_, [Option<Subscription>; MAX_PDS]> {
+        self.watches.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `ctx`'s device was removed: withdraws every chunk's registration with each PD of that
+    /// device and unbinds the PD. The registrations go to their PD ([`Pd::retire`]), which
+    /// deregisters them when it is dropped: a queue pair of that PD may still be about to
+    /// name one. The kernel finishes removing a device like rxe once every registration, PD
+    /// and context on it is gone — the heap's own are gone from it now.
+    ///
+    /// (Buffers exposed with `Buffer::remote` hold a registration of their own in the PD
+    /// until revoked or dropped.) The heap keeps its memory and works as an unbound heap; it
+    /// can be bound to a PD of another (or the re-added) device. The chunks stay registered with the removed device
+    /// until that PD is gone, so they are never purged nor unmapped from here on (marked
+    /// leaked; the heap's drop leaves them mapped).
+    pub(crate) fn unbind_removed(&self, ctx: &Context) {
+        if !self.born.here() {
+            return;
+        }
+        let _binding = self.binding.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Room for every registration, reserved before locking (nothing allocates under
+        // `bound`); chunks are published under `bound`, so the count cannot grow once held.
+        let mut withdrawn: Vec<(usize, *mut rdma_sys::ibv_mr)> = Vec::new();
+        let mut bound = loop {
+            withdrawn.reserve(chunk::owned_by(self.id).count() * MAX_PDS);
+            let bound = self.lock_bound();
+            if chunk::owned_by(self.id).count() * MAX_PDS <= withdrawn.capacity() {
+                break bound;
+            }
+        };
+        let mut unbound: [Option<Pd>; MAX_PDS] = [const { None }; MAX_PDS];
+        for (slot, out) in unbound.iter_mut().enumerate() {
+            if !bound.pds[slot].as_ref().is_some_and(|pd| pd.context() == ctx) {
+                continue;
+            }
+            for (_, rec) in chunk::owned_by(self.id) {
+                let mr = rec.mrs[slot].swap(std::ptr::null_mut(), Ordering::AcqRel);
+                if !mr.is_null() {
+                    rec.leaked.store(true, Ordering::Relaxed);
+                    self.counters.registered[slot].fetch_sub(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
+                    withdrawn.push((slot, mr));
+                }
+            }
+            *out = bound.pds[slot].take();
+        }
+        drop(bound);
+        for (slot, pd) in unbound.iter().enumerate() {
+            if let Some(pd) = pd {
+                pd.retire(withdrawn.iter().filter(|(s, _)| *s == slot).map(|&(_, mr)| mr));
+            }
+        }
+        let mut watches = self.lock_watches();
+        let dropped: Vec<Option<Subscription>> =
+            (0..MAX_PDS).filter(|&s| unbound[s].is_some()).map(|s| watches[s].take()).collect();
+        drop(watches);
+        drop(dropped);
+        if unbound.iter().any(Option::is_some) {
+            tracing::warn!(
+                target: "mralloc::heap",
+                heap = self.id,
+                device = ctx.name(),
+                registrations = withdrawn.len(),
+                "the device was removed: the heap withdrew its registrations and is unbound from it"
+            );
+        }
     }
 
     /// Deregisters and unmaps every chunk (the arena must be gone, so the list is final; it is

@@ -123,6 +123,12 @@ impl HeapBuilder {
     }
 
     /// Creates the arena, binds the PDs and applies the settings.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (a `max_chunk` under 2 MiB, more than
+    /// [`crate::heap::MAX_PDS`] PDs), an invalid NUMA node, and what [`Heap::bind`] and the
+    /// first chunk's creation fail with ([`Error::Registration`], [`Error::Io`],
+    /// [`Error::DeviceRemoved`], ...).
     pub fn build(self) -> Result<Heap> {
         if self.max_chunk < SLOT {
             return Err(Error::InvalidArgument(format!("max_chunk must be at least {SLOT} bytes")));
@@ -155,7 +161,7 @@ impl HeapBuilder {
         };
         let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
         for pd in &self.pds {
-            owner.bind(pd)?;
+            owner.bind_shared(pd)?;
         }
         let arena = jemalloc::create_arena(owner.hooks_ptr());
         crate::heap::events::emit_pending();
@@ -318,11 +324,18 @@ impl Heap {
 
     /// Registers every chunk the heap has, and every later one, with `pd` (late bind).
     ///
+    /// If `pd`'s device is removed later (`rdma link delete`, a driver unbound, a NIC reset),
+    /// the heap drops that binding by itself, within a second of the removal: its buffers
+    /// then have no keys for that PD (operations on them fail with
+    /// [`Error::NotRegistered`]), the memory stays usable, and the heap can be bound again —
+    /// to a PD of the device once it is back, or of another one.
+    ///
     /// # Errors
     /// [`Error::Registration`] if registering an existing chunk fails (nothing is bound then),
-    /// [`Error::InvalidArgument`] if the heap is bound to [`crate::heap::MAX_PDS`] PDs already.
+    /// [`Error::InvalidArgument`] if the heap is bound to [`crate::heap::MAX_PDS`] PDs already,
+    /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(&self, pd: &Pd) -> Result<()> {
-        self.shared().owner.bind(pd).map(|_| ())
+        self.shared().owner.bind_shared(pd).map(|_| ())
     }
 
     /// The jemalloc arena index.

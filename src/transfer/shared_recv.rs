@@ -73,6 +73,8 @@ struct Inner {
     polling: Mutex<()>,
     /// Failed receive completions (a connection that failed while a message was arriving).
     failed: AtomicU64,
+    /// Keeps the device watched, for waits to end when it is removed.
+    _removal: crate::verbs::removal::Subscription,
 }
 
 impl Drop for Inner {
@@ -124,7 +126,9 @@ impl SharedReceiver {
     /// - [`Error::Verbs`] if creating the queue, its CQ or completion channel, registering the
     ///   memory or posting a receive fails (e.g. `slots` above the device's `max_srq_wr`).
     /// - [`Error::Io`] if mapping the memory fails.
+    /// - [`Error::Io`] if the device monitor thread cannot be started.
     /// - [`Error::Forked`] in a fork()ed child of the process that opened `pd`'s device.
+    /// - [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn new(pd: &Pd, slots: u32, slot_size: usize) -> Result<SharedReceiver> {
         if slots == 0 || slot_size == 0 || slot_size > 1 << 30 {
             return Err(Error::InvalidArgument(format!(
@@ -138,6 +142,7 @@ impl SharedReceiver {
         let channel = CompChannel::new(pd.context())?;
         let cq = Cq::with_channel(pd.context(), srq.max_wr() + 1, &channel)?;
         let memory = RegisteredBuf::new(pd, bytes, Access::LOCAL_WRITE)?;
+        let removal = crate::verbs::removal::watch(pd.context())?;
         let inner = Inner {
             srq: ManuallyDrop::new(srq),
             memory: ManuallyDrop::new(memory),
@@ -148,6 +153,7 @@ impl SharedReceiver {
             posted: AtomicU32::new(0),
             polling: Mutex::new(()),
             failed: AtomicU64::new(0),
+            _removal: removal,
         };
         for slot in 0..slots {
             inner.post(slot)?;
@@ -158,8 +164,11 @@ impl SharedReceiver {
     /// The next message from any connection using the queue; waits as long as it takes.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if polling the CQ or waiting on its completion channel fails;
-    /// [`Error::Forked`] in a fork()ed child of the process that made the receiver.
+    /// - [`Error::Verbs`] if polling the CQ or waiting on its completion channel fails.
+    /// - [`Error::Forked`] in a fork()ed child of the process that made the receiver.
+    /// - [`Error::DeviceRemoved`] once the device was found removed and no message is left
+    ///   (within a second of that; drop the receiver and its connections so that the kernel
+    ///   can finish the removal).
     pub fn recv(&self) -> Result<SharedMessage> {
         self.next(None).map(|m| m.expect("no deadline"))
     }
@@ -253,6 +262,11 @@ impl SharedReceiver {
                 inner.cq.arm()?;
                 armed = true;
                 continue;
+            }
+            // Nothing will arrive any more (a removal does not flush a shared queue).
+            let ctx = &inner.cq.inner.ctx;
+            if ctx.is_removed() {
+                return Err(Error::DeviceRemoved { device: ctx.name().to_string() });
             }
             let wait = match deadline {
                 None => Duration::from_secs(1),

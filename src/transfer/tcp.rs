@@ -99,12 +99,14 @@ impl Listener {
     /// # Errors
     /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the listener's
     /// acceptor thread cannot start.
+    /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Listener> {
         Listener::bind_offering(addr, pd, &opts, false)
     }
 
     /// As [`Listener::bind`]; with `control`, handshakes offer a control channel.
     pub(crate) fn bind_offering(addr: impl ToSocketAddrs, pd: &Pd, opts: &Options, control: bool) -> Result<Listener> {
+        pd.context().usable_for_new()?;
         let tcp = TcpListener::bind(addr).map_err(io("binding the TCP listener".into()))?;
         let addr = tcp.local_addr().map_err(io("reading the listener's address".into()))?;
         let (accepting, acceptor) = Accepting::start(tcp, pd, opts, control)?;

@@ -25,6 +25,7 @@ use crate::error::{Disconnect, Error, Result};
 use crate::fork::ForkLock;
 use crate::transfer::cm::raw_event;
 use crate::transfer::completion::{Core, Failure};
+use crate::verbs::removal::{self, Subscription};
 use crate::verbs::{set_qp_error, Context, Qp};
 
 /// What the watcher needs to fail one connection: its completion state and its QP, the latter
@@ -168,7 +169,8 @@ impl Drop for Registration {
 /// `ctx`, and `source` if there is one.
 ///
 /// # Errors
-/// [`Error::Io`] if the watcher thread or its wake-up descriptor cannot be created.
+/// [`Error::Io`] if the watcher thread, the device monitor thread (see
+/// [`crate::verbs::removal`]) or their wake-up descriptors cannot be created.
 pub(crate) fn watch(ctx: &Context, links: Vec<Arc<Link>>, source: Option<Source>) -> Result<Registration> {
     let w = watcher()?;
     let token = {
@@ -176,7 +178,10 @@ pub(crate) fn watch(ctx: &Context, links: Vec<Arc<Link>>, source: Option<Source>
         st.next += 1;
         let token = st.next;
         let key = ctx.as_raw() as usize;
-        let dev = st.devices.entry(key).or_insert_with(|| Device::new(ctx, token));
+        let dev = match st.devices.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(Device::new(ctx, token, w)?),
+        };
         dev.refs += 1;
         st.entries.insert(token, Entry { links, source, device: key });
         token
@@ -199,10 +204,14 @@ struct Device {
     refs: usize,
     /// Tells this device from an earlier one at the same address (a stale poll result).
     id: u64,
+    /// Fails the device's connections when it is found removed.
+    _removal: Subscription,
 }
 
 impl Device {
-    fn new(ctx: &Context, id: u64) -> Device {
+    fn new(ctx: &Context, id: u64, w: &'static Watcher) -> Result<Device> {
+        let key = ctx.as_raw() as usize;
+        let removal = removal::subscribe(ctx, Arc::new(move |_: &Context| w.device_removed(key, id)))?;
         // SAFETY: a live context.
         let fd = unsafe { (*ctx.as_raw()).async_fd };
         // Non-blocking, so that a read finding nothing (another reader took the event) returns.
@@ -217,7 +226,7 @@ impl Device {
                 "could not make the async event descriptor non-blocking; not watching it"
             );
         }
-        Device { ctx: ctx.clone(), fd: if ok { fd } else { -1 }, refs: 0, id }
+        Ok(Device { ctx: ctx.clone(), fd: if ok { fd } else { -1 }, refs: 0, id, _removal: removal })
     }
 }
 
@@ -274,7 +283,11 @@ impl State {
                 2 => qp_event("IBV_EVENT_QP_REQ_ERR"),
                 3 => qp_event("IBV_EVENT_QP_ACCESS_ERR"),
                 7 => qp_event("IBV_EVENT_PATH_MIG_ERR"),
-                8 => Some((Disconnect::DeviceFatal, Target::All)),
+                8 => {
+                    // Also what a provider that can cut processes off reports on removal.
+                    removal::declare(&dev.ctx);
+                    Some((Disconnect::DeviceFatal, Target::All))
+                }
                 10 => {
                     // The union's port_num is the low 32 bits.
                     let port = elem as u32 as u8;
@@ -303,6 +316,11 @@ impl State {
         let Some((why, keep)) = e.source.as_ref().map(Source::check) else { return };
         if !keep {
             e.source = None;
+        }
+        if why == Some(Disconnect::DeviceRemoved) {
+            if let Some(dev) = self.devices.get(&e.device) {
+                removal::declare(&dev.ctx);
+            }
         }
         for link in why.iter().flat_map(|&why| e.links.iter().map(move |l| (l, why))) {
             link.0.fail(link.1);
@@ -372,6 +390,18 @@ impl Watcher {
         let one = 1u64;
         // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
         unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
+    }
+
+    /// The device (if still the one registered under `key`) was removed: fails every connection
+    /// on it.
+    fn device_removed(&self, key: usize, id: u64) {
+        let st = self.state.lock();
+        if st.devices.get(&key).is_none_or(|d| d.id != id) {
+            return;
+        }
+        for link in st.entries.values().filter(|e| e.device == key).flat_map(|e| &e.links) {
+            link.fail(Disconnect::DeviceRemoved);
+        }
     }
 
     fn remove(&self, token: u64) {

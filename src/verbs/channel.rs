@@ -46,9 +46,10 @@ impl CompChannel {
     /// Creates a channel on `ctx`.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if `ibv_create_comp_channel` fails.
+    /// - [`Error::Verbs`] if `ibv_create_comp_channel` fails.
+    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(ctx: &Context) -> Result<CompChannel> {
-        ctx.usable()?;
+        ctx.usable_for_new()?;
         // SAFETY: ctx is live.
         let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
         if ch.is_null() {

@@ -1,5 +1,6 @@
 //! An opened RDMA device: ports, MTU, GID table.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
@@ -70,6 +71,8 @@ pub(crate) struct ContextInner {
     pub(crate) name: String,
     /// A fork()ed child neither uses nor destroys its parent's verbs objects (see `crate::fork`).
     pub(crate) born: Born,
+    /// The device was found removed (see `crate::verbs::removal`).
+    pub(crate) removed: AtomicBool,
 }
 
 // SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
@@ -105,9 +108,38 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// The same opened device (not: the same device name).
+impl PartialEq for Context {
+    fn eq(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+impl Eq for Context {}
+
 impl Context {
     pub(crate) fn from_raw(ctx: *mut ffi::ibv_context, name: String) -> Context {
-        Context { inner: Arc::new(ContextInner { ctx, name, born: Born::now() }) }
+        Context { inner: Arc::new(ContextInner { ctx, name, born: Born::now(), removed: AtomicBool::new(false) }) }
+    }
+
+    /// Whether the device was found removed (`rdma link delete`, a driver unbound, a NIC
+    /// unplugged). mralloc notices within a second (usually at once) for devices it has
+    /// connections or bound heaps on: their connections fail with
+    /// [`crate::Disconnect::DeviceRemoved`], heaps drop their registrations with it, and new
+    /// objects on it fail with [`Error::DeviceRemoved`]. The kernel finishes removing a device
+    /// such as rxe only once every object made on it (connections, listeners, PDs, contexts) is
+    /// dropped.
+    pub fn is_removed(&self) -> bool {
+        self.inner.removed.load(Ordering::Acquire)
+    }
+
+    /// As [`Context::usable`], and [`Error::DeviceRemoved`] once the device was found removed:
+    /// for making new objects.
+    pub(crate) fn usable_for_new(&self) -> Result<()> {
+        self.usable()?;
+        if self.is_removed() {
+            return Err(Error::DeviceRemoved { device: self.inner.name.clone() });
+        }
+        Ok(())
     }
 
     /// `Ok` unless this is a fork()ed child of the process that opened the device:

@@ -283,6 +283,7 @@ impl Cq {
     /// # Errors
     /// - [`Error::InvalidArgument`] if `depth` is 0 or above `i32::MAX`.
     /// - [`Error::Verbs`] if `ibv_create_cq` fails (e.g. `EINVAL` above the device's CQ size).
+    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`]).
     pub fn new(ctx: &Context, depth: u32) -> Result<Cq> {
         Cq::create(ctx, depth, None)
     }
@@ -296,7 +297,7 @@ impl Cq {
     }
 
     fn create(ctx: &Context, depth: u32, channel: Option<CompChannel>) -> Result<Cq> {
-        ctx.usable()?;
+        ctx.usable_for_new()?;
         if depth == 0 || depth > i32::MAX as u32 {
             return Err(Error::InvalidArgument(format!("CQ depth {depth} out of range")));
         }

@@ -20,6 +20,7 @@ mod mr;
 mod mw;
 mod pd;
 mod qp;
+pub(crate) mod removal;
 mod srq;
 mod wr;
 

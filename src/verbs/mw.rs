@@ -22,9 +22,10 @@ impl Mw {
     /// Allocates a type 2 window in `pd`.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if `ibv_alloc_mw` fails (`EOPNOTSUPP` when the provider has no windows).
+    /// - [`Error::Verbs`] if `ibv_alloc_mw` fails (`EOPNOTSUPP` when the provider has no windows).
+    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(pd: &Pd) -> Result<Mw> {
-        pd.context().usable()?;
+        pd.context().usable_for_new()?;
         // SAFETY: pd is live; returns None (errno EOPNOTSUPP) when the provider lacks windows.
         match unsafe { ffi::ibv_alloc_mw(pd.as_raw(), ffi::ibv_mw_type::IBV_MW_TYPE_2) } {
             Some(mw) if !mw.is_null() => Ok(Mw { mw, _pd: pd.clone() }),

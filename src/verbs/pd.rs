@@ -10,6 +10,10 @@ use crate::verbs::Context;
 pub(crate) struct PdInner {
     pub(crate) pd: *mut ffi::ibv_pd,
     pub(crate) ctx: Context,
+    /// Registrations a heap withdrew when the device was removed (`ibv_mr` addresses), kept
+    /// until the PD goes: a queue pair of this PD may still name one (a memory-window bind
+    /// reads the `ibv_mr` when it is posted), and every queue pair holds the PD.
+    retired: parking_lot::Mutex<Vec<usize>>,
 }
 
 // SAFETY: an ibv_pd may be used from any thread; it is freed only in Drop, when no MR, QP or
@@ -22,6 +26,15 @@ impl Drop for PdInner {
     fn drop(&mut self) {
         if !self.ctx.owned_here() {
             return; // the parent's (a fork()ed child's copy)
+        }
+        for &mr in self.retired.get_mut().iter() {
+            // SAFETY: a registration in this PD, handed over by its heap, deregistered once;
+            // nothing names it any more (every queue pair of this PD is gone).
+            let rc = unsafe { ffi::ibv_dereg_mr(mr as *mut ffi::ibv_mr) };
+            if rc != 0 {
+                // Its chunk was marked leaked when withdrawn: never unmapped.
+                tracing::warn!(device = %self.ctx.name(), rc, "ibv_dereg_mr of a withdrawn heap registration failed");
+            }
         }
         // SAFETY: pd came from ibv_alloc_pd; every MR and QP holds an Arc to this value, so none
         // is alive any more. The context outlives this call (we hold a clone).
@@ -58,15 +71,16 @@ impl Pd {
     /// Allocates a protection domain on `ctx`.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if `ibv_alloc_pd` fails.
+    /// - [`Error::Verbs`] if `ibv_alloc_pd` fails.
+    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(ctx: &Context) -> Result<Pd> {
-        ctx.usable()?;
+        ctx.usable_for_new()?;
         // SAFETY: ctx is a live context.
         let pd = unsafe { ffi::ibv_alloc_pd(ctx.as_raw()) };
         if pd.is_null() {
             return Err(Error::verbs("ibv_alloc_pd", 0));
         }
-        Ok(Pd { inner: Arc::new(PdInner { pd, ctx: ctx.clone() }) })
+        Ok(Pd { inner: Arc::new(PdInner { pd, ctx: ctx.clone(), retired: parking_lot::Mutex::new(Vec::new()) }) })
     }
 
     /// The device this PD belongs to.
@@ -77,6 +91,12 @@ impl Pd {
     /// A process-unique identity for this PD (stable while it lives).
     pub fn id(&self) -> usize {
         self.inner.pd as usize
+    }
+
+    /// Keeps registrations of this PD a heap withdrew (see `PdInner::retired`) until the PD is
+    /// dropped, then deregisters them.
+    pub(crate) fn retire(&self, mrs: impl IntoIterator<Item = *mut ffi::ibv_mr>) {
+        self.inner.retired.lock().extend(mrs.into_iter().map(|m| m as usize));
     }
 
     /// The raw `ibv_pd`, valid while this `Pd` lives.

@@ -10,10 +10,11 @@
 mod private;
 mod raw;
 
+use std::ffi::CStr;
 use std::net::ToSocketAddrs;
 #[cfg(feature = "tokio")]
 use std::os::fd::RawFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
@@ -188,6 +189,8 @@ pub struct CmListener {
     channel: Channel,
     pd: Pd,
     opts: Options,
+    /// The listening id's device was removed (it got `DEVICE_REMOVAL`): every accept fails.
+    removed: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the listener's id and channel move with it; reading its channel is safe from any
@@ -205,10 +208,16 @@ impl CmListener {
     /// - [`Error::Io`] if `addr` cannot be resolved.
     /// - [`Error::Verbs`] if creating the CM event channel or id, binding (e.g. the address is in
     ///   use) or listening fails.
+    /// - [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<CmListener> {
         check_no_secret(&opts)?;
+        pd.context().usable_for_new()?;
         let at = resolve(addr)?;
         let channel = Channel::new()?;
+        // Several threads may wait in accept: each polls, then reads without blocking (a
+        // blocking read by a thread that lost the race would wait for the next event, which
+        // a removed device never sends).
+        channel.set_nonblocking()?;
         let id = Id::new(&channel)?;
         let mut sa = sockaddr(at);
         // SAFETY: live id; valid sockaddr.
@@ -222,7 +231,7 @@ impl CmListener {
         if unsafe { ffi::rdma_listen(id.0, backlog) } != 0 {
             return Err(Error::verbs("rdma_listen", 0));
         }
-        Ok(CmListener { id, channel, pd: pd.clone(), opts })
+        Ok(CmListener { id, channel, pd: pd.clone(), opts, removed: std::sync::atomic::AtomicBool::new(false) })
     }
 
     /// Accepts the next connection.
@@ -241,7 +250,10 @@ impl CmListener {
     /// - [`Error::Timeout`] if the peer does not confirm the connection within
     ///   [`Options::connect_timeout`].
     /// - [`Error::Protocol`] for a malformed request, a peer that rejected or dropped the
-    ///   connection meanwhile, or the listener's device removed.
+    ///   connection meanwhile.
+    /// - [`Error::DeviceRemoved`] once the listener's device was removed: the listener is done
+    ///   (drop it, so that the kernel can finish the removal; bind a new one on another or the
+    ///   recreated device).
     /// - [`Error::Verbs`] if an RDMA CM or verbs call fails (as [`Connection::pair`] for
     ///   creating the queue pair); [`Error::Io`] if the CM's event channel cannot be read.
     ///
@@ -260,13 +272,41 @@ impl CmListener {
         accept_request(req, &self.pd, &self.opts, blob, false)
     }
 
-    /// Waits for the next connect request.
+    /// Waits for the next connect request. Only one waiting call gets the listening id's
+    /// `DEVICE_REMOVAL`: the others look at the device once a second.
     fn next_request(&self) -> Result<CmRequest> {
         loop {
-            let e = raw::next_event(&self.channel, None)?;
+            self.check_device()?;
+            let e = match raw::next_event(&self.channel, Some(Duration::from_secs(1))) {
+                Err(Error::Timeout(..)) => continue,
+                e => e?,
+            };
             if let Some(req) = self.take_request(e)? {
                 return Ok(req);
             }
+        }
+    }
+
+    /// [`Error::DeviceRemoved`] once the PD's device was found removed, or the listening
+    /// id's device (a wildcard listener may listen through another one).
+    fn check_device(&self) -> Result<()> {
+        let ctx = self.pd.context();
+        if ctx.is_removed() || self.removed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::DeviceRemoved { device: self.device_name() });
+        }
+        Ok(())
+    }
+
+    /// The listening id's device (librdmacm's context of it), else the PD's.
+    fn device_name(&self) -> String {
+        // SAFETY: a live id; `verbs` (librdmacm's context of the bound device) and its device
+        // stay valid while the id lives.
+        unsafe {
+            let v = (*self.id.0).verbs;
+            if v.is_null() {
+                return self.pd.context().name().to_string();
+            }
+            CStr::from_ptr((*(*v).device).name.as_ptr()).to_string_lossy().into_owned()
         }
     }
 
@@ -274,6 +314,7 @@ impl CmListener {
     #[cfg(feature = "tokio")]
     pub(crate) fn try_request(&self) -> Result<Option<CmRequest>> {
         self.id.1.check("this RDMA CM listener")?;
+        self.check_device()?;
         while let Some(e) = try_event(&self.channel)? {
             if let Some(req) = self.take_request(e)? {
                 return Ok(Some(req));
@@ -296,7 +337,13 @@ impl CmListener {
                 Ok(Some(CmRequest { child, own, private: e.private, qp_num: e.qp_num }))
             }
             T::RDMA_CM_EVENT_DEVICE_REMOVAL if e.id == self.id.0 => {
-                Err(Error::Protocol("RDMA CM: the listener's device was removed; bind a new listener".into()))
+                self.removed.store(true, std::sync::atomic::Ordering::Release);
+                let device = self.device_name();
+                let ctx = self.pd.context();
+                if device == ctx.name() {
+                    crate::verbs::removal::declare(ctx);
+                }
+                Err(Error::DeviceRemoved { device })
             }
             kind => {
                 tracing::debug!("RDMA CM listener: passing over {} (status {})", raw::event_name(kind), e.status);

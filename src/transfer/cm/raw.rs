@@ -17,6 +17,9 @@ pub(crate) struct Channel(pub(crate) *mut ffi::rdma_event_channel);
 
 impl Channel {
     pub(crate) fn new() -> Result<Channel> {
+        // RDMA CM is in use: librdmacm must hear about removed devices (see
+        // `forget_removed_devices`).
+        crate::verbs::removal::set_after_removal(forget_removed_devices);
         // SAFETY: no preconditions.
         let ch = unsafe { ffi::rdma_create_event_channel() };
         if ch.is_null() {
@@ -87,10 +90,38 @@ impl Drop for Id {
         if !self.1.here() {
             return; // the parent's (a fork()ed child's copy)
         }
+        // The id may be the last one on a removed device: then librdmacm is told after
+        // destroying it (checked before: `verbs` goes with the id).
+        let removal = crate::verbs::removal::removals() > 0
+            // SAFETY: a live id; `verbs` is NULL or librdmacm's context of its device.
+            && crate::verbs::removal::raw_context_gone(unsafe { (*self.0).verbs });
         // SAFETY: a live id whose events have all been acknowledged.
         unsafe {
             ffi::rdma_disconnect(self.0);
             ffi::rdma_destroy_id(self.0);
+        }
+        if removal {
+            forget_removed_devices();
+        }
+    }
+}
+
+/// Has librdmacm compare its device list with the system's. librdmacm opens a verbs context
+/// of its own for each device a CM id uses and closes it only when it finds the device gone
+/// from the list while no id uses it, or when the last id of a device it found gone is
+/// destroyed: without this, its context would hold a removed device (whose removal waits for
+/// every context to close, see `crate::verbs::removal`) until the process exits.
+///
+/// librdmacm opens every device present while it does this (as any `rdma_get_devices` caller
+/// has it do), and gives up when no device is left: the last device's removal then waits for
+/// the process to exit (rxe, siw; a device whose driver can cut processes off, such as mlx5,
+/// is removed regardless).
+pub(crate) fn forget_removed_devices() {
+    // SAFETY: librdmacm's own list, handed straight back (NULL: nothing to free).
+    unsafe {
+        let list = ffi::rdma_get_devices(std::ptr::null_mut());
+        if !list.is_null() {
+            ffi::rdma_free_devices(list);
         }
     }
 }
