@@ -263,6 +263,15 @@ fn device_a_forked_child_gets_typed_errors_and_leaves_the_parent_working() {
     let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
     let mut msg = heap.alloc(4096).unwrap();
     msg.copy_from_slice(&pattern(7, 4096));
+    // Traffic first, so that the parent's counters are not all zero.
+    let mut first = heap.alloc(4096).unwrap();
+    std::thread::scope(|s| {
+        let r = s.spawn(|| b.recv(&mut first).unwrap().len);
+        a.send(&msg).unwrap();
+        assert_eq!(r.join().unwrap(), 4096);
+    });
+    assert!(a.stats() != mralloc::transfer::ConnectionStats::default() && msg.keys_for(&pd).is_some());
+    drop(first);
     // SAFETY: the test threads run one at a time (scripts/test); the child runs the checks in
     // its only thread and _exits without unwinding into libtest.
     let pid = unsafe { libc::fork() };
@@ -317,6 +326,18 @@ fn forked_child(
     }
     if !forked(heap.alloc(64).map(drop)) || !forked(Pd::new(ctx).map(drop)) {
         return 3;
+    }
+    // Reads of the parent's state take none of its locks (a parent thread may have held one
+    // at the fork): the connection's counters read zero, the parent's registrations give no
+    // keys, the heap's counters still answer.
+    if a.stats() != mralloc::transfer::ConnectionStats::default() {
+        return 6;
+    }
+    if msg.keys_for(pd).is_some() || heap.keys_for(msg.as_ptr(), pd).is_some() {
+        return 7;
+    }
+    if heap.stats().chunks == 0 {
+        return 8;
     }
     // Dropping copies of the parent's objects destroys nothing of the parent's.
     // SAFETY: owned copies, each dropped once here; the originals are never dropped in the

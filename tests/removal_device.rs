@@ -287,8 +287,10 @@ fn device_removal_fails_waiters_unbinds_the_heap_and_the_device_comes_back() {
             std::thread::spawn(move || cl.accept().map(|_| ()))
         })
         .collect();
+    // A context opened before the removal that nothing watches until after it.
+    let late = Context::open(&dev).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let ctx = remove_and_readd(&dev, &netdev, (c, d, cl, pd, ctx), |removed, (_, d, _, _, _)| {
+    let ctx = remove_and_readd(&dev, &netdev, (c, d, cl, pd, ctx, late), |removed, (_, d, _, _, _, late)| {
         let (r, t) = join_within(cm_waiter, removed, NOTICE, "the receive on the CM connection");
         println!("CM connection's waiting receive: {r:?} after {t:?}");
         assert!(r.as_ref().is_err_and(removed_device), "{r:?}");
@@ -300,6 +302,17 @@ fn device_removal_fails_waiters_unbinds_the_heap_and_the_device_comes_back() {
         let e = d.send(&keep[0]).unwrap_err();
         assert!(removed_device(&e), "{e:?}");
         heap_unbound_from_removed(&heap, &other_pd, &keep, removed);
+        // First watched now (a heap bound to it): found removed all the same, and the heap
+        // lets go of it.
+        assert!(!late.is_removed());
+        let late_pd = Pd::new(late).unwrap();
+        let late_heap = Heap::new(&late_pd).unwrap();
+        let watched = Instant::now();
+        while !late.is_removed() || late_heap.stats().registered_bytes[0] != 0 {
+            assert!(watched.elapsed() < NOTICE, "a context first watched after the removal was not found removed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        println!("a context first watched after the removal: found removed in {:?}", watched.elapsed());
     });
     let pd = rebind_and_carry(&heap, &ctx, &mut keep, 8);
     println!("{dev} back again: the heap re-bound once more");

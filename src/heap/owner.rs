@@ -276,7 +276,9 @@ impl Owner {
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         let mut registered_in = std::time::Duration::ZERO;
         for (slot, pd) in bound.pds.iter().enumerate() {
-            let Some(pd) = pd.as_ref() else { continue };
+            // A removed device's PD is about to be unbound (`unbind_removed`): registering with
+            // it may fail (a disassociated context) and would fail the allocation.
+            let Some(pd) = pd.as_ref().filter(|pd| !pd.context().is_removed()) else { continue };
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
                 Ok(mr) => {
@@ -556,7 +558,9 @@ impl Owner {
         drop(bound);
         for (slot, pd) in unbound.iter().enumerate() {
             if let Some(pd) = pd {
-                pd.retire(withdrawn.iter().filter(|(s, _)| *s == slot).map(|&(_, mr)| mr));
+                // SAFETY: registrations in `pd` just withdrawn from the chunk records (under
+                // `bound`), which no longer name them: only the PD deregisters them now.
+                unsafe { pd.retire(withdrawn.iter().filter(|(s, _)| *s == slot).map(|&(_, mr)| mr)) };
             }
         }
         let mut watches = self.lock_watches();

@@ -490,8 +490,18 @@ impl Heap {
     }
 
     /// What the heap holds and what registration cost so far.
+    ///
+    /// In a fork()ed child (the heap is the parent's) the live and thread-cache figures read
+    /// zero if a parent thread held the caches' lock at the fork.
     pub fn stats(&self) -> HeapStats {
         let s = self.shared();
+        if !s.born.here() {
+            let (live, cached) = s.tcaches.try_live_and_cached().unwrap_or((0, 0));
+            let live = live + s.owner.counters.orphan_live.load(Ordering::Acquire);
+            let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
+            stats.thread_cached_bytes = cached;
+            return stats;
+        }
         let live = s.live();
         jemalloc::refresh_stats();
         let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
@@ -545,6 +555,9 @@ pub(crate) fn keys_in(s: &Shared, ptr: *const u8) -> Option<Keys> {
 
 /// Keys of `ptr` for `pd` if the heap behind `s` handed it out and is bound to `pd`.
 pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
+    if !s.born.here() {
+        return None; // the parent's registrations (and `bound` may have been held at the fork)
+    }
     let (_, rec) = chunk::find(ptr as usize)?;
     if rec.owner.load(Ordering::Relaxed) != s.id {
         return None;

@@ -84,16 +84,28 @@ impl Registry {
 
     /// Live bytes over every thread that used the heap.
     pub(crate) fn live(&self) -> i64 {
-        let slots = self.slots.lock();
-        // SAFETY (both): an alive slot's front is freed only under this lock.
-        let fronts: i64 = slots.iter().filter(|s| s.alive).map(|s| unsafe { s.front.as_ref() }.live()).sum();
-        fronts + self.retired.load(Ordering::Acquire)
+        Self::live_in(&self.slots.lock()) + self.retired.load(Ordering::Acquire)
     }
 
     /// Bytes kept in the front caches of every thread.
     pub(crate) fn cached(&self) -> u64 {
-        let slots = self.slots.lock();
-        // SAFETY: as in `live`.
+        Self::cached_in(&self.slots.lock())
+    }
+
+    /// `(live, cached)` if the lock is free now, without waiting (a fork()ed child: a parent
+    /// thread may have held it at the fork).
+    pub(crate) fn try_live_and_cached(&self) -> Option<(i64, u64)> {
+        let slots = self.slots.try_lock()?;
+        Some((Self::live_in(&slots) + self.retired.load(Ordering::Acquire), Self::cached_in(&slots)))
+    }
+
+    fn live_in(slots: &[Slot]) -> i64 {
+        // SAFETY: an alive slot's front is freed only under the lock the caller holds.
+        slots.iter().filter(|s| s.alive).map(|s| unsafe { s.front.as_ref() }.live()).sum()
+    }
+
+    fn cached_in(slots: &[Slot]) -> u64 {
+        // SAFETY: as in `live_in`.
         slots.iter().filter(|s| s.alive).map(|s| unsafe { s.front.as_ref() }.cached() as u64).sum()
     }
 

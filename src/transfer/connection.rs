@@ -287,7 +287,13 @@ impl Connection {
     /// assert_eq!((s.send_requests, s.send_bytes, s.errors), (1, buf.len() as u64, 0));
     /// # Ok(()) }
     /// ```
+    ///
+    /// In a fork()ed child the connection is the parent's: all zero (the counters' locks may
+    /// have been held by a parent thread at the fork).
     pub fn stats(&self) -> ConnectionStats {
+        if self.usable().is_err() {
+            return ConnectionStats::default();
+        }
         self.core.stats()
     }
 

@@ -65,14 +65,24 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// the invalidation, and returns the buffer.
     ///
     /// # Errors
-    /// Always without the buffer (`buf` is `None`): if the invalidation cannot be posted (the
+    /// Without the buffer (`buf` is `None`) but in a fork()ed child: if the invalidation cannot be posted (the
     /// connection's earlier failure, [`Error::Timeout`] for send-queue room, [`Error::Verbs`])
     /// or fails ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]), the
     /// connection is failed (its queue pair serves no remote access any more) and keeps the
     /// buffer until the queue pair is destroyed. With [`Error::FlushLost`] it is leaked.
+    ///
+    /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
+    /// copy of the buffer.
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let mw = self.mw.take().expect("a live grant holds its window");
         let buf = self.buf.take().expect("a live grant holds its buffer");
+        if !self.conn.qp().born().here() {
+            // A fork()ed child's copy: the window is the parent's (nothing to invalidate here,
+            // and the connection's locks may have been held at the fork); the child's copy of
+            // the bytes is its own. Dropping the window in a child destroys nothing.
+            drop(mw);
+            return Err(Rejected { error: Error::Forked("this grant"), buf: Some(buf) });
+        }
         let r = self.post_invalidate().and_then(|id| self.conn.wait(id).map(|_| ()));
         match r {
             Ok(()) => {

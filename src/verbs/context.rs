@@ -73,6 +73,8 @@ pub(crate) struct ContextInner {
     pub(crate) born: Born,
     /// The device was found removed (see `crate::verbs::removal`).
     pub(crate) removed: AtomicBool,
+    /// How to tell later that the device went, taken when it was opened.
+    pub(crate) node: crate::verbs::removal::Node,
 }
 
 // SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
@@ -118,7 +120,11 @@ impl Eq for Context {}
 
 impl Context {
     pub(crate) fn from_raw(ctx: *mut ffi::ibv_context, name: String) -> Context {
-        Context { inner: Arc::new(ContextInner { ctx, name, born: Born::now(), removed: AtomicBool::new(false) }) }
+        // SAFETY: a context ibv_open_device just returned.
+        let node = unsafe { crate::verbs::removal::Node::of_raw(ctx) };
+        Context {
+            inner: Arc::new(ContextInner { ctx, name, born: Born::now(), removed: AtomicBool::new(false), node }),
+        }
     }
 
     /// Whether the device was found removed (`rdma link delete`, a driver unbound, a NIC

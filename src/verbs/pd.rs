@@ -95,7 +95,10 @@ impl Pd {
 
     /// Keeps registrations of this PD a heap withdrew (see `PdInner::retired`) until the PD is
     /// dropped, then deregisters them.
-    pub(crate) fn retire(&self, mrs: impl IntoIterator<Item = *mut ffi::ibv_mr>) {
+    ///
+    /// # Safety
+    /// Each `mrs` entry is a live registration in this PD that nothing else deregisters.
+    pub(crate) unsafe fn retire(&self, mrs: impl IntoIterator<Item = *mut ffi::ibv_mr>) {
         self.inner.retired.lock().extend(mrs.into_iter().map(|m| m as usize));
     }
 

@@ -78,13 +78,14 @@ impl Drop for Subscription {
 /// [`Error::Io`] if the monitor thread cannot be started.
 pub(crate) fn subscribe(ctx: &Context, f: Callback) -> Result<Subscription> {
     let monitor = monitor()?;
-    let node = Node::of(ctx);
-    let gone = node.gone(ctx);
+    // Against what was there when the device was opened: also finds a removal before anything
+    // watched the context.
+    let gone = ctx.inner.node.gone(ctx);
     let token = {
         let mut st = monitor.state.lock();
         st.next += 1;
         let token = st.next;
-        st.subs.insert(token, Sub { ctx: Arc::downgrade(&ctx.inner), node, f });
+        st.subs.insert(token, Sub { ctx: Arc::downgrade(&ctx.inner), f });
         token
     };
     if gone {
@@ -124,13 +125,17 @@ fn mark(inner: &ContextInner) -> bool {
         return false;
     }
     REMOVALS.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(device = %inner.name, "the RDMA device was removed");
+    // A panicking tracing subscriber must not cost the subscribers their call.
+    let _ = std::panic::catch_unwind(|| tracing::warn!(device = %inner.name, "the RDMA device was removed"));
     true
 }
 
 /// Whether the device of a context librdmacm opened (not one mralloc watches) is gone now:
 /// its sysfs entry is missing or its device node was unlinked.
-pub(crate) fn raw_context_gone(ctx: *mut rdma_sys::ibv_context) -> bool {
+///
+/// # Safety
+/// `ctx` is NULL or a live context.
+pub(crate) unsafe fn raw_context_gone(ctx: *mut rdma_sys::ibv_context) -> bool {
     if ctx.is_null() {
         return false;
     }
@@ -145,14 +150,13 @@ pub(crate) fn raw_context_gone(ctx: *mut rdma_sys::ibv_context) -> bool {
 
 struct Sub {
     ctx: Weak<ContextInner>,
-    node: Node,
     f: Callback,
 }
 
-/// How to tell later whether a context's device still exists. Only what was there when the
-/// context was first watched counts: a device opened through a node of its own (rdma-core can
-/// make one) or without a visible sysfs entry is not taken for removed.
-struct Node {
+/// How to tell later whether a context's device still exists, taken when it is opened. Only
+/// what was there then counts: a device opened through a node of its own (rdma-core can make
+/// one) or without a visible sysfs entry is not taken for removed.
+pub(crate) struct Node {
     /// `/sys/class/infiniband_verbs/uverbsN`.
     sysfs: std::path::PathBuf,
     /// That entry's inode when watching began (a re-added device gets a new one); `None` if it
@@ -164,15 +168,18 @@ struct Node {
 }
 
 impl Node {
-    fn of(ctx: &Context) -> Node {
+    /// # Safety
+    /// `ctx` is a live context.
+    pub(crate) unsafe fn of_raw(ctx: *mut rdma_sys::ibv_context) -> Node {
         use std::os::unix::fs::MetadataExt;
-        // SAFETY: a live context; dev_name is a NUL-terminated array in its device.
-        let name = unsafe {
-            std::ffi::CStr::from_ptr((*(*ctx.as_raw()).device).dev_name.as_ptr()).to_string_lossy().into_owned()
+        // SAFETY: a live context (the caller's promise); dev_name is a NUL-terminated array in
+        // its device.
+        let (name, fd) = unsafe {
+            (std::ffi::CStr::from_ptr((*(*ctx).device).dev_name.as_ptr()).to_string_lossy().into_owned(), (*ctx).cmd_fd)
         };
         let sysfs = std::path::Path::new("/sys/class/infiniband_verbs").join(name);
         let sysfs_ino = std::fs::symlink_metadata(&sysfs).ok().map(|m| m.ino());
-        Node { sysfs, sysfs_ino, linked: fstat(cmd_fd(ctx)).is_some_and(|st| st.st_nlink > 0) }
+        Node { sysfs, sysfs_ino, linked: fstat(fd).is_some_and(|st| st.st_nlink > 0) }
     }
 
     /// Whether the device is gone: its sysfs entry is missing or another one, or its node was
@@ -297,13 +304,16 @@ impl Monitor {
 
     fn run(&self, uevents: Option<RawFd>) {
         let mut buf = vec![0u8; 16 << 10];
+        // The periodic check runs on time however many wake-ups (other uevents) come between.
+        let period = Duration::from_millis(if uevents.is_some() { 5000 } else { 1000 });
+        let mut last_check = std::time::Instant::now();
         loop {
             let mut fds = [
                 libc::pollfd { fd: self.wake, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: uevents.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
             ];
             // With the socket, a slow check too: a container may get no uevents at all.
-            let timeout = if uevents.is_some() { 5000 } else { 1000 };
+            let timeout = period.saturating_sub(last_check.elapsed()).as_millis().max(1) as i32;
             // SAFETY: a valid array of two pollfds (a negative fd is ignored).
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
             if rc < 0 {
@@ -312,7 +322,7 @@ impl Monitor {
                 }
                 continue;
             }
-            let mut check = rc == 0;
+            let mut check = last_check.elapsed() >= period;
             // A uverbs device went (watched or not): librdmacm is told too (after-removal hook).
             let mut uverbs_went = false;
             if fds[0].revents != 0 {
@@ -333,6 +343,9 @@ impl Monitor {
                 }
                 check |= uverbs_went;
             }
+            if check {
+                last_check = std::time::Instant::now();
+            }
             let declared: Vec<_> = std::mem::take(&mut *self.pending.lock());
             // A panicking subscriber (or tracing subscriber) must not end the monitoring.
             let found = if check { guarded(|| self.find_removed()).unwrap_or_default() } else { Vec::new() };
@@ -345,21 +358,22 @@ impl Monitor {
     /// The watched contexts whose device is gone, marked removed here (and logged after the
     /// lock).
     fn find_removed(&self) -> Vec<Weak<ContextInner>> {
-        let mut gone: Vec<Arc<ContextInner>> = Vec::new();
+        let mut watched: Vec<Arc<ContextInner>> = Vec::new();
         {
             let st = self.state.lock();
             for sub in st.subs.values() {
                 let Some(inner) = sub.ctx.upgrade() else { continue };
-                if inner.removed.load(Ordering::Acquire) || gone.iter().any(|g| Arc::ptr_eq(g, &inner)) {
-                    continue;
-                }
-                if sub.node.gone(&Context { inner: inner.clone() }) {
-                    gone.push(inner);
+                if !inner.removed.load(Ordering::Acquire) && !watched.iter().any(|g| Arc::ptr_eq(g, &inner)) {
+                    watched.push(inner);
                 }
             }
         }
-        // Dropped outside the lock: the last clone of a context closes it.
-        gone.into_iter().filter(|inner| mark(inner)).map(|inner| Arc::downgrade(&inner)).collect()
+        // Checked and dropped outside the lock (the last clone of a context closes it).
+        watched
+            .into_iter()
+            .filter(|inner| inner.node.gone(&Context { inner: inner.clone() }) && mark(inner))
+            .map(|inner| Arc::downgrade(&inner))
+            .collect()
     }
 
     /// Calls the subscribers of each removed context (outside the lock: they take their own),

@@ -110,7 +110,8 @@ impl AsyncCmListener {
     /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
     /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
     /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request, a peer
-    /// that rejected or dropped the connection meanwhile, or the listener's device removed;
+    /// that rejected or dropped the connection meanwhile; [`Error::DeviceRemoved`] once the
+    /// listener's device was removed (noticed within about a second);
     /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the event channel
     /// cannot be read, the setup task on the blocking pool panics or is cancelled, or the
     /// connection cannot be registered with the runtime's reactor. Otherwise as
@@ -118,12 +119,24 @@ impl AsyncCmListener {
     /// error (one peer's), accept the next connection.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
         check_accept_blob(&blob, true)?;
+        // A look at the device once a second (a wildcard listener gets no DEVICE_REMOVAL of
+        // its own), where the runtime has timers.
+        let timers = std::panic::catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).is_ok();
         let req = loop {
-            let mut ready = self
-                .fd
-                .readable()
-                .await
-                .map_err(|source| Error::Io { what: "waiting for an RDMA CM connect request".into(), source })?;
+            let readable = self.fd.readable();
+            let ready = if timers {
+                tokio::time::timeout(std::time::Duration::from_secs(1), readable).await.ok()
+            } else {
+                Some(readable.await)
+            };
+            let Some(ready) = ready else {
+                if let Some(req) = self.fd.get_ref().0.try_request()? {
+                    break req;
+                }
+                continue;
+            };
+            let mut ready =
+                ready.map_err(|source| Error::Io { what: "waiting for an RDMA CM connect request".into(), source })?;
             match ready.get_inner().0.try_request()? {
                 Some(req) => break req,
                 None => ready.clear_ready(),

@@ -93,8 +93,8 @@ impl Drop for Id {
         // The id may be the last one on a removed device: then librdmacm is told after
         // destroying it (checked before: `verbs` goes with the id).
         let removal = crate::verbs::removal::removals() > 0
-            // SAFETY: a live id; `verbs` is NULL or librdmacm's context of its device.
-            && crate::verbs::removal::raw_context_gone(unsafe { (*self.0).verbs });
+            // SAFETY: a live id; `verbs` is NULL or librdmacm's live context of its device.
+            && unsafe { crate::verbs::removal::raw_context_gone((*self.0).verbs) };
         // SAFETY: a live id whose events have all been acknowledged.
         unsafe {
             ffi::rdma_disconnect(self.0);
