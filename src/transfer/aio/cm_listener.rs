@@ -121,7 +121,7 @@ impl AsyncCmListener {
         check_accept_blob(&blob, true)?;
         // A look at the device once a second (a wildcard listener gets no DEVICE_REMOVAL of
         // its own), where the runtime has timers.
-        let timers = std::panic::catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).is_ok();
+        let timers = super::reactor::has_timers();
         let req = loop {
             let readable = self.fd.readable();
             let ready = if timers {

@@ -82,7 +82,7 @@ pub(crate) fn new(ctl: AsyncConnection) -> (Arc<ControlShared>, Parts) {
     let (handed_tx, handed_rx) = unbounded_channel();
     let frames = Words::new(ctl.pd(), FRAME);
     // A runtime without timers gets no keepalive (tokio panics on a timer there).
-    let timers = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO))).is_ok();
+    let timers = super::reactor::has_timers();
     if !timers {
         tracing::warn!("no tokio timers (enable_time): the control channel sends no keepalives");
     }

@@ -31,3 +31,9 @@ pub(crate) unsafe fn register_readable<T: AsRawFd>(handle: &Handle, inner: T, wh
         Err(_) => Err(no_io("the runtime has no I/O driver".into())),
     }
 }
+
+/// Whether the current tokio runtime has timers (`enable_time`): tokio panics on a timer
+/// without them.
+pub(crate) fn has_timers() -> bool {
+    std::panic::catch_unwind(|| drop(tokio::time::sleep(std::time::Duration::ZERO))).is_ok()
+}
