@@ -522,9 +522,9 @@ impl Owner {
     ///
     /// (Buffers exposed with `Buffer::remote` hold a registration of their own in the PD
     /// until revoked or dropped.) The heap keeps its memory and works as an unbound heap; it
-    /// can be bound to a PD of another (or the re-added) device. The chunks stay registered with the removed device
-    /// until that PD is gone, so they are never purged nor unmapped from here on (marked
-    /// leaked; the heap's drop leaves them mapped).
+    /// can be bound to a PD of another (or the re-added) device. The chunks stay registered
+    /// with the removed device until that PD is gone, so they are never purged nor unmapped
+    /// from here on (marked leaked; the heap's drop leaves them mapped).
     pub(crate) fn unbind_removed(&self, ctx: &Context) {
         if !self.born.here() {
             return;

@@ -325,7 +325,8 @@ impl Heap {
     /// Registers every chunk the heap has, and every later one, with `pd` (late bind).
     ///
     /// If `pd`'s device is removed later (`rdma link delete`, a driver unbound, a NIC reset),
-    /// the heap drops that binding by itself, within a second of the removal: its buffers
+    /// the heap drops that binding by itself (at once on the kernel's device event, at the
+    /// latest within 5 s of the removal): its buffers
     /// then have no keys for that PD (operations on them fail with
     /// [`Error::NotRegistered`]), the memory stays usable, and the heap can be bound again —
     /// to a PD of the device once it is back, or of another one.
@@ -495,17 +496,12 @@ impl Heap {
     /// zero if a parent thread held the caches' lock at the fork.
     pub fn stats(&self) -> HeapStats {
         let s = self.shared();
-        if !s.born.here() {
-            let (live, cached) = s.tcaches.try_live_and_cached().unwrap_or((0, 0));
-            let live = live + s.owner.counters.orphan_live.load(Ordering::Acquire);
-            let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
-            stats.thread_cached_bytes = cached;
-            return stats;
-        }
-        let live = s.live();
+        let (fronts, cached) =
+            if s.born.here() { s.tcaches.live_and_cached() } else { s.tcaches.try_live_and_cached().unwrap_or((0, 0)) };
+        let live = fronts + s.owner.counters.orphan_live.load(Ordering::Acquire);
         jemalloc::refresh_stats();
         let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
-        stats.thread_cached_bytes = s.tcaches.cached();
+        stats.thread_cached_bytes = cached;
         stats
     }
 

@@ -87,16 +87,20 @@ impl Registry {
         Self::live_in(&self.slots.lock()) + self.retired.load(Ordering::Acquire)
     }
 
-    /// Bytes kept in the front caches of every thread.
-    pub(crate) fn cached(&self) -> u64 {
-        Self::cached_in(&self.slots.lock())
+    /// `(live, cached)`: live bytes as [`Registry::live`], and bytes kept in the front caches
+    /// of every thread.
+    pub(crate) fn live_and_cached(&self) -> (i64, u64) {
+        self.snapshot(&self.slots.lock())
     }
 
-    /// `(live, cached)` if the lock is free now, without waiting (a fork()ed child: a parent
-    /// thread may have held it at the fork).
+    /// As [`Registry::live_and_cached`] if the lock is free now, without waiting (a fork()ed
+    /// child: a parent thread may have held it at the fork).
     pub(crate) fn try_live_and_cached(&self) -> Option<(i64, u64)> {
-        let slots = self.slots.try_lock()?;
-        Some((Self::live_in(&slots) + self.retired.load(Ordering::Acquire), Self::cached_in(&slots)))
+        Some(self.snapshot(&self.slots.try_lock()?))
+    }
+
+    fn snapshot(&self, slots: &[Slot]) -> (i64, u64) {
+        (Self::live_in(slots) + self.retired.load(Ordering::Acquire), Self::cached_in(slots))
     }
 
     fn live_in(slots: &[Slot]) -> i64 {

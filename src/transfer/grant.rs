@@ -65,11 +65,12 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// the invalidation, and returns the buffer.
     ///
     /// # Errors
-    /// Without the buffer (`buf` is `None`) but in a fork()ed child: if the invalidation cannot be posted (the
-    /// connection's earlier failure, [`Error::Timeout`] for send-queue room, [`Error::Verbs`])
-    /// or fails ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]), the
-    /// connection is failed (its queue pair serves no remote access any more) and keeps the
-    /// buffer until the queue pair is destroyed. With [`Error::FlushLost`] it is leaked.
+    /// Without the buffer (`buf` is `None`) but in a fork()ed child: if the invalidation
+    /// cannot be posted (the connection's earlier failure, [`Error::Timeout`] for send-queue
+    /// room, [`Error::Verbs`]) or fails ([`Error::Operation`], [`Error::Timeout`],
+    /// [`Error::Verbs`], [`Error::Io`]), the connection is failed (its queue pair serves no
+    /// remote access any more) and keeps the buffer until the queue pair is destroyed. With
+    /// [`Error::FlushLost`] it is leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.

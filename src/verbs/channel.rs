@@ -47,7 +47,8 @@ impl CompChannel {
     ///
     /// # Errors
     /// - [`Error::Verbs`] if `ibv_create_comp_channel` fails.
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(ctx: &Context) -> Result<CompChannel> {
         ctx.usable_for_new()?;
         // SAFETY: ctx is live.

@@ -128,7 +128,8 @@ impl Context {
     }
 
     /// Whether the device was found removed (`rdma link delete`, a driver unbound, a NIC
-    /// unplugged). mralloc notices within a second (usually at once) for devices it has
+    /// unplugged). mralloc notices at once on the kernel's device event (at the latest within
+    /// 5 s) for devices it has
     /// connections or bound heaps on: their connections fail with
     /// [`crate::Disconnect::DeviceRemoved`], heaps drop their registrations with it, and new
     /// objects on it fail with [`Error::DeviceRemoved`]. The kernel finishes removing a device

@@ -108,7 +108,8 @@ impl Mr {
     /// - [`Error::InvalidArgument`] if `len` is 0.
     /// - [`Error::Verbs`] if `ibv_reg_mr` fails (its hint names the memlock limit for `ENOMEM`,
     ///   `EPERM` and `EAGAIN`).
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub unsafe fn register(pd: &Pd, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot register an empty memory range".into()));

@@ -23,7 +23,8 @@ impl Mw {
     ///
     /// # Errors
     /// - [`Error::Verbs`] if `ibv_alloc_mw` fails (`EOPNOTSUPP` when the provider has no windows).
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(pd: &Pd) -> Result<Mw> {
         pd.context().usable_for_new()?;
         // SAFETY: pd is live; returns None (errno EOPNOTSUPP) when the provider lacks windows.

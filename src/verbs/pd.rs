@@ -72,7 +72,8 @@ impl Pd {
     ///
     /// # Errors
     /// - [`Error::Verbs`] if `ibv_alloc_pd` fails.
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(ctx: &Context) -> Result<Pd> {
         ctx.usable_for_new()?;
         // SAFETY: ctx is a live context.

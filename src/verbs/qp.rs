@@ -150,7 +150,8 @@ impl QpBuilder {
     ///   index was given.
     /// - [`Error::Verbs`] if a query, `ibv_create_qp` (e.g. caps above the device limits) or the
     ///   `ibv_modify_qp` to INIT fails (the QP is destroyed then).
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn build(self) -> Result<Qp> {
         let ctx = self.pd.context().clone();
         ctx.usable_for_new()?;

@@ -139,13 +139,21 @@ pub(crate) unsafe fn raw_context_gone(ctx: *mut rdma_sys::ibv_context) -> bool {
     if ctx.is_null() {
         return false;
     }
-    // SAFETY: the caller's live context; dev_name is a NUL-terminated array in its device.
-    let (name, fd) = unsafe {
-        (std::ffi::CStr::from_ptr((*(*ctx).device).dev_name.as_ptr()).to_string_lossy().into_owned(), (*ctx).cmd_fd)
-    };
-    let sysfs = std::path::Path::new("/sys/class/infiniband_verbs").join(name);
+    // SAFETY: the caller's live context.
+    let (sysfs, fd) = unsafe { files_of(ctx) };
     matches!(std::fs::symlink_metadata(sysfs), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
         || fstat(fd).is_some_and(|st| st.st_nlink == 0)
+}
+
+/// A context's sysfs entry (`/sys/class/infiniband_verbs/uverbsN`) and command descriptor.
+///
+/// # Safety
+/// `ctx` is a live context.
+unsafe fn files_of(ctx: *mut rdma_sys::ibv_context) -> (std::path::PathBuf, RawFd) {
+    // SAFETY: a live context (the caller's promise); dev_name is a NUL-terminated array in its
+    // device.
+    let (name, fd) = unsafe { (std::ffi::CStr::from_ptr((*(*ctx).device).dev_name.as_ptr()), (*ctx).cmd_fd) };
+    (std::path::Path::new("/sys/class/infiniband_verbs").join(&*name.to_string_lossy()), fd)
 }
 
 struct Sub {
@@ -172,12 +180,8 @@ impl Node {
     /// `ctx` is a live context.
     pub(crate) unsafe fn of_raw(ctx: *mut rdma_sys::ibv_context) -> Node {
         use std::os::unix::fs::MetadataExt;
-        // SAFETY: a live context (the caller's promise); dev_name is a NUL-terminated array in
-        // its device.
-        let (name, fd) = unsafe {
-            (std::ffi::CStr::from_ptr((*(*ctx).device).dev_name.as_ptr()).to_string_lossy().into_owned(), (*ctx).cmd_fd)
-        };
-        let sysfs = std::path::Path::new("/sys/class/infiniband_verbs").join(name);
+        // SAFETY: a live context (the caller's promise).
+        let (sysfs, fd) = unsafe { files_of(ctx) };
         let sysfs_ino = std::fs::symlink_metadata(&sysfs).ok().map(|m| m.ino());
         Node { sysfs, sysfs_ino, linked: fstat(fd).is_some_and(|st| st.st_nlink > 0) }
     }

@@ -60,7 +60,8 @@ impl Srq {
     /// - [`Error::InvalidArgument`] if `max_wr` or `max_sge` is 0.
     /// - [`Error::Verbs`] if `ibv_create_srq` fails (e.g. above the device's `max_srq_wr`).
     /// - [`Error::Forked`] in a fork()ed child of the process that opened `pd`'s device.
-    /// - [`Error::DeviceRemoved`] once the device was found removed ([`Context::is_removed`](crate::verbs::Context::is_removed)).
+    /// - [`Error::DeviceRemoved`] once the device was found removed
+    ///   ([`Context::is_removed`](crate::verbs::Context::is_removed)).
     pub fn new(pd: &Pd, max_wr: u32, max_sge: u32) -> Result<Srq> {
         pd.context().usable_for_new()?;
         if max_wr == 0 || max_sge == 0 {
