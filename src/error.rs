@@ -346,7 +346,8 @@ impl From<Error> for std::io::Error {
 
 /// Why a connection was found dead ([`Error::Disconnected`]). mralloc watches every connection
 /// from one background thread: its setup TCP stream (a peer process that exits or drops the
-/// connection closes it), its RDMA CM events and the device's asynchronous events.
+/// connection closes it), its RDMA CM events, the device's asynchronous events and, if asked
+/// for, keepalive probes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Disconnect {
@@ -375,6 +376,14 @@ pub enum Disconnect {
     },
     /// The device reported a fatal error (`IBV_EVENT_DEVICE_FATAL`).
     DeviceFatal,
+    /// A keepalive probe ([`crate::transfer::Options::keepalive`]) failed with `status`:
+    /// `RETRY_EXC_ERR` when the peer's NIC did not answer within the transport's retries (its
+    /// host, its NIC or the path is gone), `REM_INV_REQ_ERR` when the peer refused the probe
+    /// (it did not enable keepalive).
+    KeepaliveFailed {
+        /// The probe's completion status.
+        status: crate::verbs::WcStatus,
+    },
 }
 
 impl std::fmt::Display for Disconnect {
@@ -389,6 +398,12 @@ impl std::fmt::Display for Disconnect {
             Disconnect::PortDown { port } => write!(f, "port {port} of the RDMA device went down"),
             Disconnect::QpError { event } => write!(f, "the device reported {event}"),
             Disconnect::DeviceFatal => write!(f, "the RDMA device reported a fatal error"),
+            Disconnect::KeepaliveFailed { status: crate::verbs::WcStatus::RemInvReqErr } => {
+                write!(f, "the peer refused a keepalive probe (it did not enable keepalive)")
+            }
+            Disconnect::KeepaliveFailed { status } => {
+                write!(f, "a keepalive probe failed ({status:?}): the peer's host, NIC or the path is gone")
+            }
         }
     }
 }

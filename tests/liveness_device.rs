@@ -200,14 +200,16 @@ fn device_port_down_fails_connections_through_the_async_event() {
         move || {
             let mut inbox = heap.alloc(64).unwrap();
             let r = a.recv(&mut inbox);
-            (r.map(|g| g.len), Instant::now())
+            // `a` goes back alive: dropping it would tell `b` its peer closed, which may come
+            // before the watcher reaches `b` with the port's event.
+            (r.map(|g| g.len), Instant::now(), a)
         }
     });
     std::thread::sleep(Duration::from_millis(500));
     let down = Instant::now();
     let guard = LinkUp(dev.clone());
     assert!(ip_link(&dev, "down"), "ip link set dev {dev} down");
-    let (r, at) = waiter.join().unwrap();
+    let (r, at, _a) = waiter.join().unwrap();
     drop(guard);
     let after = at.saturating_duration_since(down);
     println!("port down ({dev}): {r:?} after {after:?}");

@@ -1,8 +1,9 @@
 //! Exchanges across several hosts (Soft-RoCE VMs linked by `scripts/softroce --hosts N --links
 //! T`): every host exchanges data with each neighbour over its own link (its own rxe device),
 //! both directions, verified end to end. Run by scripts/test for star, ring and full mesh; each
-//! host's run is one test. Outside such a boot (no MRALLOC_LINKS) the test fails: it is excluded
-//! from the single-VM device run.
+//! host's run is one test. Also: keepalive probes finding a peer whose path went silent (two
+//! hosts). Outside such a boot (no MRALLOC_LINKS) the tests fail: they are excluded from the
+//! single-VM device run.
 
 mod common;
 
@@ -95,4 +96,83 @@ fn device_topology_exchange() {
             });
         }
     });
+}
+
+/// The network device an rxe device runs on (its GID 0's).
+fn netdev_of(device: &str) -> String {
+    let p = format!("/sys/class/infiniband/{device}/ports/1/gid_attrs/ndevs/0");
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}")).trim().to_string()
+}
+
+/// A peer whose path goes silent (host 1 takes its NIC down: nothing reaches host 0, no FIN, no
+/// RDMA CM message, no event on host 0's port) is found by keepalive probes alone: host 0's
+/// receive on the probed connection fails with `KeepaliveFailed { RetryExcErr }` within the
+/// documented bound, while a connection to the same peer without keepalive stays unaware. Run by
+/// scripts/test over two linked VMs.
+#[test]
+#[ignore = "needs linked RDMA hosts: run scripts/test"]
+fn device_keepalive_finds_a_black_holed_peer() {
+    use mralloc::transfer::ConnectionStats;
+    use mralloc::verbs::WcStatus;
+    use mralloc::{Disconnect, Error};
+    use std::time::Instant;
+
+    let me: usize = std::env::var("MRALLOC_HOST").expect("MRALLOC_HOST").parse().unwrap();
+    let l = links().into_iter().next().expect("a link");
+    let pd = Pd::new(&Context::open(&l.device).unwrap()).unwrap();
+    let heap = Heap::builder().bind(&pd).build().unwrap();
+    let every = Duration::from_millis(500);
+    // Receives bounded: were the probes broken, host 0 would fail with a timeout, not hang.
+    let probed = Options {
+        device: Some(l.device.clone()),
+        keepalive: Some(every),
+        recv_timeout: Some(Duration::from_secs(30)),
+        ..Options::default()
+    };
+    let plain = Options { device: Some(l.device.clone()), ..Options::default() };
+    // Documented: keepalive + min(keepalive / 4, 250 ms) + (retry_count + 1) × 4.096 µs ×
+    // 2^ack_timeout; the assertion allows the emulated VM a few seconds on top.
+    let bound = every + every / 4 + Duration::from_micros(7 * 4096 * 16384 / 1000);
+    let (k, q) = if me == 0 {
+        let lk = Listener::bind((l.local_ip.as_str(), 7700), &pd, probed).unwrap();
+        let lq = Listener::bind((l.local_ip.as_str(), 7701), &pd, plain).unwrap();
+        (lk.accept().unwrap(), lq.accept().unwrap())
+    } else {
+        let k = connect_retrying(|| Connection::connect((l.peer_ip.as_str(), 7700), &pd, probed.clone()));
+        let q = connect_retrying(|| Connection::connect((l.peer_ip.as_str(), 7701), &pd, plain.clone()));
+        (k, q)
+    };
+    // Idle for a while first: probes answered by a live peer fail nothing.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(k.error().is_none() && q.error().is_none(), "host {me}: a live, idle peer was taken for dead");
+    let mut word = heap.alloc(64).unwrap();
+    if me == 1 {
+        word.copy_from_slice(&pattern(77, 64));
+        k.send(&word).unwrap();
+        let dev = netdev_of(&l.device);
+        let ok = std::process::Command::new("ip").args(["link", "set", "dev", &dev, "down"]).status();
+        assert!(ok.is_ok_and(|s| s.success()), "ip link set dev {dev} down");
+        println!("host 1: {dev} down; host 0 hears nothing from here on");
+        // Stay a while (our own connections see the port go down); host 0 must not need us.
+        std::thread::sleep(Duration::from_secs(5));
+        return;
+    }
+    assert_eq!(k.recv(&mut word).unwrap().len, 64);
+    assert_bytes_eq(&word, &pattern(77, 64), "the last word before the cut");
+    let cut = Instant::now();
+    let r = k.recv(&mut word).map(|g| g.len);
+    let found = cut.elapsed();
+    println!(
+        "host 0: black-holed peer found by keepalive: {r:?} after {found:?} (documented bound {bound:?}); \
+         the connection without keepalive: {:?}",
+        q.error()
+    );
+    assert!(
+        matches!(r, Err(Error::Disconnected(Disconnect::KeepaliveFailed { status: WcStatus::RetryExcErr }))),
+        "{r:?}"
+    );
+    assert!(found < bound + Duration::from_secs(3), "found after {found:?}");
+    assert!(q.error().is_none(), "the connection without keepalive cannot know yet");
+    let s: ConnectionStats = k.stats();
+    assert_eq!(s.send_requests, 0, "probes are not counted as requests");
 }

@@ -13,6 +13,7 @@
 //!   and through [`Buffer`]s, which have no lifetime and keep the heap alive.
 
 mod allocator;
+mod binding;
 mod buffer;
 mod chunk;
 mod conf;

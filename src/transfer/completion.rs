@@ -13,6 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
+use crate::transfer::keepalive::PROBE_OP;
 use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
@@ -244,11 +245,37 @@ impl Core {
         if wc.is_ok() {
             Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
         } else {
-            let f = Failure::Op { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() };
-            self.fail(f);
-            // A flushed request reports the failure that caused the flush.
-            Err(if wc.status() == WcStatus::WrFlushErr { *self.failed.get().unwrap_or(&f) } else { f })
+            let f = if op == PROBE_OP && wc.status() != WcStatus::WrFlushErr {
+                // The probe itself failed: the peer is unreachable (or refuses probes).
+                Failure::Lost(Disconnect::KeepaliveFailed { status: wc.status() })
+            } else {
+                Failure::Op { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() }
+            };
+            if wc.status() != WcStatus::WrFlushErr {
+                self.fail(f);
+                return Err(f);
+            }
+            // A flushed request reports the failure that caused the flush. Not known yet (the
+            // error completion that caused it may wait in the other CQ): its waiter asks
+            // [`Core::cause`], which looks there.
+            Err(*self.failed.get().unwrap_or(&f))
         }
+    }
+
+    /// What a request's failure `f` is reported as: a flush reports what caused it — found by
+    /// reaping both CQs if no failure is recorded yet (an error completion on the other queue,
+    /// e.g. a keepalive probe's, precedes the flush it caused), else the flush itself, which
+    /// is then recorded. Call without a queue's lock held.
+    pub(crate) fn cause(&self, f: Failure) -> Failure {
+        if !matches!(f, Failure::Op { status: WcStatus::WrFlushErr, .. }) {
+            return f;
+        }
+        if self.failed.get().is_none() {
+            // A poll that fails leaves the flush as the best explanation there is.
+            let _ = self.progress();
+        }
+        self.fail(f);
+        *self.failed.get().unwrap_or(&f)
     }
 
     fn reap(&self, send: bool, q: &mut Queue) -> Result<usize> {
@@ -276,6 +303,8 @@ impl Core {
             q.used = q.used.saturating_sub(retired);
             let o = self.outcome(&q.wcs[i], op);
             match &o {
+                // A keepalive probe is no request of the application's.
+                Ok(_) if op == PROBE_OP => {}
                 Ok(c) => {
                     q.counts.completions += 1;
                     if !send {
@@ -394,6 +423,11 @@ impl Core {
         })
     }
 
+    /// Whether the signaled send-queue request `wr_id` is still waiting for its completion.
+    pub(crate) fn send_in_flight(&self, wr_id: u64) -> bool {
+        self.send.lock().tails.0.iter().any(|(k, _)| *k == wr_id)
+    }
+
     /// Whether no request is outstanding on either queue and nothing is parked.
     pub(crate) fn quiet(&self) -> bool {
         let s = self.send.lock();
@@ -487,6 +521,14 @@ impl SendSlots<'_> {
     pub(crate) fn marker_posted(&mut self, tail: u64, retires: u32, op: &'static str) {
         self.0.used += 1;
         self.0.tails.insert(tail, (retires, op));
+    }
+
+    /// Records a keepalive probe `id` (signaled, memory-less, one slot, not counted as a
+    /// request); nobody waits for it: its completion is dropped when reaped.
+    pub(crate) fn probe_posted(&mut self, id: u64) {
+        self.0.used += 1;
+        self.0.tails.insert(id, (1, PROBE_OP));
+        self.0.parked.insert(id, Box::new(()));
     }
 
     /// Records `k` requests posted without a signaled tail (a partially accepted chain): their

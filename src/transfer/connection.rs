@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
+use crate::transfer::keepalive::Keepalive;
 use crate::transfer::local::Sges;
 use crate::transfer::stats::ConnectionStats;
 use crate::transfer::watch::{watch, Link, Registration, Source};
@@ -32,8 +33,9 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// [`Options::recv_timeout`] says otherwise). A dead one is found by mralloc's watcher thread,
 /// which fails the connection with [`Error::Disconnected`] (flushing whatever is outstanding) when
 /// the TCP stream it was set up over closes (the peer dropped the connection or its process
-/// exited), RDMA CM reports it disconnected, or the device reports its port down, its QP in
-/// error or a fatal error.
+/// exited), RDMA CM reports it disconnected, the device reports its port down, its QP in
+/// error or a fatal error, or — with [`Options::keepalive`], for peers whose host or path dies
+/// without a word — a probe goes unanswered.
 ///
 /// `fork()`: a child's copy of a connection is the parent's. Every operation on it fails with
 /// [`Error::Forked`] (before taking any lock a parent thread may have held at the fork), and
@@ -104,7 +106,13 @@ impl Connection {
             Some(shared) => Qp::builder(pd, &send_cq, shared.cq()).srq(shared.srq()),
             None => Qp::builder(pd, &send_cq, &recv_cq),
         };
-        b = b.caps(opts.caps()).remote_access(opts.remote_access);
+        if opts.keepalive.is_some_and(|k| k.is_zero()) {
+            return Err(Error::InvalidArgument("a keepalive interval of zero".into()));
+        }
+        // A keepalive probe is a zero-length RDMA WRITE: the QP must accept WRITEs (they
+        // reach memory only through a key with write rights).
+        let keepalive_access = if opts.keepalive.is_some() { Access::REMOTE_WRITE } else { Access::NONE };
+        b = b.caps(opts.caps()).remote_access(opts.remote_access | keepalive_access);
         if let Some(p) = opts.port {
             b = b.port(p);
         }
@@ -144,7 +152,8 @@ impl Connection {
             WaitMode::Poller(_) => Mode::Poller,
         };
         let core = Arc::new(Core::new(send_cq, recv_cq, mode));
-        let link = Arc::new(Link::new(&core, &qp));
+        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, opts.send_depth));
+        let link = Arc::new(Link::new(&core, &qp, keepalive));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
         }
@@ -351,6 +360,12 @@ impl Connection {
     #[inline(always)]
     fn usable(&self) -> Result<()> {
         self.qp.born().check("this connection")
+    }
+
+    /// Whether this is a fork()ed child's copy of a parent's connection (see [`Connection`]).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn forked_copy(&self) -> bool {
+        !self.qp.born().here()
     }
 
     pub(crate) fn check(&self) -> Result<()> {
@@ -615,7 +630,7 @@ impl Connection {
         match (o, local) {
             (_, Some(e)) => Err(e),
             (Ok(c), None) => Ok(c),
-            (Err(f), None) => Err(f.error()),
+            (Err(f), None) => Err(self.core.cause(f).error()),
         }
     }
 

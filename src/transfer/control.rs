@@ -25,6 +25,8 @@ pub(crate) fn options(opts: &Options) -> Options {
         remote_access: Access::NONE,
         secret: None,
         shared_receive: None,
+        // The data connection's probes cover the path and the peer.
+        keepalive: None,
         ..opts.clone()
     }
 }

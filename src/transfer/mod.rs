@@ -45,6 +45,7 @@ mod fault_tests;
 mod gather;
 mod grant;
 mod iobuf;
+mod keepalive;
 mod local;
 mod mapped;
 mod ops;

@@ -28,7 +28,9 @@ pub struct Options {
     pub recv_depth: u32,
     /// Bytes a SEND or WRITE may carry inline (no DMA read of the source).
     pub max_inline: u32,
-    /// Transport retries before `RETRY_EXC_ERR` (0-7).
+    /// Transport retries before `RETRY_EXC_ERR` (0-7; default 6). Soft-RoCE (`rdma_rxe`)
+    /// takes 7 as "retry forever", against the specification: with it, a peer that stops
+    /// answering is never reported by the transport there (nor by keepalive probes).
     pub retry_count: u8,
     /// ACK timeout exponent: 4.096 µs × 2^n.
     pub ack_timeout: u8,
@@ -63,6 +65,25 @@ pub struct Options {
     /// receive that expires fails the connection (its receive must be flushed to give the
     /// memory back).
     pub recv_timeout: Option<Duration>,
+    /// Probe the peer every this long (default `None`: no probes). Without probes, a peer
+    /// whose process exits is found at once (its setup TCP stream closes, or RDMA CM reports the
+    /// disconnect), but one whose host loses power, or whose path is cut, goes unnoticed while
+    /// the connection is idle. A probe is a zero-length RDMA WRITE posted by mralloc's watcher
+    /// thread; it names no memory, and the peer's NIC answers it without the peer's
+    /// application. An unanswered probe fails the connection with
+    /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` within
+    /// `keepalive + min(keepalive / 4, 250 ms)` plus the transport's retry time,
+    /// `(retry_count + 1) × 4.096 µs × 2^ack_timeout` (0.47 s with the defaults; a device may
+    /// round each retry up to its timer's tick).
+    ///
+    /// **Both ends must set it**: the probe needs the peer's QP to accept RDMA WRITE, so a
+    /// connection with keepalive accepts WRITEs whatever [`Options::remote_access`] says. That
+    /// reaches no memory by itself — a WRITE needs a key with write rights (a buffer exposed
+    /// with them, or a grant) — but a peer that learns such a key meant for another connection
+    /// could use it here. A probe the peer refuses (it did not set keepalive) fails the
+    /// connection with `KeepaliveFailed { status: RemInvReqErr }` within the first interval.
+    /// Zero is refused ([`crate::Error::InvalidArgument`]).
+    pub keepalive: Option<Duration>,
     /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
     /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],
     /// [`Access::REMOTE_READ`], [`Access::REMOTE_ATOMIC`]; other bits are ignored). Default
@@ -99,7 +120,7 @@ impl Default for Options {
             send_depth: 256,
             recv_depth: 256,
             max_inline: 64,
-            retry_count: 7,
+            retry_count: 6,
             ack_timeout: 14,
             rnr_retry: 7,
             device: None,
@@ -110,6 +131,7 @@ impl Default for Options {
             max_handshakes: 256,
             op_timeout: Duration::from_secs(30),
             recv_timeout: None,
+            keepalive: None,
             remote_access: Access::NONE,
             secret: None,
             async_spin: Duration::from_micros(200),

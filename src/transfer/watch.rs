@@ -7,7 +7,9 @@
 //!   it when the peer drops its connection or its process exits, even on `SIGKILL`;
 //! - the RDMA CM event channel of a CM connection (`DISCONNECTED`, `DEVICE_REMOVAL`);
 //! - the asynchronous events of each device in use (`ibv_get_async_event`: port down, QP or CQ
-//!   in error, device fatal).
+//!   in error, device fatal);
+//! - for connections with keepalive, their probes (see the `keepalive` module): the poll's
+//!   timeout is the next probe's schedule.
 //!
 //! Each finding fails the connection it concerns with [`Error::Disconnected`]: the failure is
 //! recorded first, then the QP is moved to the error state, so every waiter gets its request's
@@ -17,6 +19,7 @@ use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use rdma_sys as ffi;
@@ -25,8 +28,9 @@ use crate::error::{Disconnect, Error, Result};
 use crate::fork::ForkLock;
 use crate::transfer::cm::raw_event;
 use crate::transfer::completion::{Core, Failure};
+use crate::transfer::keepalive::{Keepalive, Tick};
 use crate::verbs::removal::{self, Subscription};
-use crate::verbs::{set_qp_error, Context, Qp};
+use crate::verbs::{post_bare_send, set_qp_error, Context, Qp};
 
 /// What the watcher needs to fail one connection: its completion state and its QP, the latter
 /// until the connection destroys it ([`Link::retire`]).
@@ -38,6 +42,8 @@ pub(crate) struct Link {
     qp_ptr: usize,
     cqs: [usize; 2],
     port: u8,
+    /// Probes the peer, if the connection asked for keepalive.
+    keepalive: Option<Keepalive>,
 }
 
 #[derive(Clone, Copy)]
@@ -48,13 +54,14 @@ struct RawQp(*mut ffi::ibv_qp);
 unsafe impl Send for RawQp {}
 
 impl Link {
-    pub(crate) fn new(core: &Arc<Core>, qp: &Qp) -> Link {
+    pub(crate) fn new(core: &Arc<Core>, qp: &Qp, keepalive: Option<Keepalive>) -> Link {
         Link {
             core: core.clone(),
             qp: Mutex::new(Some(RawQp(qp.as_raw()))),
             qp_ptr: qp.as_raw() as usize,
             cqs: [core.send_cq.as_raw() as usize, core.recv_cq.as_raw() as usize],
             port: qp.port(),
+            keepalive,
         }
     }
 
@@ -65,10 +72,37 @@ impl Link {
             return;
         }
         tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {why}");
+        self.set_error();
+    }
+
+    /// Moves the QP (if the connection still has it) to the error state, flushing everything
+    /// outstanding.
+    fn set_error(&self) {
         if let Some(qp) = *self.qp.lock() {
             // SAFETY: the QP lives until `retire`, which waits for this lock.
             if let Err(e) = unsafe { set_qp_error(qp.0) } {
                 tracing::error!("moving a lost connection's QP to the error state failed: {e}");
+            }
+        }
+    }
+
+    /// Runs the connection's keepalive schedule (see [`Keepalive::tick`]); returns when to run
+    /// it next (`None`: no keepalive, or the connection failed).
+    fn keepalive(&self, now: Instant) -> Option<Instant> {
+        let tick = self.keepalive.as_ref()?.tick(&self.core, now, |wr| {
+            let Some(qp) = *self.qp.lock() else { return Ok(false) };
+            // SAFETY: the QP lives until `retire`, which waits for this lock; the request names
+            // no memory.
+            unsafe { post_bare_send(qp.0, wr) }.map(|()| true)
+        })?;
+        match tick {
+            Tick::At(t) => Some(t),
+            Tick::Failed => {
+                if let Some(f) = self.core.failed.get() {
+                    tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {}", f.error());
+                }
+                self.set_error();
+                None
             }
         }
     }
@@ -420,9 +454,11 @@ impl Watcher {
     fn run(&self) {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut keys: Vec<Key> = Vec::new();
+        let mut probing: Vec<Arc<Link>> = Vec::new();
         loop {
             fds.clear();
             keys.clear();
+            probing.clear();
             let mut add = |fd: RawFd, key: Key| {
                 if fd >= 0 {
                     fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
@@ -439,12 +475,16 @@ impl Watcher {
                     if let Some(s) = &e.source {
                         add(s.fd(), Key::Entry(t));
                     }
+                    probing.extend(e.links.iter().filter(|l| l.keepalive.is_some()).cloned());
                 }
             }
+            // Outside the lock: a probe's reap may drop buffers, whose Drop may end a
+            // connection (and so take the lock).
+            let timeout = keepalive_ticks(&probing);
             // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
             // POLLNVAL; one reused by another file reports whatever it reports: either way the
             // key is looked up again under the lock below before anything is read.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if rc < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() != Some(libc::EINTR) {
@@ -461,6 +501,23 @@ impl Watcher {
                 tracing::error!("the connection watcher panicked handling an event; it goes on");
             }
         }
+    }
+}
+
+/// Runs the keepalive schedules of `links`; returns the poll timeout (ms, -1: none) until the
+/// next is due.
+fn keepalive_ticks(links: &[Arc<Link>]) -> i32 {
+    let now = Instant::now();
+    let next =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| links.iter().filter_map(|l| l.keepalive(now)).min()))
+            .unwrap_or_else(|_| {
+                tracing::error!("the connection watcher panicked running keepalive probes; it goes on");
+                Some(now + std::time::Duration::from_millis(100))
+            });
+    match next {
+        // Rounded up: waking a millisecond early would only look again.
+        Some(t) => t.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
+        None => -1,
     }
 }
 

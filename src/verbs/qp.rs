@@ -37,7 +37,8 @@ impl Default for QpCaps {
 pub struct ConnectOptions {
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms). 0 means infinite; avoid.
     pub timeout: u8,
-    /// Transport retries (0-7) before a request fails with `RETRY_EXC_ERR`.
+    /// Transport retries (0-7, default 6) before a request fails with `RETRY_EXC_ERR`.
+    /// Soft-RoCE (`rdma_rxe`) takes 7 as "retry forever", against the specification.
     pub retry_cnt: u8,
     /// RNR retries (0-7; 7 = forever, as perftest uses) when the peer has no receive posted.
     pub rnr_retry: u8,
@@ -56,7 +57,7 @@ impl Default for ConnectOptions {
     fn default() -> ConnectOptions {
         ConnectOptions {
             timeout: 14,
-            retry_cnt: 7,
+            retry_cnt: 6,
             rnr_retry: 7,
             min_rnr_timer: 12,
             max_rd_atomic: u8::MAX,
@@ -597,6 +598,28 @@ impl Drop for Qp {
             tracing::warn!(qpn = self.qpn, rc, "ibv_destroy_qp failed");
         }
     }
+}
+
+/// Posts one request that names no local memory (a zero-length probe) on a QP known by its raw
+/// pointer, for a holder that is not the QP's owner (the connection watcher's keepalive).
+///
+/// # Safety
+/// `qp` is a live QP.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if the request has SGEs; [`Error::Verbs`] if the device refused it.
+pub(crate) unsafe fn post_bare_send(qp: *mut ffi::ibv_qp, wr: &SendWr<'_>) -> Result<()> {
+    if !wr.sges.is_empty() {
+        return Err(Error::InvalidArgument("a bare request names no local memory".into()));
+    }
+    let mut raw = wr.raw();
+    let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+    // SAFETY: the caller's live QP; a single request without SGEs (no local memory).
+    let rc = unsafe { ffi::ibv_post_send(qp, &mut raw, &mut bad) };
+    if rc != 0 {
+        return Err(Error::verbs("ibv_post_send", rc));
+    }
+    Ok(())
 }
 
 /// Moves a QP to the error state (what [`Qp::set_error`] does), for a holder of its raw

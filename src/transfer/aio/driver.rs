@@ -125,7 +125,7 @@ struct Alive(Weak<Shared>);
 
 impl Drop for Alive {
     fn drop(&mut self) {
-        if let Some(sh) = self.0.upgrade() {
+        if let Some(sh) = self.0.upgrade().filter(|sh| !sh.conn().forked_copy()) {
             sh.driver_alive.store(false, Ordering::Release);
             sh.waiters.wake_all();
         }

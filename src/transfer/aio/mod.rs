@@ -73,6 +73,15 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        if self.conn.forked_copy() {
+            // A fork()ed child's copy of a parent's connection: the parent's threads may have
+            // held the locks below (and the tokio primitives' own) at the fork. Touch none;
+            // the connection's own drop leaves a child's copy alone.
+            std::mem::forget(self.control_stop.take());
+            // SAFETY: taken once, here; nothing uses it afterwards.
+            drop(unsafe { ManuallyDrop::take(&mut self.conn) });
+            return;
+        }
         self.stop.notify_one();
         drop(self.control_stop.take());
         // SAFETY: taken once, here; nothing uses it afterwards.

@@ -231,7 +231,7 @@ impl<B: Send + 'static> Future for Op<B> {
                                 let r = match (o, this.local.take()) {
                                     (_, Some(e)) => Err(e),
                                     (Ok(c), None) => Ok(c),
-                                    (Err(f), None) => Err(f.error()),
+                                    (Err(f), None) => Err(conn.core().cause(f).error()),
                                 };
                                 return this.finish(r);
                             }
@@ -275,6 +275,12 @@ impl<B: Send + 'static> Future for Op<B> {
 impl<B: Send + 'static> Drop for Op<B> {
     fn drop(&mut self) {
         let Some(buf) = self.buf.take() else { return };
+        if !matches!(self.stage, Stage::Finished) && self.shared.conn().forked_copy() {
+            // A fork()ed child's copy of a parent's operation: the backlog's and the queues'
+            // locks may have been held by a parent thread at the fork. The request is the
+            // parent's; this copy of its buffer is never touched by the NIC, and is left alone.
+            return std::mem::forget(buf);
+        }
         let ticket = match self.stage {
             Stage::Posted(ticket) => ticket,
             Stage::Queued(place) => {

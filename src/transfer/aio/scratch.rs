@@ -12,6 +12,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::fork::Born;
 use crate::transfer::{IoBuf, IoBufMut};
 use crate::verbs::{Access, Pd, RegisteredBuf};
 
@@ -19,6 +20,8 @@ use crate::verbs::{Access, Pd, RegisteredBuf};
 /// free list only when its [`Word`] is dropped.
 pub(crate) struct Words {
     pd: Pd,
+    /// A fork()ed child's copy gives nothing back (a parent thread may have held the lock).
+    born: Born,
     size: usize,
     state: Mutex<State>,
 }
@@ -38,7 +41,7 @@ impl Words {
     /// 8-aligned).
     pub(crate) fn new(pd: &Pd, size: usize) -> Arc<Words> {
         debug_assert!(size.is_power_of_two() && (8..=CHUNK).contains(&size));
-        Arc::new(Words { pd: pd.clone(), size, state: Mutex::new(State::default()) })
+        Arc::new(Words { pd: pd.clone(), born: Born::now(), size, state: Mutex::new(State::default()) })
     }
 
     /// A free word, registering another chunk if every word is in flight.
@@ -97,7 +100,9 @@ impl Word {
 
 impl Drop for Word {
     fn drop(&mut self) {
-        self.words.state.lock().free.push(self.at);
+        if self.words.born.here() {
+            self.words.state.lock().free.push(self.at);
+        }
     }
 }
 

@@ -1,0 +1,142 @@
+//! Keepalive probes ([`Options::keepalive`](crate::transfer::Options::keepalive)): what finds a
+//! peer whose host, NIC or path died without a word.
+//!
+//! A peer process that exits closes its setup TCP stream or disconnects its CM id, and the
+//! connection watcher hears of it at once. A peer *host* that loses power, or a cut cable, says
+//! nothing: an idle connection would wait forever. With keepalive, the watcher thread posts a
+//! zero-length RDMA WRITE on the connection every `keepalive`. It names no memory on either side
+//! (a zero-length request's remote key is not checked), so it costs one packet and its ACK. The
+//! peer's NIC answers it without its application; an unreachable one does not, and the transport
+//! retries it `retry_count` times, `4.096 µs × 2^ack_timeout` apart, before completing it with
+//! `RETRY_EXC_ERR`. That completion fails the connection with
+//! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is in the error
+//! state, so every waiter gets its flush.
+//!
+//! The probe is the connection's own: it takes a send-queue slot only when one is free (a full
+//! queue's requests are probes enough: they complete or fail by the same transport retries),
+//! and its completion is dropped by whichever thread reaps it — the watcher reaps the send CQ
+//! itself while a probe is out, since an idle application polls nothing.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::Result;
+use crate::transfer::completion::{Core, Failure};
+use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr};
+
+/// The operation name of a probe (its completion's, and a failure's).
+pub(crate) const PROBE_OP: &str = "keepalive probe";
+
+/// Probe work-request ids have the top bit set; a connection's own ids count up from 1.
+const PROBE_BIT: u64 = 1 << 63;
+
+/// The longest the watcher waits between looks at a probe in flight.
+const MAX_RECHECK: Duration = Duration::from_millis(250);
+
+/// A connection's keepalive schedule.
+pub(crate) struct Keepalive {
+    interval: Duration,
+    recheck: Duration,
+    /// The connection's send-queue depth: a probe takes a slot only below it.
+    depth: u32,
+    state: Mutex<Probe>,
+}
+
+struct Probe {
+    next_id: u64,
+    /// The probe out now, if any.
+    in_flight: Option<u64>,
+    /// When the next probe goes out.
+    due: Instant,
+    /// The connection failed: nothing more to do.
+    over: bool,
+}
+
+/// What a tick asks of the connection's link.
+pub(crate) enum Tick {
+    /// Look again at this instant.
+    At(Instant),
+    /// The connection failed (through the probe or otherwise): move its QP to the error state
+    /// (idempotent) and stop probing.
+    Failed,
+}
+
+impl Keepalive {
+    /// Probes every `interval` on a connection whose send queue is `depth` deep.
+    pub(crate) fn new(interval: Duration, depth: u32) -> Keepalive {
+        Keepalive {
+            interval,
+            recheck: (interval / 4).clamp(Duration::from_millis(10), MAX_RECHECK),
+            depth,
+            state: Mutex::new(Probe { next_id: 0, in_flight: None, due: Instant::now() + interval, over: false }),
+        }
+    }
+
+    /// Runs the schedule at `now`: looks at the probe in flight (reaping the send CQ for it),
+    /// posts the next one when due. `post` posts a memory-less request on the connection's QP
+    /// and says whether it did (`false`: the QP is gone). It runs with the send queue's lock
+    /// held, so that the slot is accounted for in the same step.
+    ///
+    /// Returns `None` once the connection has failed and that was reported.
+    pub(crate) fn tick(
+        &self,
+        core: &Core,
+        now: Instant,
+        post: impl FnOnce(&SendWr<'_>) -> Result<bool>,
+    ) -> Option<Tick> {
+        let mut st = self.state.lock();
+        if st.over {
+            return None;
+        }
+        if let Some(id) = st.in_flight {
+            if let Err(e) = core.progress() {
+                core.fail(Failure::local(&e));
+            }
+            if core.failed.get().is_none() && core.send_in_flight(id) {
+                return Some(Tick::At(now + self.recheck));
+            }
+            st.in_flight = None;
+        }
+        if core.failed.get().is_some() {
+            st.over = true;
+            return Some(Tick::Failed);
+        }
+        if now < st.due {
+            return Some(Tick::At(st.due));
+        }
+        st.due = now + self.interval;
+        let id = PROBE_BIT | st.next_id;
+        st.next_id = (st.next_id + 1) & !PROBE_BIT;
+        // A zero-length WRITE: no SGE, and a remote key the responder does not check.
+        let wr = SendWr {
+            wr_id: id,
+            sges: &[],
+            op: SendOp::Write(RemoteAddr { addr: 0, rkey: 0 }),
+            flags: SendFlags::SIGNALED,
+        };
+        let posted = core.with_send(|core, slots| {
+            if core.failed.get().is_some() || slots.used() >= self.depth {
+                return Ok(false);
+            }
+            let posted = post(&wr)?;
+            if posted {
+                slots.probe_posted(id);
+            }
+            Ok(posted)
+        });
+        match posted {
+            Ok(true) => {
+                st.in_flight = Some(id);
+                Some(Tick::At(now + self.recheck))
+            }
+            Ok(false) => Some(Tick::At(st.due)),
+            Err(e) => {
+                // A QP that refuses a post is in the error state or worse.
+                core.fail(Failure::local(&e));
+                st.over = true;
+                Some(Tick::Failed)
+            }
+        }
+    }
+}
