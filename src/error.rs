@@ -377,9 +377,9 @@ pub enum Disconnect {
     /// The device reported a fatal error (`IBV_EVENT_DEVICE_FATAL`).
     DeviceFatal,
     /// A keepalive probe ([`crate::transfer::Options::keepalive`]) failed with `status`:
-    /// `RETRY_EXC_ERR` when the peer's NIC did not answer within the transport's retries (its
-    /// host, its NIC or the path is gone), `REM_INV_REQ_ERR` when the peer refused the probe
-    /// (it did not enable keepalive).
+    /// `RETRY_EXC_ERR` when the peer's NIC did not answer within the transport's retries, or
+    /// `RESP_TIMEOUT_ERR` when it did not within two intervals (its host, its NIC or the path is
+    /// gone); `REM_INV_REQ_ERR` when the peer refused the probe (it did not enable keepalive).
     KeepaliveFailed {
         /// The probe's completion status.
         status: crate::verbs::WcStatus,

@@ -106,9 +106,10 @@ fn netdev_of(device: &str) -> String {
 
 /// A peer whose path goes silent (host 1 takes its NIC down: nothing reaches host 0, no FIN, no
 /// RDMA CM message, no event on host 0's port) is found by keepalive probes alone: host 0's
-/// receive on the probed connection fails with `KeepaliveFailed { RetryExcErr }` within the
-/// documented bound, while a connection to the same peer without keepalive stays unaware. Run by
-/// scripts/test over two linked VMs.
+/// receives fail with `KeepaliveFailed` within the documented bound — through the transport's
+/// `RETRY_EXC_ERR` with a retry count of 6, through the probe's own two-interval deadline with
+/// the default 7 (which rxe retries for ever) — while a connection to the same peer without
+/// keepalive stays unaware. Run by scripts/test over two linked VMs.
 #[test]
 #[ignore = "needs linked RDMA hosts: run scripts/test"]
 fn device_keepalive_finds_a_black_holed_peer() {
@@ -129,26 +130,32 @@ fn device_keepalive_finds_a_black_holed_peer() {
         recv_timeout: Some(Duration::from_secs(30)),
         ..Options::default()
     };
+    let probed6 = Options { retry_count: 6, ..probed.clone() };
     let plain = Options { device: Some(l.device.clone()), ..Options::default() };
-    // Documented: keepalive + min(keepalive / 4, 250 ms) + (retry_count + 1) × 4.096 µs ×
-    // 2^ack_timeout; the assertion allows the emulated VM a few seconds on top.
-    let bound = every + every / 4 + Duration::from_micros(7 * 4096 * 16384 / 1000);
-    let (k, q) = if me == 0 {
-        let lk = Listener::bind((l.local_ip.as_str(), 7700), &pd, probed).unwrap();
-        let lq = Listener::bind((l.local_ip.as_str(), 7701), &pd, plain).unwrap();
-        (lk.accept().unwrap(), lq.accept().unwrap())
-    } else {
-        let k = connect_retrying(|| Connection::connect((l.peer_ip.as_str(), 7700), &pd, probed.clone()));
-        let q = connect_retrying(|| Connection::connect((l.peer_ip.as_str(), 7701), &pd, plain.clone()));
-        (k, q)
-    };
+    // Documented: keepalive + min(2 x keepalive, retry time) + min(keepalive / 4, 250 ms); the
+    // retry time with 6 retries is 7 x 4.096 us x 2^14.
+    let retry6 = Duration::from_micros(7 * 4096 * 16384 / 1000);
+    let bound6 = every + retry6.min(2 * every) + every / 4;
+    let bound7 = every + 2 * every + every / 4;
+    let all = [(7700, &probed6), (7701, &probed), (7702, &plain)];
+    let conns: Vec<Connection> = all
+        .iter()
+        .map(|&(port, opts)| {
+            if me == 0 {
+                Listener::bind((l.local_ip.as_str(), port), &pd, opts.clone()).unwrap().accept().unwrap()
+            } else {
+                connect_retrying(|| Connection::connect((l.peer_ip.as_str(), port), &pd, opts.clone()))
+            }
+        })
+        .collect();
+    let [k6, k7, q] = &conns[..] else { unreachable!() };
     // Idle for a while first: probes answered by a live peer fail nothing.
     std::thread::sleep(Duration::from_secs(3));
-    assert!(k.error().is_none() && q.error().is_none(), "host {me}: a live, idle peer was taken for dead");
+    assert!(conns.iter().all(|c| c.error().is_none()), "host {me}: a live, idle peer was taken for dead");
     let mut word = heap.alloc(64).unwrap();
     if me == 1 {
         word.copy_from_slice(&pattern(77, 64));
-        k.send(&word).unwrap();
+        k6.send(&word).unwrap();
         let dev = netdev_of(&l.device);
         let ok = std::process::Command::new("ip").args(["link", "set", "dev", &dev, "down"]).status();
         assert!(ok.is_ok_and(|s| s.success()), "ip link set dev {dev} down");
@@ -157,22 +164,36 @@ fn device_keepalive_finds_a_black_holed_peer() {
         std::thread::sleep(Duration::from_secs(5));
         return;
     }
-    assert_eq!(k.recv(&mut word).unwrap().len, 64);
+    assert_eq!(k6.recv(&mut word).unwrap().len, 64);
     assert_bytes_eq(&word, &pattern(77, 64), "the last word before the cut");
     let cut = Instant::now();
-    let r = k.recv(&mut word).map(|g| g.len);
-    let found = cut.elapsed();
+    let wait = |c: &Connection| {
+        let mut inbox = heap.alloc(64).unwrap();
+        let r = c.recv(&mut inbox).map(|g| g.len);
+        (r, cut.elapsed())
+    };
+    let wait = &wait;
+    let (r6, r7) = std::thread::scope(|s| {
+        let t7 = s.spawn(move || wait(k7));
+        (wait(k6), t7.join().unwrap())
+    });
     println!(
-        "host 0: black-holed peer found by keepalive: {r:?} after {found:?} (documented bound {bound:?}); \
-         the connection without keepalive: {:?}",
+        "host 0: black-holed peer found by keepalive: retry_count 6: {:?} after {:?} (documented bound {bound6:?}); \
+         retry_count 7: {:?} after {:?} (documented bound {bound7:?}); without keepalive: {:?}",
+        r6.0,
+        r6.1,
+        r7.0,
+        r7.1,
         q.error()
     );
-    assert!(
-        matches!(r, Err(Error::Disconnected(Disconnect::KeepaliveFailed { status: WcStatus::RetryExcErr }))),
-        "{r:?}"
-    );
-    assert!(found < bound + Duration::from_secs(3), "found after {found:?}");
+    let failed = |r: &mralloc::Result<usize>, want: WcStatus| matches!(r, Err(Error::Disconnected(Disconnect::KeepaliveFailed { status })) if *status == want);
+    assert!(failed(&r6.0, WcStatus::RetryExcErr), "{:?}", r6.0);
+    // rxe retries for ever with 7: the probe's deadline finds it (a device that counts finds it
+    // by RETRY_EXC_ERR first).
+    assert!(failed(&r7.0, WcStatus::RespTimeoutErr) || failed(&r7.0, WcStatus::RetryExcErr), "{:?}", r7.0);
+    assert!(r6.1 < bound6 + Duration::from_secs(3), "found after {:?}", r6.1);
+    assert!(r7.1 < bound7 + Duration::from_secs(3), "found after {:?}", r7.1);
     assert!(q.error().is_none(), "the connection without keepalive cannot know yet");
-    let s: ConnectionStats = k.stats();
+    let s: ConnectionStats = k6.stats();
     assert_eq!(s.send_requests, 0, "probes are not counted as requests");
 }

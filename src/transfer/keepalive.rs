@@ -8,9 +8,10 @@
 //! (a zero-length request's remote key is not checked), so it costs one packet and its ACK. The
 //! peer's NIC answers it without its application; an unreachable one does not, and the transport
 //! retries it `retry_count` times, `4.096 µs × 2^ack_timeout` apart, before completing it with
-//! `RETRY_EXC_ERR`. That completion fails the connection with
-//! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is in the error
-//! state, so every waiter gets its flush.
+//! `RETRY_EXC_ERR`. That completion — or the probe being out for two intervals, for devices
+//! that retry for ever — fails the connection with
+//! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is moved to the
+//! error state, so every waiter gets its flush.
 //!
 //! The probe is the connection's own: it takes a send-queue slot only when one is free (a full
 //! queue's requests are probes enough: they complete or fail by the same transport retries),
@@ -21,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{Disconnect, Result};
 use crate::transfer::completion::{Core, Failure};
-use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr};
+use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr, WcStatus};
 
 /// The operation name of a probe (its completion's, and a failure's).
 pub(crate) const PROBE_OP: &str = "keepalive probe";
@@ -45,8 +46,8 @@ pub(crate) struct Keepalive {
 
 struct Probe {
     next_id: u64,
-    /// The probe out now, if any.
-    in_flight: Option<u64>,
+    /// The probe out now, if any, and when it was posted.
+    in_flight: Option<(u64, Instant)>,
     /// When the next probe goes out.
     due: Instant,
     /// The connection failed: nothing more to do.
@@ -89,12 +90,17 @@ impl Keepalive {
         if st.over {
             return None;
         }
-        if let Some(id) = st.in_flight {
+        if let Some((id, posted)) = st.in_flight {
             if let Err(e) = core.progress() {
                 core.fail(Failure::local(&e));
             }
             if core.failed.get().is_none() && core.send_in_flight(id) {
-                return Some(Tick::At(now + self.recheck));
+                if now.saturating_duration_since(posted) < 2 * self.interval {
+                    return Some(Tick::At(now + self.recheck));
+                }
+                // Out for two intervals: a device that retries for ever (rxe with a retry
+                // count of 7) would never report the peer; this deadline does.
+                core.fail(Failure::Lost(Disconnect::KeepaliveFailed { status: WcStatus::RespTimeoutErr }));
             }
             st.in_flight = None;
         }
@@ -127,7 +133,7 @@ impl Keepalive {
         });
         match posted {
             Ok(true) => {
-                st.in_flight = Some(id);
+                st.in_flight = Some((id, now));
                 Some(Tick::At(now + self.recheck))
             }
             Ok(false) => Some(Tick::At(st.due)),

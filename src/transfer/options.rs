@@ -28,9 +28,10 @@ pub struct Options {
     pub recv_depth: u32,
     /// Bytes a SEND or WRITE may carry inline (no DMA read of the source).
     pub max_inline: u32,
-    /// Transport retries before `RETRY_EXC_ERR` (0-7; default 6). Soft-RoCE (`rdma_rxe`)
-    /// takes 7 as "retry forever", against the specification: with it, a peer that stops
-    /// answering is never reported by the transport there (nor by keepalive probes).
+    /// Transport retries before `RETRY_EXC_ERR` (0-7; default 7, as perftest and RDMA CM use).
+    /// Soft-RoCE (`rdma_rxe`) takes 7 as "retry forever", against the specification: there, a
+    /// peer that stops answering is never reported by the transport (keepalive probes still
+    /// find it, by their own deadline).
     pub retry_count: u8,
     /// ACK timeout exponent: 4.096 µs × 2^n.
     pub ack_timeout: u8,
@@ -71,10 +72,12 @@ pub struct Options {
     /// the connection is idle. A probe is a zero-length RDMA WRITE posted by mralloc's watcher
     /// thread; it names no memory, and the peer's NIC answers it without the peer's
     /// application. An unanswered probe fails the connection with
-    /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` within
-    /// `keepalive + min(keepalive / 4, 250 ms)` plus the transport's retry time,
-    /// `(retry_count + 1) × 4.096 µs × 2^ack_timeout` (0.47 s with the defaults; a device may
-    /// round each retry up to its timer's tick).
+    /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` when the
+    /// transport gives up on it (`RETRY_EXC_ERR`, after `(retry_count + 1) × 4.096 µs ×
+    /// 2^ack_timeout`: 0.54 s with the defaults, a device may round each retry up to its
+    /// timer's tick) or when it has been out for two intervals (`RESP_TIMEOUT_ERR`), whichever
+    /// comes first: within `keepalive + min(2 × keepalive, retry time) + min(keepalive / 4,
+    /// 250 ms)` of the peer's last answer.
     ///
     /// **Both ends must set it**: the probe needs the peer's QP to accept RDMA WRITE, so a
     /// connection with keepalive accepts WRITEs whatever [`Options::remote_access`] says. That
@@ -120,7 +123,7 @@ impl Default for Options {
             send_depth: 256,
             recv_depth: 256,
             max_inline: 64,
-            retry_count: 6,
+            retry_count: 7,
             ack_timeout: 14,
             rnr_retry: 7,
             device: None,

@@ -37,7 +37,7 @@ impl Default for QpCaps {
 pub struct ConnectOptions {
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms). 0 means infinite; avoid.
     pub timeout: u8,
-    /// Transport retries (0-7, default 6) before a request fails with `RETRY_EXC_ERR`.
+    /// Transport retries (0-7, default 7) before a request fails with `RETRY_EXC_ERR`.
     /// Soft-RoCE (`rdma_rxe`) takes 7 as "retry forever", against the specification.
     pub retry_cnt: u8,
     /// RNR retries (0-7; 7 = forever, as perftest uses) when the peer has no receive posted.
@@ -57,7 +57,7 @@ impl Default for ConnectOptions {
     fn default() -> ConnectOptions {
         ConnectOptions {
             timeout: 14,
-            retry_cnt: 6,
+            retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,
             max_rd_atomic: u8::MAX,
