@@ -109,6 +109,9 @@ impl<T> Small<T> {
         let i = self.0.iter().position(|(k, _)| *k == id)?;
         Some(self.0.swap_remove(i).1)
     }
+    fn contains(&self, id: u64) -> bool {
+        self.0.iter().any(|(k, _)| *k == id)
+    }
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -364,11 +367,11 @@ impl Core {
     /// Whether `wr_id` has completed, leaving its outcome for its waiter.
     pub(crate) fn is_done(&self, Ticket { wr_id, send }: Ticket) -> Result<bool> {
         self.with(send, |c, q| {
-            if q.done.0.iter().any(|(k, _)| *k == wr_id) {
+            if q.done.contains(wr_id) {
                 return Ok(true);
             }
             c.reap(send, q)?;
-            Ok(q.done.0.iter().any(|(k, _)| *k == wr_id))
+            Ok(q.done.contains(wr_id))
         })
     }
 
@@ -425,7 +428,7 @@ impl Core {
 
     /// Whether the signaled send-queue request `wr_id` is still waiting for its completion.
     pub(crate) fn send_in_flight(&self, wr_id: u64) -> bool {
-        self.send.lock().tails.0.iter().any(|(k, _)| *k == wr_id)
+        self.send.lock().tails.contains(wr_id)
     }
 
     /// Whether no request is outstanding on either queue and nothing is parked.

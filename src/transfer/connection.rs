@@ -363,7 +363,6 @@ impl Connection {
     }
 
     /// Whether this is a fork()ed child's copy of a parent's connection (see [`Connection`]).
-    #[cfg(feature = "tokio")]
     pub(crate) fn forked_copy(&self) -> bool {
         !self.qp.born().here()
     }
@@ -653,7 +652,7 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        if !self.qp.born().here() {
+        if self.forked_copy() {
             // A fork()ed child's copy of a parent's connection: the QP, its CM id, its buffers
             // are the parent's, which keeps using them. Touch nothing (a parent thread may have
             // held one of its locks at the fork) and release nothing: the CQs, QP and MRs skip

@@ -77,7 +77,7 @@ impl<B: IoBufMut> Grant<'_, B> {
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let mw = self.mw.take().expect("a live grant holds its window");
         let buf = self.buf.take().expect("a live grant holds its buffer");
-        if !self.conn.qp().born().here() {
+        if self.conn.forked_copy() {
             // A fork()ed child's copy: the window is the parent's (nothing to invalidate here,
             // and the connection's locks may have been held at the fork); the child's copy of
             // the bytes is its own. Dropping the window in a child destroys nothing.
@@ -106,7 +106,7 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
     fn drop(&mut self) {
         let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
         let held = Box::new(Held { _mw: mw, _buf: buf });
-        if !self.conn.qp().born().here() {
+        if self.conn.forked_copy() {
             std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
             return;
         }

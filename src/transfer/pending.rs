@@ -74,7 +74,7 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     /// Whether the completion has arrived (polls the CQ once). A failing poll reads as `false`:
     /// [`Pending::wait`] reports it.
     pub fn is_done(&self) -> bool {
-        self.conn.qp().born().here() && matches!(self.conn.core().is_done(self.ticket), Ok(true))
+        !self.conn.forked_copy() && matches!(self.conn.core().is_done(self.ticket), Ok(true))
     }
 
     /// Waits for the completion and returns the buffer (also when the operation failed: the NIC
@@ -118,7 +118,7 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
 impl<B: Send + 'static> Drop for Pending<'_, B> {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
-            if !self.conn.qp().born().here() {
+            if self.conn.forked_copy() {
                 // A fork()ed child's copy: the parent's NIC may use the memory; its lock may be
                 // held. Keep the buffer for good.
                 std::mem::forget(buf);
