@@ -1,7 +1,10 @@
-//! Keepalive probes on one device: they go out while a connection is idle without failing it or
-//! showing in its counters; a peer that did not enable keepalive refuses them, which fails the
-//! prober with a typed error. (A peer whose path is cut is found in `topology_hosts`, across
-//! two linked VMs: one VM cannot black-hole its own Soft-RoCE traffic.)
+//! Keepalive probes on one device: they go out from both ends while a connection is idle
+//! without failing it or showing in its counters; a send queue held up by a peer that posts no
+//! receive is not taken for a dead peer; a peer that did not enable keepalive refuses them,
+//! which fails the prober with a typed error; a QP the device moved to the error state without
+//! a completion is found by the next probe. (A peer whose path is cut is found in
+//! `topology_hosts`, across two linked VMs: one VM cannot black-hole its own Soft-RoCE
+//! traffic.)
 
 mod common;
 
@@ -10,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::{assert_bytes_eq, open, pattern};
 use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, Listener, Options};
-use mralloc::verbs::{Pd, WcStatus};
+use mralloc::verbs::{Access, Pd, WcStatus};
 use mralloc::{Disconnect, Error};
 
 fn setup() -> (Pd, Heap) {
@@ -56,11 +59,11 @@ fn device_keepalive_probes_an_idle_connection_without_failing_it() {
     let sent = sent_packets(&device) - before;
     assert_eq!(got.0.unwrap(), 4096);
     assert_bytes_eq(&got.1, &pattern(21, 4096), "the message after the probed silence");
-    // Each probe is a request and its ACK, from both ends: ~4 packets per interval. The
-    // application sent one message (two packets with its ACK).
+    // Each probe is a request and its ACK, from both ends: ~4 packets per interval (one end
+    // alone would send 2). The application sent one message (two packets with its ACK).
     let intervals = start.elapsed().as_millis() as u64 / every.as_millis() as u64;
     println!("keepalive every {every:?}: {sent} packets in {:?} of silence ({intervals} intervals)", start.elapsed());
-    assert!(sent >= intervals, "only {sent} packets went out in {intervals} keepalive intervals");
+    assert!(sent >= 3 * intervals, "only {sent} packets went out in {intervals} keepalive intervals: both ends probe?");
     // Probes are no application requests.
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!((sa.send_requests, sa.recv_requests, sb.send_requests, sb.recv_requests), (0, 1, 1, 0));
@@ -90,6 +93,68 @@ fn device_keepalive_refused_by_a_peer_without_it_fails_the_prober() {
     );
     assert!(after < every + Duration::from_secs(3), "found after {after:?}");
     assert!(matches!(conn.error(), Some(Error::Disconnected(Disconnect::KeepaliveFailed { .. }))));
+    // rxe moved the refusing peer's QP to the error state without a completion on its side: its
+    // next request is flushed, and reports that.
+    let msg = heap.alloc(64).unwrap();
+    let e = peer.send(&msg).unwrap_err();
+    println!("the refusing peer's next send: {e}");
+    assert_eq!(e.wc_status(), Some(WcStatus::WrFlushErr), "{e}");
+}
+
+/// A SEND the peer has no receive for waits (RNR retries, for ever by default) with the peer
+/// alive: a probe queued behind it would be held up as long, and its deadline would take the
+/// peer for dead. Probes wait for an empty send queue instead.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_keepalive_waits_for_a_send_queue_held_up_by_the_peer() {
+    let (pd, heap) = setup();
+    let every = Duration::from_millis(50);
+    let opts = keepalive(every);
+    let (a, b) = Connection::pair(&pd, &opts).unwrap();
+    let mut msg = heap.alloc(4096).unwrap();
+    msg.copy_from_slice(&pattern(5, 4096));
+    let pending = a.post_send(msg).unwrap();
+    // Past the probe deadline (the default retry time, 0.54 s, over two intervals) twice over.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!pending.is_done(), "the SEND had no receive to land in");
+    assert!(a.error().is_none() && b.error().is_none(), "a: {:?}, b: {:?}", a.error(), b.error());
+    let mut inbox = heap.alloc(4096).unwrap();
+    assert_eq!(b.recv(&mut inbox).unwrap().len, 4096);
+    assert_bytes_eq(&inbox, &pattern(5, 4096), "the held-up message");
+    let (sent, _) = pending.wait().map_err(|r| r.error).unwrap();
+    assert_eq!(sent.len(), 4096);
+    // Probes resume on the now empty queue, and still fail nothing.
+    std::thread::sleep(every * 6);
+    assert!(a.error().is_none() && b.error().is_none(), "a: {:?}, b: {:?}", a.error(), b.error());
+}
+
+/// rxe moves the target of a request its QP does not allow (here a READ, with no remote read
+/// rights on the connection) to the error state with no completion on that side. With nothing
+/// outstanding there, only the next probe — flushed — tells: the connection fails with
+/// `KeepaliveFailed { WrFlushErr }` instead of looking healthy for ever.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_keepalive_finds_a_qp_that_went_to_the_error_state_silently() {
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().access(Access::ALL_REMOTE).bind(&pd).build().unwrap();
+    let every = Duration::from_millis(100);
+    let (a, b) = Connection::pair(&pd, &keepalive(every)).unwrap();
+    let target = heap.alloc(64).unwrap().expose().unwrap();
+    let mut got = heap.alloc(64).unwrap();
+    let e = a.read(&mut got, &target.remote()).unwrap_err();
+    assert_eq!(e.wc_status(), Some(WcStatus::RemInvReqErr), "the READ b's QP does not allow: {e}");
+    let start = Instant::now();
+    while b.error().is_none() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("b, after its QP went to the error state silently: {:?} after {:?}", b.error(), start.elapsed());
+    assert!(
+        matches!(b.error(), Some(Error::Disconnected(Disconnect::KeepaliveFailed { status: WcStatus::WrFlushErr }))),
+        "{:?}",
+        b.error()
+    );
+    assert!(start.elapsed() < every * 2 + Duration::from_secs(1), "found after {:?}", start.elapsed());
+    assert_eq!(b.stats().errors, 0, "a probe's flush is not the application's error");
 }
 
 #[test]

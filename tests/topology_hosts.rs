@@ -107,9 +107,10 @@ fn netdev_of(device: &str) -> String {
 /// A peer whose path goes silent (host 1 takes its NIC down: nothing reaches host 0, no FIN, no
 /// RDMA CM message, no event on host 0's port) is found by keepalive probes alone: host 0's
 /// receives fail with `KeepaliveFailed` within the documented bound — through the transport's
-/// `RETRY_EXC_ERR` with a retry count of 6, through the probe's own two-interval deadline with
-/// the default 7 (which rxe retries for ever) — while a connection to the same peer without
-/// keepalive stays unaware. Run by scripts/test over two linked VMs.
+/// `RETRY_EXC_ERR` with a retry count of 6 (its retry time, 0.47 s, well inside the probe's
+/// deadline of two 1 s intervals), through the probe's own deadline with the default 7 (which
+/// rxe retries for ever) — while a connection to the same peer without keepalive stays unaware.
+/// Run by scripts/test over two linked VMs.
 #[test]
 #[ignore = "needs linked RDMA hosts: run scripts/test"]
 fn device_keepalive_finds_a_black_holed_peer() {
@@ -130,13 +131,14 @@ fn device_keepalive_finds_a_black_holed_peer() {
         recv_timeout: Some(Duration::from_secs(30)),
         ..Options::default()
     };
-    let probed6 = Options { retry_count: 6, ..probed.clone() };
+    let every6 = Duration::from_secs(1);
+    let probed6 = Options { retry_count: 6, keepalive: Some(every6), ..probed.clone() };
     let plain = Options { device: Some(l.device.clone()), ..Options::default() };
-    // Documented: keepalive + min(2 x keepalive, retry time) + min(keepalive / 4, 250 ms); the
-    // retry time with 6 retries is 7 x 4.096 us x 2^14.
-    let retry6 = Duration::from_micros(7 * 4096 * 16384 / 1000);
-    let bound6 = every + retry6.min(2 * every) + every / 4;
-    let bound7 = every + 2 * every + every / 4;
+    // Documented: keepalive + max(2 x keepalive, retry time) + min(keepalive / 4, 250 ms); the
+    // retry time is (retry_count + 1) x 4.096 us x 2^14.
+    let retry = |n: u64| Duration::from_micros((n + 1) * 4096 * 16384 / 1000);
+    let bound6 = every6 + retry(6).max(2 * every6) + every6 / 4;
+    let bound7 = every + retry(7).max(2 * every) + every / 4;
     let all = [(7700, &probed6), (7701, &probed), (7702, &plain)];
     let conns: Vec<Connection> = all
         .iter()

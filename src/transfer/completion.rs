@@ -4,8 +4,18 @@
 //! A dropped [`crate::transfer::Pending`] *parks* its buffer here under its work-request id; the
 //! buffer is released when that request's completion (or its flush, after a failure) is reaped,
 //! by whichever thread reaps it. Released buffers are dropped after the state lock is let go, so
-//! a buffer's own `Drop` can never deadlock against the connection.
+//! a buffer's own `Drop` can never deadlock against the connection. The connection watcher,
+//! which reaps for keepalive probes, runs no buffer's `Drop`: what it releases waits for the
+//! next reap by an application thread, or for the connection's end.
+//!
+//! A flush carries no cause: it reports the failure recorded before it. A flushed request's
+//! waiter asks [`Core::cause`], which first reaps the other CQ (the error completion that moved
+//! the QP to the error state may wait there). A flush nobody waits for — a parked buffer's,
+//! a probe's, an unsignaled request's — is explained the same way when it is reaped, so a QP
+//! that went to the error state without a word to this side (rxe moves a responder's QP there
+//! on a bad request) still leaves its failure recorded.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -128,6 +138,9 @@ struct Queue {
     parked: Small<Parked>,
     /// Parked buffers whose completion was reaped: dropped once the lock is released.
     released: Vec<Parked>,
+    /// A flush reaped that no waiter will explain (see the module docs): recorded once the
+    /// lock is released.
+    orphan: Option<Failure>,
     /// Slots in use (posted, not yet retired by a completion).
     used: u32,
     /// Send queue: for each signaled request, how many slots its completion retires and its
@@ -145,12 +158,22 @@ impl Default for Queue {
             done: Small::default(),
             parked: Small::default(),
             released: Vec::new(),
+            orphan: None,
             used: 0,
             tails: Small::default(),
             wcs: std::array::from_fn(|_| WorkCompletion::empty()),
             counts: QueueCounts::default(),
         }
     }
+}
+
+/// Who reaps: an application thread (or a poller, or an async driver) runs released buffers'
+/// `Drop`s; the connection watcher does not (a `Drop` may block, and it watches every
+/// connection).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reaper {
+    App,
+    Watcher,
 }
 
 /// How a waiting thread waits for its completion.
@@ -172,6 +195,10 @@ pub(crate) struct Core {
     /// Buffers that may be released only once the queue pair is destroyed (grants whose
     /// invalidation could not be posted on a failed connection).
     until_destroyed: Mutex<Vec<Parked>>,
+    /// Buffers released by the connection watcher, whose `Drop`s it does not run: dropped by
+    /// the next reap of an application thread (or with the connection).
+    deferred: Mutex<Vec<Parked>>,
+    has_deferred: AtomicBool,
     mode: Mode,
     channel: Option<CompChannel>,
     event_lock: Mutex<()>,
@@ -195,6 +222,8 @@ impl Core {
             send: Mutex::new(Queue::default()),
             recv: Mutex::new(Queue::default()),
             until_destroyed: Mutex::new(Vec::new()),
+            deferred: Mutex::new(Vec::new()),
+            has_deferred: AtomicBool::new(false),
             mode,
             channel,
             event_lock: Mutex::new(()),
@@ -228,28 +257,80 @@ impl Core {
         first
     }
 
-    /// Runs `f` on a queue's state, then drops the buffers it released, after the lock is gone.
+    fn queue(&self, send: bool) -> parking_lot::MutexGuard<'_, Queue> {
+        if send {
+            self.send.lock()
+        } else {
+            self.recv.lock()
+        }
+    }
+
+    /// Runs `f` on a queue's state; after the lock is gone, records a flush it reaped that
+    /// nobody will explain, and drops the buffers it released.
     fn with<R>(&self, send: bool, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
-        let mut q = if send { self.send.lock() } else { self.recv.lock() };
+        self.with_as(send, Reaper::App, f)
+    }
+
+    fn with_as<R>(&self, send: bool, who: Reaper, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
+        let mut q = self.queue(send);
         let r = f(self, &mut q);
         let released = std::mem::take(&mut q.released);
+        let orphan = q.orphan.take();
         drop(q);
-        for buf in released {
+        if let Some(flush) = orphan {
+            self.explain(send, flush, who);
+        }
+        self.release(released, who);
+        r
+    }
+
+    /// Drops released buffers — or, on the watcher's thread, keeps them for an application
+    /// thread to drop. An application thread also drops what the watcher kept.
+    fn release(&self, released: Vec<Parked>, who: Reaper) {
+        if who == Reaper::Watcher {
+            if !released.is_empty() {
+                self.deferred.lock().extend(released);
+                self.has_deferred.store(true, Ordering::Release);
+            }
+            return;
+        }
+        let mut all = released;
+        if self.has_deferred.load(Ordering::Acquire) && self.has_deferred.swap(false, Ordering::AcqRel) {
+            all.append(&mut self.deferred.lock());
+        }
+        for buf in all {
             // A buffer's own Drop must not unwind through completion processing: that would skip
             // the bookkeeping that keeps the other buffers from being freed too early.
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(buf))).is_err() {
                 tracing::error!("dropping a buffer released by its completion panicked; the panic was contained");
             }
         }
-        r
+    }
+
+    /// Records `flush`, reaped on the `send` (or receive) queue with no waiter to explain it,
+    /// unless a failure is recorded already or turns up in the other CQ (its own CQ was reaped
+    /// up to the flush: an error completion there came before it).
+    fn explain(&self, send: bool, flush: Failure, who: Reaper) {
+        if self.failed.get().is_none() {
+            let mut q = self.queue(!send);
+            // A poll that fails leaves the flush as the best explanation there is.
+            let _ = self.drain_queue(!send, &mut q);
+            // Flushes there are explained by what is recorded now.
+            q.orphan = None;
+            let released = std::mem::take(&mut q.released);
+            drop(q);
+            self.release(released, who);
+        }
+        self.fail(flush);
     }
 
     fn outcome(&self, wc: &WorkCompletion, op: &'static str) -> Outcome {
         if wc.is_ok() {
             Ok(Completed { byte_len: wc.byte_len(), imm: wc.imm(), opcode: wc.opcode() })
         } else {
-            let f = if op == PROBE_OP && wc.status() != WcStatus::WrFlushErr {
-                // The probe itself failed: the peer is unreachable (or refuses probes).
+            let f = if op == PROBE_OP {
+                // The probe failed: the peer is unreachable or refuses probes (or, flushed with
+                // nothing else recorded, the QP went to the error state without a word).
                 Failure::Lost(Disconnect::KeepaliveFailed { status: wc.status() })
             } else {
                 Failure::Op { op, wr_id: wc.wr_id(), status: wc.status(), vendor_err: wc.vendor_err() }
@@ -275,7 +356,7 @@ impl Core {
         }
         if self.failed.get().is_none() {
             // A poll that fails leaves the flush as the best explanation there is.
-            let _ = self.progress();
+            let _ = self.drain();
         }
         self.fail(f);
         *self.failed.get().unwrap_or(&f)
@@ -305,9 +386,15 @@ impl Core {
             };
             q.used = q.used.saturating_sub(retired);
             let o = self.outcome(&q.wcs[i], op);
+            let flushed = q.wcs[i].status() == WcStatus::WrFlushErr;
+            if op == PROBE_OP {
+                // A keepalive probe is no request of the application's, and nobody waits for it.
+                if flushed {
+                    q.orphan = q.orphan.or(o.err());
+                }
+                continue;
+            }
             match &o {
-                // A keepalive probe is no request of the application's.
-                Ok(_) if op == PROBE_OP => {}
                 Ok(c) => {
                     q.counts.completions += 1;
                     if !send {
@@ -316,30 +403,65 @@ impl Core {
                 }
                 Err(_) => q.counts.errors += 1,
             }
-            if let Some(buf) = q.parked.remove(id) {
-                q.released.push(buf);
-            } else if known {
-                q.done.insert(id, o);
+            let waited = match q.parked.remove(id) {
+                Some(buf) => {
+                    q.released.push(buf);
+                    false
+                }
+                None if known => {
+                    q.done.insert(id, o);
+                    true
+                }
+                None => false,
+            };
+            if flushed && !waited {
+                q.orphan = q.orphan.or(o.err());
             }
         }
         Ok(n)
+    }
+
+    /// Reaps a queue's CQ until it is empty, bounded by its capacity (what arrives later is
+    /// another round's).
+    fn drain_queue(&self, send: bool, q: &mut Queue) -> Result<usize> {
+        let cap = if send { self.send_cq.depth() } else { self.recv_cq.depth() } as usize;
+        let mut total = 0;
+        while total <= cap {
+            let n = self.reap(send, q)?;
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        Ok(total)
+    }
+
+    /// The connection watcher's reap for a keepalive probe: the send CQ until it is empty,
+    /// running no released buffer's `Drop` (see the module docs).
+    pub(crate) fn reap_for_probe(&self) -> Result<usize> {
+        let n = self.with_as(true, Reaper::Watcher, |c, q| c.drain_queue(true, q))?;
+        self.wake_pollers(n);
+        Ok(n)
+    }
+
+    fn wake_pollers(&self, n: usize) {
+        if n > 0 && self.mode == Mode::Poller {
+            *self.wake_lock.lock() += 1;
+            self.wake.notify_all();
+        }
     }
 
     /// Reaps both CQs into the routing maps and wakes waiters if anything arrived. This is what a
     /// poller thread calls.
     pub(crate) fn progress(&self) -> Result<usize> {
         let n = self.with(true, |c, q| c.reap(true, q))? + self.with(false, |c, q| c.reap(false, q))?;
-        if n > 0 && self.mode == Mode::Poller {
-            *self.wake_lock.lock() += 1;
-            self.wake.notify_all();
-        }
+        self.wake_pollers(n);
         Ok(n)
     }
 
     /// Reaps both CQs until they are empty. After arming a CQ this is what must follow: a
     /// completion already queued raises no event, so one left behind would wait for the next.
     /// Bounded by the CQs' capacity: what arrives later raises an event of its own.
-    #[cfg(feature = "tokio")]
     pub(crate) fn drain(&self) -> Result<usize> {
         let cap = (self.send_cq.depth() + self.recv_cq.depth()) as usize;
         let mut total = 0;
@@ -438,6 +560,11 @@ impl Core {
         s.used == 0 && r.used == 0 && s.parked.is_empty() && r.parked.is_empty()
     }
 
+    /// Whether reaped outcomes wait for their waiters.
+    fn has_unclaimed(&self) -> bool {
+        !self.send.lock().done.is_empty() || !self.recv.lock().done.is_empty()
+    }
+
     /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
     #[cfg(feature = "tokio")]
     pub(crate) fn has_parked(&self) -> bool {
@@ -449,6 +576,7 @@ impl Core {
         let mut all = self.send.lock().parked.take_all();
         all.extend(self.recv.lock().parked.take_all());
         all.append(&mut self.until_destroyed.lock());
+        all.append(&mut self.deferred.lock());
         all
     }
 
@@ -473,8 +601,9 @@ impl Core {
                 };
                 self.send_cq.arm()?;
                 self.recv_cq.arm()?;
-                // Completions that arrived before arming raise no event: collect them now.
-                if self.progress()? == 0 {
+                // Completions that arrived before arming raise no event: collect them now. One
+                // the watcher reaped since the caller last looked waits unclaimed: no sleep.
+                if self.progress()? == 0 && !self.has_unclaimed() {
                     ch.wait(max.min(Duration::from_millis(100)))?;
                 }
             }
@@ -531,7 +660,6 @@ impl SendSlots<'_> {
     pub(crate) fn probe_posted(&mut self, id: u64) {
         self.0.used += 1;
         self.0.tails.insert(id, (1, PROBE_OP));
-        self.0.parked.insert(id, Box::new(()));
     }
 
     /// Records `k` requests posted without a signaled tail (a partially accepted chain): their

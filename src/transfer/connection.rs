@@ -152,7 +152,7 @@ impl Connection {
             WaitMode::Poller(_) => Mode::Poller,
         };
         let core = Arc::new(Core::new(send_cq, recv_cq, mode));
-        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, opts.send_depth));
+        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, opts.retry_time()));
         let link = Arc::new(Link::new(&core, &qp, keepalive));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);

@@ -8,15 +8,24 @@
 //! (a zero-length request's remote key is not checked), so it costs one packet and its ACK. The
 //! peer's NIC answers it without its application; an unreachable one does not, and the transport
 //! retries it `retry_count` times, `4.096 µs × 2^ack_timeout` apart, before completing it with
-//! `RETRY_EXC_ERR`. That completion — or the probe being out for two intervals, for devices
+//! `RETRY_EXC_ERR`. That completion — or the probe being out for its deadline, for devices
 //! that retry for ever — fails the connection with
 //! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is moved to the
 //! error state, so every waiter gets its flush.
 //!
-//! The probe is the connection's own: it takes a send-queue slot only when one is free (a full
-//! queue's requests are probes enough: they complete or fail by the same transport retries),
-//! and its completion is dropped by whichever thread reaps it — the watcher reaps the send CQ
-//! itself while a probe is out, since an idle application polls nothing.
+//! The deadline is two intervals, and never shorter than the transport's own retry time: a
+//! probe that a lost packet delays is retransmitted, not taken for a dead peer.
+//!
+//! A probe goes out only on an empty send queue. Requests ahead of it could hold it up for any
+//! time with the peer alive — a SEND waiting for the peer to post a receive (RNR retries), a
+//! large WRITE on a slow link — and its deadline would take that for a dead peer. Requests in
+//! flight are probes of their own: they complete, or fail by the same transport retries (or by
+//! their waiter's [`Options::op_timeout`](crate::transfer::Options::op_timeout)).
+//!
+//! Nobody waits for a probe: whichever thread reaps its completion drops it. The watcher
+//! reaps the send CQ itself while a probe is out, since an idle application polls nothing. A
+//! flushed probe with no failure recorded means the QP went to the error state without a word
+//! to this side (rxe does that to a responder's QP on a bad request): that is the failure.
 
 use std::time::{Duration, Instant};
 
@@ -39,8 +48,8 @@ const MAX_RECHECK: Duration = Duration::from_millis(250);
 pub(crate) struct Keepalive {
     interval: Duration,
     recheck: Duration,
-    /// The connection's send-queue depth: a probe takes a slot only below it.
-    depth: u32,
+    /// How long a probe may be out before the peer is taken for dead.
+    deadline: Duration,
     state: Mutex<Probe>,
 }
 
@@ -64,12 +73,13 @@ pub(crate) enum Tick {
 }
 
 impl Keepalive {
-    /// Probes every `interval` on a connection whose send queue is `depth` deep.
-    pub(crate) fn new(interval: Duration, depth: u32) -> Keepalive {
+    /// Probes every `interval` on a connection whose transport gives up on an unanswered
+    /// request after `retry_time`.
+    pub(crate) fn new(interval: Duration, retry_time: Duration) -> Keepalive {
         Keepalive {
             interval,
             recheck: (interval / 4).clamp(Duration::from_millis(10), MAX_RECHECK),
-            depth,
+            deadline: (2 * interval).max(retry_time),
             state: Mutex::new(Probe { next_id: 0, in_flight: None, due: Instant::now() + interval, over: false }),
         }
     }
@@ -91,15 +101,16 @@ impl Keepalive {
             return None;
         }
         if let Some((id, posted)) = st.in_flight {
-            if let Err(e) = core.progress() {
+            if let Err(e) = core.reap_for_probe() {
                 core.fail(Failure::local(&e));
             }
             if core.failed.get().is_none() && core.send_in_flight(id) {
-                if now.saturating_duration_since(posted) < 2 * self.interval {
-                    return Some(Tick::At(now + self.recheck));
+                let deadline = posted + self.deadline;
+                if now < deadline {
+                    return Some(Tick::At((now + self.recheck).min(deadline)));
                 }
-                // Out for two intervals: a device that retries for ever (rxe with a retry
-                // count of 7) would never report the peer; this deadline does.
+                // Out past its deadline: a device that retries for ever (rxe with a retry
+                // count of 7) would never report the peer; this does.
                 core.fail(Failure::Lost(Disconnect::KeepaliveFailed { status: WcStatus::RespTimeoutErr }));
             }
             st.in_flight = None;
@@ -111,7 +122,6 @@ impl Keepalive {
         if now < st.due {
             return Some(Tick::At(st.due));
         }
-        st.due = now + self.interval;
         let id = PROBE_BIT | st.next_id;
         st.next_id = (st.next_id + 1) & !PROBE_BIT;
         // A zero-length WRITE: no SGE, and a remote key the responder does not check.
@@ -122,7 +132,8 @@ impl Keepalive {
             flags: SendFlags::SIGNALED,
         };
         let posted = core.with_send(|core, slots| {
-            if core.failed.get().is_some() || slots.used() >= self.depth {
+            // Only on an empty send queue (see the module docs).
+            if core.failed.get().is_some() || slots.used() > 0 {
                 return Ok(false);
             }
             let posted = post(&wr)?;
@@ -134,9 +145,14 @@ impl Keepalive {
         match posted {
             Ok(true) => {
                 st.in_flight = Some((id, now));
+                st.due = now + self.interval;
                 Some(Tick::At(now + self.recheck))
             }
-            Ok(false) => Some(Tick::At(st.due)),
+            Ok(false) => {
+                // Requests in flight (or the QP gone): look again soon.
+                st.due = now + self.recheck;
+                Some(Tick::At(st.due))
+            }
             Err(e) => {
                 // A QP that refuses a post is in the error state or worse.
                 core.fail(Failure::local(&e));

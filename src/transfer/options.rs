@@ -73,19 +73,31 @@ pub struct Options {
     /// thread; it names no memory, and the peer's NIC answers it without the peer's
     /// application. An unanswered probe fails the connection with
     /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` when the
-    /// transport gives up on it (`RETRY_EXC_ERR`, after `(retry_count + 1) × 4.096 µs ×
-    /// 2^ack_timeout`: 0.54 s with the defaults, a device may round each retry up to its
-    /// timer's tick) or when it has been out for two intervals (`RESP_TIMEOUT_ERR`), whichever
-    /// comes first: within `keepalive + min(2 × keepalive, retry time) + min(keepalive / 4,
-    /// 250 ms)` of the peer's last answer.
+    /// transport gives up on it (`RETRY_EXC_ERR`, after the *retry time* `(retry_count + 1) ×
+    /// 4.096 µs × 2^ack_timeout`: 0.54 s with the defaults; a device may round each retry up
+    /// to its timer's tick) or when it has been out for `max(2 × keepalive, retry time)`
+    /// (`RESP_TIMEOUT_ERR`; for devices that retry for ever, as rxe does with a retry count of
+    /// 7), whichever comes first. On an idle connection, a peer gone silent is found within
+    /// `keepalive + max(2 × keepalive, retry time) + min(keepalive / 4, 250 ms)` of its last
+    /// answer. Choose an interval well above the path's round trip; below the retry time it
+    /// only adds packets.
+    ///
+    /// Probes go out only while the send queue is empty: a request ahead of a probe (a SEND
+    /// waiting for the peer to post a receive, a large WRITE) could hold it up with the peer
+    /// alive. Requests in flight find a dead peer themselves — by the transport's retries, or
+    /// by [`Options::op_timeout`] for a waiting caller; with a retry count the device takes as
+    /// "for ever", a request nobody waits for any more (a dropped
+    /// [`crate::transfer::Pending`]) that never completes also keeps the probes from going out.
     ///
     /// **Both ends must set it**: the probe needs the peer's QP to accept RDMA WRITE, so a
     /// connection with keepalive accepts WRITEs whatever [`Options::remote_access`] says. That
     /// reaches no memory by itself — a WRITE needs a key with write rights (a buffer exposed
     /// with them, or a grant) — but a peer that learns such a key meant for another connection
     /// could use it here. A probe the peer refuses (it did not set keepalive) fails the
-    /// connection with `KeepaliveFailed { status: RemInvReqErr }` within the first interval.
-    /// Zero is refused ([`crate::Error::InvalidArgument`]).
+    /// connection with `KeepaliveFailed { status: RemInvReqErr }`, about one interval after
+    /// setup. A connection whose QP the device moved to the error state without telling this
+    /// side (rxe does so to the target of a bad request) fails with `KeepaliveFailed { status:
+    /// WrFlushErr }` at the next probe. Zero is refused ([`crate::Error::InvalidArgument`]).
     pub keepalive: Option<Duration>,
     /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
     /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],
@@ -144,6 +156,12 @@ impl Default for Options {
 }
 
 impl Options {
+    /// How long the transport retries an unanswered request before `RETRY_EXC_ERR`:
+    /// `(retry_count + 1) × 4.096 µs × 2^ack_timeout` (0.54 s with the defaults).
+    pub(crate) fn retry_time(&self) -> Duration {
+        Duration::from_nanos(4096 << self.ack_timeout.min(31)) * (u32::from(self.retry_count.min(7)) + 1)
+    }
+
     /// Opens the device these options name (`device`, else `MRALLOC_DEVICE`, else the first
     /// active one).
     ///

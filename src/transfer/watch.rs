@@ -98,10 +98,15 @@ impl Link {
         match tick {
             Tick::At(t) => Some(t),
             Tick::Failed => {
-                if let Some(f) = self.core.failed.get() {
-                    tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {}", f.error());
+                match self.core.failed.get() {
+                    // Closed by its owner, who flushes it: nothing lost.
+                    Some(Failure::Closed) => {}
+                    Some(f) => {
+                        tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {}", f.error());
+                        self.set_error();
+                    }
+                    None => self.set_error(),
                 }
-                self.set_error();
                 None
             }
         }
