@@ -35,11 +35,16 @@ fn keepalive(every: Duration) -> Options {
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_keepalive_probes_an_idle_connection_without_failing_it() {
-    let (pd, heap) = setup();
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().access(Access::ALL_REMOTE).bind(&pd).build().unwrap();
     let device = pd.context().name().to_string();
     let every = Duration::from_millis(200);
     let idle = Duration::from_secs(3);
     let (a, b) = Connection::pair(&pd, &keepalive(every)).unwrap();
+    // b abandons a WRITE (its Pending dropped): its completion waits in the CQ with nobody to
+    // reap it — the send queue must not look busy for ever, keeping b's probes in.
+    let target = heap.alloc(4096).unwrap().expose().unwrap();
+    drop(b.post_write(heap.alloc(4096).unwrap(), &target.remote(), 0).map_err(|r| r.error).unwrap());
     let before = sent_packets(&device);
     let start = Instant::now();
     // A receive waits through the probes; the message after the silence arrives intact.
@@ -64,9 +69,9 @@ fn device_keepalive_probes_an_idle_connection_without_failing_it() {
     let intervals = start.elapsed().as_millis() as u64 / every.as_millis() as u64;
     println!("keepalive every {every:?}: {sent} packets in {:?} of silence ({intervals} intervals)", start.elapsed());
     assert!(sent >= 3 * intervals, "only {sent} packets went out in {intervals} keepalive intervals: both ends probe?");
-    // Probes are no application requests.
+    // Probes are no application requests (b's are the WRITE and the SEND).
     let (sa, sb) = (a.stats(), b.stats());
-    assert_eq!((sa.send_requests, sa.recv_requests, sb.send_requests, sb.recv_requests), (0, 1, 1, 0));
+    assert_eq!((sa.send_requests, sa.recv_requests, sb.send_requests, sb.recv_requests), (0, 1, 2, 0));
     assert_eq!((sa.errors, sb.errors), (0, 0));
 }
 
@@ -93,6 +98,8 @@ fn device_keepalive_refused_by_a_peer_without_it_fails_the_prober() {
     );
     assert!(after < every + Duration::from_secs(3), "found after {after:?}");
     assert!(matches!(conn.error(), Some(Error::Disconnected(Disconnect::KeepaliveFailed { .. }))));
+    // The refused probe and the receive's flush.
+    assert_eq!(conn.stats().errors, 2, "{:?}", conn.stats());
     // rxe moved the refusing peer's QP to the error state without a completion on its side: its
     // next request is flushed, and reports that.
     let msg = heap.alloc(64).unwrap();
@@ -159,8 +166,11 @@ fn device_keepalive_finds_a_qp_that_went_to_the_error_state_silently() {
 
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
-fn device_keepalive_of_zero_is_refused() {
+fn device_keepalive_of_zero_or_over_a_day_is_refused() {
     let (pd, _heap) = setup();
-    let r = Connection::pair(&pd, &keepalive(Duration::ZERO));
-    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{:?}", r.err());
+    for every in [Duration::ZERO, Duration::from_secs(86_401), Duration::MAX] {
+        let r = Connection::pair(&pd, &keepalive(every));
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{every:?}: {:?}", r.err());
+    }
+    assert!(Connection::pair(&pd, &keepalive(Duration::from_secs(86_400))).is_ok());
 }

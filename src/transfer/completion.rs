@@ -15,7 +15,7 @@
 //! that went to the error state without a word to this side (rxe moves a responder's QP there
 //! on a bad request) still leaves its failure recorded.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -168,11 +168,13 @@ impl Default for Queue {
 }
 
 /// Who reaps: an application thread (or a poller, or an async driver) runs released buffers'
-/// `Drop`s; the connection watcher does not (a `Drop` may block, and it watches every
-/// connection).
+/// `Drop`s, also those the watcher kept; a posting path runs only those it released itself (it
+/// may hold a lock of its own); the connection watcher runs none (a `Drop` may block, and it
+/// watches every connection).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reaper {
     App,
+    Post,
     Watcher,
 }
 
@@ -199,6 +201,9 @@ pub(crate) struct Core {
     /// the next reap of an application thread (or with the connection).
     deferred: Mutex<Vec<Parked>>,
     has_deferred: AtomicBool,
+    /// Rounds in which the watcher reaped something (a waiter sleeping on the completion
+    /// channel must not sleep over an outcome reaped since it last looked).
+    watcher_reaps: AtomicU64,
     mode: Mode,
     channel: Option<CompChannel>,
     event_lock: Mutex<()>,
@@ -224,6 +229,7 @@ impl Core {
             until_destroyed: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),
+            watcher_reaps: AtomicU64::new(0),
             mode,
             channel,
             event_lock: Mutex::new(()),
@@ -266,7 +272,7 @@ impl Core {
     }
 
     /// Runs `f` on a queue's state; after the lock is gone, records a flush it reaped that
-    /// nobody will explain, and drops the buffers it released.
+    /// nobody will explain, and drops the buffers it released (and those the watcher kept).
     fn with<R>(&self, send: bool, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
         self.with_as(send, Reaper::App, f)
     }
@@ -285,7 +291,7 @@ impl Core {
     }
 
     /// Drops released buffers — or, on the watcher's thread, keeps them for an application
-    /// thread to drop. An application thread also drops what the watcher kept.
+    /// thread to drop. An application thread's reap also drops what the watcher kept.
     fn release(&self, released: Vec<Parked>, who: Reaper) {
         if who == Reaper::Watcher {
             if !released.is_empty() {
@@ -295,7 +301,10 @@ impl Core {
             return;
         }
         let mut all = released;
-        if self.has_deferred.load(Ordering::Acquire) && self.has_deferred.swap(false, Ordering::AcqRel) {
+        if who == Reaper::App
+            && self.has_deferred.load(Ordering::Acquire)
+            && self.has_deferred.swap(false, Ordering::AcqRel)
+        {
             all.append(&mut self.deferred.lock());
         }
         for buf in all {
@@ -388,9 +397,12 @@ impl Core {
             let o = self.outcome(&q.wcs[i], op);
             let flushed = q.wcs[i].status() == WcStatus::WrFlushErr;
             if op == PROBE_OP {
-                // A keepalive probe is no request of the application's, and nobody waits for it.
+                // A keepalive probe is no request of the application's, and nobody waits for it;
+                // its failure is the connection's (its flush only if nothing explains it).
                 if flushed {
                     q.orphan = q.orphan.or(o.err());
+                } else if o.is_err() {
+                    q.counts.errors += 1;
                 }
                 continue;
             }
@@ -440,8 +452,16 @@ impl Core {
     /// running no released buffer's `Drop` (see the module docs).
     pub(crate) fn reap_for_probe(&self) -> Result<usize> {
         let n = self.with_as(true, Reaper::Watcher, |c, q| c.drain_queue(true, q))?;
+        if n > 0 {
+            self.watcher_reaps.fetch_add(1, Ordering::AcqRel);
+        }
         self.wake_pollers(n);
         Ok(n)
+    }
+
+    /// A mark to hand to [`Core::pause`], taken before looking for an outcome.
+    pub(crate) fn mark(&self) -> u64 {
+        self.watcher_reaps.load(Ordering::Acquire)
     }
 
     fn wake_pollers(&self, n: usize) {
@@ -501,8 +521,12 @@ impl Core {
     /// Never blocks on the NIC. Returns whether it is parked (waits for a completion not yet
     /// reaped).
     pub(crate) fn park(&self, Ticket { wr_id, send }: Ticket, buf: Parked) -> bool {
-        self.with(send, |_, q| {
-            if q.done.remove(wr_id).is_some() {
+        self.with_as(send, Reaper::Post, |_, q| {
+            if let Some(o) = q.done.remove(wr_id) {
+                // A flush reaped for a waiter that is gone now: nobody else will explain it.
+                if let Err(f @ Failure::Op { status: WcStatus::WrFlushErr, .. }) = o {
+                    q.orphan = q.orphan.or(Some(f));
+                }
                 q.released.push(buf);
                 false
             } else {
@@ -518,8 +542,15 @@ impl Core {
     }
 
     /// Runs `f` with the send queue locked, so that posting and slot accounting are one step.
+    /// Drops only what `f` itself released by reaping (posting paths may hold locks of their
+    /// own: the watcher's kept buffers wait for a reap).
     pub(crate) fn with_send<R>(&self, f: impl FnOnce(&Core, &mut SendSlots<'_>) -> R) -> R {
-        self.with(true, |c, q| f(c, &mut SendSlots(q)))
+        self.with_as(true, Reaper::Post, |c, q| f(c, &mut SendSlots(q)))
+    }
+
+    /// [`Core::with_send`] for the connection watcher: runs no buffer's `Drop`.
+    pub(crate) fn with_send_for_probe<R>(&self, f: impl FnOnce(&Core, &mut SendSlots<'_>) -> R) -> R {
+        self.with_as(true, Reaper::Watcher, |c, q| f(c, &mut SendSlots(q)))
     }
 
     /// The connection's counters now.
@@ -534,7 +565,7 @@ impl Core {
 
     /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
     pub(crate) fn with_recv_slot(&self, depth: u32, post: impl FnOnce() -> Result<()>) -> Result<()> {
-        self.with(false, |_, q| {
+        self.with_as(false, Reaper::Post, |_, q| {
             if q.used >= depth {
                 return Err(Error::InvalidArgument(format!(
                     "{} receives are already posted (the receive queue depth)",
@@ -560,11 +591,6 @@ impl Core {
         s.used == 0 && r.used == 0 && s.parked.is_empty() && r.parked.is_empty()
     }
 
-    /// Whether reaped outcomes wait for their waiters.
-    fn has_unclaimed(&self) -> bool {
-        !self.send.lock().done.is_empty() || !self.recv.lock().done.is_empty()
-    }
-
     /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
     #[cfg(feature = "tokio")]
     pub(crate) fn has_parked(&self) -> bool {
@@ -581,8 +607,9 @@ impl Core {
     }
 
     /// Waits a little for progress, the way the connection's mode says: spin, sleep on the
-    /// completion channel, or sleep until the poller thread signals.
-    pub(crate) fn pause(&self, spins: &mut u32, max: Duration) -> Result<()> {
+    /// completion channel, or sleep until the poller thread signals. `mark` ([`Core::mark`])
+    /// was taken before the caller last looked for its outcome.
+    pub(crate) fn pause(&self, spins: &mut u32, max: Duration, mark: u64) -> Result<()> {
         match self.mode {
             Mode::BusyPoll => {
                 *spins = spins.wrapping_add(1);
@@ -602,8 +629,8 @@ impl Core {
                 self.send_cq.arm()?;
                 self.recv_cq.arm()?;
                 // Completions that arrived before arming raise no event: collect them now. One
-                // the watcher reaped since the caller last looked waits unclaimed: no sleep.
-                if self.progress()? == 0 && !self.has_unclaimed() {
+                // the watcher reaped since the caller last looked raised none either: no sleep.
+                if self.progress()? == 0 && self.mark() == mark {
                     ch.wait(max.min(Duration::from_millis(100)))?;
                 }
             }

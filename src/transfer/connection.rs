@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
-use crate::transfer::keepalive::Keepalive;
+use crate::transfer::keepalive::{Keepalive, MAX_KEEPALIVE};
 use crate::transfer::local::Sges;
 use crate::transfer::stats::ConnectionStats;
 use crate::transfer::watch::{watch, Link, Registration, Source};
@@ -106,8 +106,8 @@ impl Connection {
             Some(shared) => Qp::builder(pd, &send_cq, shared.cq()).srq(shared.srq()),
             None => Qp::builder(pd, &send_cq, &recv_cq),
         };
-        if opts.keepalive.is_some_and(|k| k.is_zero()) {
-            return Err(Error::InvalidArgument("a keepalive interval of zero".into()));
+        if let Some(k) = opts.keepalive.filter(|k| k.is_zero() || *k > MAX_KEEPALIVE) {
+            return Err(Error::InvalidArgument(format!("a keepalive interval of {k:?} (0 < keepalive <= 1 day)")));
         }
         // A keepalive probe is a zero-length RDMA WRITE: the QP must accept WRITEs (they
         // reach memory only through a key with write rights).
@@ -152,7 +152,10 @@ impl Connection {
             WaitMode::Poller(_) => Mode::Poller,
         };
         let core = Arc::new(Core::new(send_cq, recv_cq, mode));
-        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, opts.retry_time()));
+        // What the device was told (an RDMA CM connection's ACK timeout comes from the path, not
+        // the options), else what the options asked for.
+        let retry_time = qp.retry_time().unwrap_or_else(|_| opts.retry_time());
+        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, retry_time));
         let link = Arc::new(Link::new(&core, &qp, keepalive));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);
@@ -341,6 +344,7 @@ impl Connection {
         let start = Instant::now();
         let mut spins = 0;
         loop {
+            let mark = self.core.mark();
             // A failing poll leaves the flush unseen: keep trying until the deadline.
             let _ = self.core.progress();
             if self.core.quiet() {
@@ -349,7 +353,7 @@ impl Connection {
             if start.elapsed() > FLUSH_WAIT {
                 return Err(Error::FlushLost { wr_id: 0, waited: start.elapsed() });
             }
-            if self.core.pause(&mut spins, Duration::from_millis(1)).is_err() {
+            if self.core.pause(&mut spins, Duration::from_millis(1), mark).is_err() {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -422,6 +426,7 @@ impl Connection {
         let mut watch = self.core.stopwatch();
         loop {
             self.check()?;
+            let mark = self.core.mark();
             // SAFETY: the caller's contract.
             match unsafe { self.attempt(sges, ops, flags, true)? } {
                 Attempt::Posted(tail) => return Ok(Ticket::send(tail)),
@@ -431,7 +436,7 @@ impl Connection {
             if watch.elapsed() > self.opts.op_timeout {
                 return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
             }
-            self.core.pause(&mut 0, Duration::from_millis(1))?;
+            self.core.pause(&mut 0, Duration::from_millis(1), mark)?;
         }
     }
 
@@ -526,6 +531,7 @@ impl Connection {
         let start = Instant::now();
         let mut spins = 0;
         loop {
+            let mark = self.core.mark();
             let id = self.next_wr_id();
             let marker = [SendWr { wr_id: id, sges: &[], op: SendOp::Send, flags: SendFlags::SIGNALED }];
             let posted = self.core.with_send(|core, slots| {
@@ -548,7 +554,7 @@ impl Connection {
             if start.elapsed() > FLUSH_WAIT {
                 return Err(Error::FlushLost { wr_id: id, waited: start.elapsed() });
             }
-            if self.core.pause(&mut spins, Duration::from_millis(1)).is_err() {
+            if self.core.pause(&mut spins, Duration::from_millis(1), mark).is_err() {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -579,6 +585,7 @@ impl Connection {
             panic!("injected panic while work request {wr_id} is in flight");
         }
         loop {
+            let mark = self.core.mark();
             let claimed = self.core.try_claim(ticket);
             if let Ok(Some(o)) = claimed {
                 return self.settle(o, local.map(|(e, _)| e));
@@ -608,7 +615,7 @@ impl Connection {
                 // Without a limit, sleep in slices (a failure flushes the request and wakes it).
                 None => limit.map_or(Duration::from_secs(1), |l| l.saturating_sub(now)),
             };
-            if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1))) {
+            if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1)), mark) {
                 self.fail_locally(&mut local, e, now);
                 std::thread::sleep(Duration::from_micros(50));
             }

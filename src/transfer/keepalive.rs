@@ -41,6 +41,9 @@ pub(crate) const PROBE_OP: &str = "keepalive probe";
 /// Probe work-request ids have the top bit set; a connection's own ids count up from 1.
 const PROBE_BIT: u64 = 1 << 63;
 
+/// The longest keepalive interval accepted.
+pub(crate) const MAX_KEEPALIVE: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The longest the watcher waits between looks at a probe in flight.
 const MAX_RECHECK: Duration = Duration::from_millis(250);
 
@@ -84,6 +87,12 @@ impl Keepalive {
         }
     }
 
+    /// Stops the schedule, after a tick under way (which may still post, or keep released
+    /// buffers for the connection) is over: the connection is about to destroy its QP.
+    pub(crate) fn retire(&self) {
+        self.state.lock().over = true;
+    }
+
     /// Runs the schedule at `now`: looks at the probe in flight (reaping the send CQ for it),
     /// posts the next one when due. `post` posts a memory-less request on the connection's QP
     /// and says whether it did (`false`: the QP is gone). It runs with the send queue's lock
@@ -122,6 +131,11 @@ impl Keepalive {
         if now < st.due {
             return Some(Tick::At(st.due));
         }
+        // Completions nobody reaped (an abandoned request's, say) would keep the queue looking
+        // busy for ever: reap them first.
+        if let Err(e) = core.reap_for_probe() {
+            core.fail(Failure::local(&e));
+        }
         let id = PROBE_BIT | st.next_id;
         st.next_id = (st.next_id + 1) & !PROBE_BIT;
         // A zero-length WRITE: no SGE, and a remote key the responder does not check.
@@ -131,7 +145,7 @@ impl Keepalive {
             op: SendOp::Write(RemoteAddr { addr: 0, rkey: 0 }),
             flags: SendFlags::SIGNALED,
         };
-        let posted = core.with_send(|core, slots| {
+        let posted = core.with_send_for_probe(|core, slots| {
             // Only on an empty send queue (see the module docs).
             if core.failed.get().is_some() || slots.used() > 0 {
                 return Ok(false);
@@ -144,6 +158,8 @@ impl Keepalive {
         });
         match posted {
             Ok(true) => {
+                // Timed from the post itself: `now` may be a while old (other links' ticks).
+                let now = Instant::now();
                 st.in_flight = Some((id, now));
                 st.due = now + self.interval;
                 Some(Tick::At(now + self.recheck))

@@ -74,10 +74,11 @@ pub struct Options {
     /// application. An unanswered probe fails the connection with
     /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` when the
     /// transport gives up on it (`RETRY_EXC_ERR`, after the *retry time* `(retry_count + 1) ×
-    /// 4.096 µs × 2^ack_timeout`: 0.54 s with the defaults; a device may round each retry up
-    /// to its timer's tick) or when it has been out for `max(2 × keepalive, retry time)`
-    /// (`RESP_TIMEOUT_ERR`; for devices that retry for ever, as rxe does with a retry count of
-    /// 7), whichever comes first. On an idle connection, a peer gone silent is found within
+    /// 4.096 µs × 2^ack_timeout`, read back from the QP — an RDMA CM connection's ACK timeout
+    /// comes from its path: 0.54 s with these defaults; a device may round each retry up to
+    /// its timer's tick, or run its timer up to 4 times longer) or when it has been out for
+    /// `max(2 × keepalive, retry time)` (`RESP_TIMEOUT_ERR`; for devices that retry for ever,
+    /// as rxe does with a retry count of 7), whichever comes first. On an idle connection, a peer gone silent is found within
     /// `keepalive + max(2 × keepalive, retry time) + min(keepalive / 4, 250 ms)` of its last
     /// answer. Choose an interval well above the path's round trip; below the retry time it
     /// only adds packets.
@@ -97,7 +98,8 @@ pub struct Options {
     /// connection with `KeepaliveFailed { status: RemInvReqErr }`, about one interval after
     /// setup. A connection whose QP the device moved to the error state without telling this
     /// side (rxe does so to the target of a bad request) fails with `KeepaliveFailed { status:
-    /// WrFlushErr }` at the next probe. Zero is refused ([`crate::Error::InvalidArgument`]).
+    /// WrFlushErr }` at the next probe. Zero, or more than a day, is refused
+    /// ([`crate::Error::InvalidArgument`]).
     pub keepalive: Option<Duration>,
     /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
     /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],

@@ -26,9 +26,11 @@ pub struct ConnectionStats {
     /// completes once).
     pub completions: u64,
     /// Work completions reaped with an error status, flushes included (the first one fails
-    /// the connection; [`crate::transfer::Connection::error`] says why).
+    /// the connection; [`crate::transfer::Connection::error`] says why). A keepalive probe
+    /// that failed counts; a flushed one does not.
     pub errors: u64,
-    /// Send-queue slots in use now: requests posted and not yet completed.
+    /// Send-queue slots in use now: requests posted and not yet completed (a keepalive probe
+    /// out takes one).
     pub sends_in_flight: u32,
     /// Receives posted and not yet completed.
     pub recvs_in_flight: u32,

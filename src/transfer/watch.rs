@@ -112,8 +112,12 @@ impl Link {
         }
     }
 
-    /// The connection is about to destroy its QP: the watcher must not touch it any more.
+    /// The connection is about to destroy its QP: the watcher must not touch it any more (and
+    /// a keepalive tick under way is over before the connection takes back what it holds).
     pub(crate) fn retire(&self) {
+        if let Some(k) = &self.keepalive {
+            k.retire();
+        }
         *self.qp.lock() = None;
     }
 }
@@ -483,28 +487,41 @@ impl Watcher {
                     probing.extend(e.links.iter().filter(|l| l.keepalive.is_some()).cloned());
                 }
             }
-            // Outside the lock: a probe's reap may drop buffers, whose Drop may end a
-            // connection (and so take the lock).
-            let timeout = keepalive_ticks(&probing);
-            // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
-            // POLLNVAL; one reused by another file reports whatever it reports: either way the
-            // key is looked up again under the lock below before anything is read.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-            if rc < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EINTR) {
-                    tracing::error!("the connection watcher's poll failed: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(100));
-                }
+            if probing.is_empty() {
+                self.poll_and_handle(&mut fds, &keys, -1);
                 continue;
             }
-            let mut st = self.state.lock();
-            // A panic here (a tracing subscriber's) must not end the watching for good.
-            let handled =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, &fds, &keys)));
-            if handled.is_err() {
-                tracing::error!("the connection watcher panicked handling an event; it goes on");
+            // What the device or the peer said comes before the probes: a QP the device failed
+            // flushes the probe too, and the event tells why.
+            self.poll_and_handle(&mut fds, &keys, 0);
+            // Outside the lock (a probe's reap takes a connection's locks).
+            let timeout = keepalive_ticks(&probing);
+            self.poll_and_handle(&mut fds, &keys, timeout);
+        }
+    }
+
+    /// Polls `fds` (at most `timeout` ms, -1: no limit) and handles what it finds.
+    fn poll_and_handle(&self, fds: &mut [libc::pollfd], keys: &[Key], timeout: i32) {
+        // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
+        // POLLNVAL; one reused by another file reports whatever it reports: either way the
+        // key is looked up again under the lock below before anything is read.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                tracing::error!("the connection watcher's poll failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
             }
+            return;
+        }
+        if rc == 0 {
+            return;
+        }
+        let mut st = self.state.lock();
+        // A panic here (a tracing subscriber's) must not end the watching for good.
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, fds, keys)));
+        if handled.is_err() {
+            tracing::error!("the connection watcher panicked handling an event; it goes on");
         }
     }
 }
@@ -512,13 +529,14 @@ impl Watcher {
 /// Runs the keepalive schedules of `links`; returns the poll timeout (ms, -1: none) until the
 /// next is due.
 fn keepalive_ticks(links: &[Arc<Link>]) -> i32 {
-    let now = Instant::now();
-    let next =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| links.iter().filter_map(|l| l.keepalive(now)).min()))
-            .unwrap_or_else(|_| {
-                tracing::error!("the connection watcher panicked running keepalive probes; it goes on");
-                Some(now + std::time::Duration::from_millis(100))
-            });
+    // Each link at its own time: one that took a while must not date the next one's probe.
+    let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        links.iter().filter_map(|l| l.keepalive(Instant::now())).min()
+    }))
+    .unwrap_or_else(|_| {
+        tracing::error!("the connection watcher panicked running keepalive probes; it goes on");
+        Some(Instant::now() + std::time::Duration::from_millis(100))
+    });
     match next {
         // Rounded up: waking a millisecond early would only look again.
         Some(t) => t.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,

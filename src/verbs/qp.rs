@@ -3,6 +3,8 @@
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 
+use std::time::Duration;
+
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
@@ -443,16 +445,7 @@ impl Qp {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_query_qp` fails.
     pub fn state(&self) -> Result<QpState> {
-        // SAFETY: both structs are plain old data; all-zero is valid.
-        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: qp is live; both out-pointers are valid.
-        let rc =
-            unsafe { ffi::ibv_query_qp(self.qp, &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init) };
-        if rc != 0 {
-            return Err(Error::verbs("ibv_query_qp", rc));
-        }
+        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_STATE)?;
         use ffi::ibv_qp_state::*;
         Ok(match attr.qp_state {
             IBV_QPS_RESET => QpState::Reset,
@@ -464,6 +457,30 @@ impl Qp {
             IBV_QPS_ERR => QpState::Error,
             other => QpState::Unknown(other),
         })
+    }
+
+    /// How long the transport retries an unanswered request before completing it with
+    /// `RETRY_EXC_ERR`, from the QP's own attributes: `(retry_cnt + 1) × 4.096 µs × 2^timeout`
+    /// (nominal: the specification lets a device's timer run up to 4 times longer). A `timeout`
+    /// of 0 means the device never times out: then the result is the nominal minimum.
+    pub(crate) fn retry_time(&self) -> Result<Duration> {
+        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT | ffi::ibv_qp_attr_mask::IBV_QP_RETRY_CNT)?;
+        Ok(Duration::from_nanos(4096 << attr.timeout.min(31)) * (u32::from(attr.retry_cnt.min(7)) + 1))
+    }
+
+    /// `ibv_query_qp` of the attributes `mask` names.
+    fn query(&self, mask: ffi::ibv_qp_attr_mask) -> Result<ffi::ibv_qp_attr> {
+        self.usable()?;
+        // SAFETY: both structs are plain old data; all-zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: qp is live; both out-pointers are valid.
+        let rc = unsafe { ffi::ibv_query_qp(self.qp, &mut attr, mask.0 as i32, &mut init) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_query_qp", rc));
+        }
+        Ok(attr)
     }
 
     fn validate(&self, wr: &SendWr<'_>) -> Result<()> {
