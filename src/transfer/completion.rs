@@ -201,9 +201,10 @@ pub(crate) struct Core {
     /// the next reap of an application thread (or with the connection).
     deferred: Mutex<Vec<Parked>>,
     has_deferred: AtomicBool,
-    /// Rounds in which the watcher reaped something (a waiter sleeping on the completion
-    /// channel must not sleep over an outcome reaped since it last looked).
-    watcher_reaps: AtomicU64,
+    /// Polls that reaped something, by any thread (a waiter sleeping on the completion channel
+    /// must not sleep over an outcome another thread reaped since it last looked: that one
+    /// raises no event).
+    reaps: AtomicU64,
     mode: Mode,
     channel: Option<CompChannel>,
     event_lock: Mutex<()>,
@@ -229,7 +230,7 @@ impl Core {
             until_destroyed: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),
-            watcher_reaps: AtomicU64::new(0),
+            reaps: AtomicU64::new(0),
             mode,
             channel,
             event_lock: Mutex::new(()),
@@ -381,6 +382,10 @@ impl Core {
         }
         let cq = if send { &self.send_cq } else { &self.recv_cq };
         let n = cq.poll(&mut q.wcs)?;
+        if n > 0 {
+            // Under the queue's lock, before anything reaped can be claimed.
+            self.reaps.fetch_add(1, Ordering::AcqRel);
+        }
         for i in 0..n {
             let id = q.wcs[i].wr_id();
             let (retired, op, known) = if send {
@@ -452,16 +457,13 @@ impl Core {
     /// running no released buffer's `Drop` (see the module docs).
     pub(crate) fn reap_for_probe(&self) -> Result<usize> {
         let n = self.with_as(true, Reaper::Watcher, |c, q| c.drain_queue(true, q))?;
-        if n > 0 {
-            self.watcher_reaps.fetch_add(1, Ordering::AcqRel);
-        }
         self.wake_pollers(n);
         Ok(n)
     }
 
     /// A mark to hand to [`Core::pause`], taken before looking for an outcome.
     pub(crate) fn mark(&self) -> u64 {
-        self.watcher_reaps.load(Ordering::Acquire)
+        self.reaps.load(Ordering::Acquire)
     }
 
     fn wake_pollers(&self, n: usize) {
@@ -629,7 +631,8 @@ impl Core {
                 self.send_cq.arm()?;
                 self.recv_cq.arm()?;
                 // Completions that arrived before arming raise no event: collect them now. One
-                // the watcher reaped since the caller last looked raised none either: no sleep.
+                // another thread reaped since the caller last looked raised none either (nor
+                // will it): no sleep.
                 if self.progress()? == 0 && self.mark() == mark {
                     ch.wait(max.min(Duration::from_millis(100)))?;
                 }

@@ -154,8 +154,8 @@ impl Connection {
         let core = Arc::new(Core::new(send_cq, recv_cq, mode));
         // What the device was told (an RDMA CM connection's ACK timeout comes from the path, not
         // the options), else what the options asked for.
-        let retry_time = qp.retry_time().unwrap_or_else(|_| opts.retry_time());
-        let keepalive = opts.keepalive.map(|k| Keepalive::new(k, retry_time));
+        let keepalive =
+            opts.keepalive.map(|k| Keepalive::new(k, qp.retry_time().unwrap_or_else(|_| opts.retry_time())));
         let link = Arc::new(Link::new(&core, &qp, keepalive));
         if let WaitMode::Poller(p) = &opts.wait {
             p.serve(&core);

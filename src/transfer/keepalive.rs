@@ -13,14 +13,19 @@
 //! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is moved to the
 //! error state, so every waiter gets its flush.
 //!
-//! The deadline is two intervals, and never shorter than the transport's own retry time: a
-//! probe that a lost packet delays is retransmitted, not taken for a dead peer.
+//! The deadline is two intervals, and never shorter than the transport's nominal retry time
+//! (read back from the QP): a probe that a lost packet delays is retransmitted, not taken for a
+//! dead peer — unless the device's timer runs well past nominal (the specification allows 4x)
+//! and the interval is short.
 //!
 //! A probe goes out only on an empty send queue. Requests ahead of it could hold it up for any
 //! time with the peer alive — a SEND waiting for the peer to post a receive (RNR retries), a
 //! large WRITE on a slow link — and its deadline would take that for a dead peer. Requests in
 //! flight are probes of their own: they complete, or fail by the same transport retries (or by
-//! their waiter's [`Options::op_timeout`](crate::transfer::Options::op_timeout)).
+//! their blocking waiter's [`Options::op_timeout`](crate::transfer::Options::op_timeout)). A
+//! request that never completes — the transport retrying for ever (rxe at retry count 7) with
+//! nobody waiting under a deadline (an abandoned `Pending`, an async operation) — keeps the
+//! probes in, and a dead peer is then not found by keepalive.
 //!
 //! Nobody waits for a probe: whichever thread reaps its completion drops it. The watcher
 //! reaps the send CQ itself while a probe is out, since an idle application polls nothing. A

@@ -101,11 +101,12 @@ impl Link {
                 match self.core.failed.get() {
                     // Closed by its owner, who flushes it: nothing lost.
                     Some(Failure::Closed) => {}
-                    Some(f) => {
+                    Some(f @ Failure::Lost(_)) => {
                         tracing::info!(target: "mralloc::transfer", qp = self.qp_ptr, "connection lost: {}", f.error());
                         self.set_error();
                     }
-                    None => self.set_error(),
+                    // The connection's own failure (logged where it was recorded).
+                    Some(_) | None => self.set_error(),
                 }
                 None
             }
@@ -492,16 +493,20 @@ impl Watcher {
                 continue;
             }
             // What the device or the peer said comes before the probes: a QP the device failed
-            // flushes the probe too, and the event tells why.
-            self.poll_and_handle(&mut fds, &keys, 0);
+            // flushes the probe too, and the event tells why. A wake-up means the set of
+            // descriptors changed: build it again before sleeping on it.
+            if self.poll_and_handle(&mut fds, &keys, 0) {
+                continue;
+            }
             // Outside the lock (a probe's reap takes a connection's locks).
             let timeout = keepalive_ticks(&probing);
             self.poll_and_handle(&mut fds, &keys, timeout);
         }
     }
 
-    /// Polls `fds` (at most `timeout` ms, -1: no limit) and handles what it finds.
-    fn poll_and_handle(&self, fds: &mut [libc::pollfd], keys: &[Key], timeout: i32) {
+    /// Polls `fds` (at most `timeout` ms, -1: no limit) and handles what it finds; returns
+    /// whether the wake-up descriptor was among it.
+    fn poll_and_handle(&self, fds: &mut [libc::pollfd], keys: &[Key], timeout: i32) -> bool {
         // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
         // POLLNVAL; one reused by another file reports whatever it reports: either way the
         // key is looked up again under the lock below before anything is read.
@@ -512,10 +517,10 @@ impl Watcher {
                 tracing::error!("the connection watcher's poll failed: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
-            return;
+            return false;
         }
         if rc == 0 {
-            return;
+            return false;
         }
         let mut st = self.state.lock();
         // A panic here (a tracing subscriber's) must not end the watching for good.
@@ -523,6 +528,7 @@ impl Watcher {
         if handled.is_err() {
             tracing::error!("the connection watcher panicked handling an event; it goes on");
         }
+        fds.iter().zip(keys).any(|(p, k)| matches!(k, Key::Wake) && p.revents != 0)
     }
 }
 
