@@ -161,7 +161,7 @@ impl Options {
     /// How long the transport retries an unanswered request before `RETRY_EXC_ERR`:
     /// `(retry_count + 1) × 4.096 µs × 2^ack_timeout` (0.54 s with the defaults).
     pub(crate) fn retry_time(&self) -> Duration {
-        Duration::from_nanos(4096 << self.ack_timeout.min(31)) * (u32::from(self.retry_count.min(7)) + 1)
+        crate::verbs::retry_time(self.ack_timeout, self.retry_count)
     }
 
     /// Opens the device these options name (`device`, else `MRALLOC_DEVICE`, else the first

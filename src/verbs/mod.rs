@@ -42,6 +42,6 @@ pub fn leaked_mappings() -> u64 {
 }
 pub use mw::Mw;
 pub use pd::Pd;
-pub(crate) use qp::{post_bare_send, set_qp_error};
+pub(crate) use qp::{post_bare_send, retry_time, set_qp_error};
 pub use qp::{ConnectOptions, Qp, QpBuilder, QpCaps, QpState};
 pub use wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge, Verb};

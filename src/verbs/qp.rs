@@ -285,6 +285,12 @@ impl std::fmt::Debug for Qp {
     }
 }
 
+/// The transport's nominal retry time for an ACK timeout exponent and a retry count:
+/// `(retry_cnt + 1) × 4.096 µs × 2^timeout`.
+pub(crate) fn retry_time(timeout: u8, retry_cnt: u8) -> Duration {
+    Duration::from_nanos(4096 << timeout.min(31)) * (u32::from(retry_cnt.min(7)) + 1)
+}
+
 impl Qp {
     /// Starts building an RC QP in `pd` that completes sends on `send_cq` and receives on
     /// `recv_cq` (they may be the same CQ). The peer gets no remote rights through it unless
@@ -465,7 +471,7 @@ impl Qp {
     /// of 0 means the device never times out: then the result is the nominal minimum.
     pub(crate) fn retry_time(&self) -> Result<Duration> {
         let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT | ffi::ibv_qp_attr_mask::IBV_QP_RETRY_CNT)?;
-        Ok(Duration::from_nanos(4096 << attr.timeout.min(31)) * (u32::from(attr.retry_cnt.min(7)) + 1))
+        Ok(retry_time(attr.timeout, attr.retry_cnt))
     }
 
     /// `ibv_query_qp` of the attributes `mask` names.
