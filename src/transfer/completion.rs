@@ -201,9 +201,9 @@ pub(crate) struct Core {
     /// the next reap of an application thread (or with the connection).
     deferred: Mutex<Vec<Parked>>,
     has_deferred: AtomicBool,
-    /// Polls that reaped something, by any thread (a waiter sleeping on the completion channel
-    /// must not sleep over an outcome another thread reaped since it last looked: that one
-    /// raises no event).
+    /// Polls that reaped something, by any thread, in event mode (a waiter sleeping on the
+    /// completion channel must not sleep over an outcome another thread reaped since it last
+    /// looked: that one raises no event).
     reaps: AtomicU64,
     mode: Mode,
     channel: Option<CompChannel>,
@@ -382,8 +382,9 @@ impl Core {
         }
         let cq = if send { &self.send_cq } else { &self.recv_cq };
         let n = cq.poll(&mut q.wcs)?;
-        if n > 0 {
-            // Under the queue's lock, before anything reaped can be claimed.
+        if n > 0 && self.mode == Mode::Event {
+            // Under the queue's lock, before anything reaped can be claimed. Only event-mode
+            // waits read it: other modes keep the atomic off their hot path.
             self.reaps.fetch_add(1, Ordering::AcqRel);
         }
         for i in 0..n {
