@@ -80,7 +80,9 @@ impl Buffer {
     /// # Safety
     /// `len <= self.size()`, and those bytes are initialised.
     pub(crate) unsafe fn set_len(&mut self, len: usize) {
-        debug_assert!(len <= self.len);
+        // Checked in every build: a length past the allocation would let safe indexing reach
+        // beyond it.
+        assert!(len <= self.len, "set_len({len}) past the {}-byte buffer", self.len);
         self.len = len;
     }
 

@@ -104,8 +104,12 @@ impl UninitBuffer {
     /// # Safety
     /// Bytes `[0, n)` were written (through [`UninitBuffer::spare_mut`], the pointer, or by the
     /// NIC), and `n <= len()`.
+    ///
+    /// # Panics
+    /// If `n > len()` (checked in every build: a length past the allocation would let safe code
+    /// read and write beyond it).
     pub unsafe fn set_init(&mut self, n: usize) {
-        debug_assert!(n <= self.len());
+        assert!(n <= self.len(), "set_init({n}) past the {}-byte buffer", self.len());
         self.init = self.init.max(n);
     }
 

@@ -24,18 +24,31 @@ use parking_lot::{Condvar, Mutex};
 use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::keepalive::PROBE_OP;
+use crate::transfer::received::{Posted, Received};
 use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
-/// What a successful completion reported.
+/// What a successful completion reported, as the NIC said it: not yet interpreted against what
+/// was posted (a receive's `byte_len` may name bytes that went elsewhere — see
+/// [`Received`](crate::transfer::Received), which every operation reports instead).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completed {
-    /// Bytes received (receives) or transferred.
+    /// The completion's `byte_len`, unchecked.
     pub byte_len: u32,
     /// Immediate data, if the peer attached some.
     pub imm: Option<u32>,
     /// The completion's opcode.
     pub opcode: WcOpcode,
+}
+
+impl Completed {
+    /// What the request, posted as `posted`, delivered ([`Received::interpret`]).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] if the opcode does not belong to the request's queue.
+    pub(crate) fn delivered(&self, posted: Posted) -> Result<Received> {
+        Received::interpret(self.opcode, self.byte_len, self.imm, posted)
+    }
 }
 
 /// The first failure of a connection; every later post reports it.
@@ -415,7 +428,8 @@ impl Core {
             match &o {
                 Ok(c) => {
                     q.counts.completions += 1;
-                    if !send {
+                    // A WRITE with immediate's byte_len counts bytes that went elsewhere.
+                    if !send && c.opcode == WcOpcode::Recv {
                         q.counts.bytes += u64::from(c.byte_len);
                     }
                 }

@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{Local, LocalMut, Sges};
-use crate::transfer::ops::Received;
+use crate::transfer::received::{Posted, Received};
 use crate::transfer::Connection;
 use crate::verbs::{SendOp, Sge, Verb};
 
@@ -57,11 +57,11 @@ impl Connection {
         let max = self.qp().caps().max_recv_sge as usize;
         count(parts.len(), max)?;
         let sges = parts.iter().map(|p| self.checked(&**p, Verb::Recv)).collect::<Result<Vec<Sge>>>()?;
-        total(&sges)?;
+        let posted = total(&sges)? as usize;
         // SAFETY: `parts` are exclusively borrowed until the receive is claimed below
         // (wait_borrowed waits for the flush on any error, aborts if it never comes).
         let t = unsafe { self.post_recv_raw(&sges)? };
-        self.wait_borrowed(t).map(Received::from)
+        self.wait_borrowed(t)?.delivered(Posted::Recv(posted))
     }
 
     /// The SGEs of `parts` for `verb` (checked: count, each non-empty and registered).

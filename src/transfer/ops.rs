@@ -4,27 +4,14 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{sge_of, Local, LocalMut, Sges};
+use crate::transfer::received::{Posted, Received};
 use crate::transfer::{Completed, Connection};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge, Verb};
 
-/// What a receive delivered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Received {
-    /// Bytes written into the receive buffer.
-    pub len: usize,
-    /// Immediate data, when the sender attached some (SEND or WRITE with immediate).
-    pub imm: Option<u32>,
-}
-
-impl From<Completed> for Received {
-    fn from(c: Completed) -> Received {
-        Received { len: c.byte_len as usize, imm: c.imm }
-    }
-}
-
-/// The immediate a receive for one delivered, or why there is none.
+/// The immediate a receive of no bytes (posted by `recv_imm`) delivered, or why there is none.
 pub(crate) fn immediate_of(got: Completed) -> Result<u32> {
-    got.imm.ok_or_else(|| Error::Protocol(format!("expected an immediate, got a {}-byte SEND", got.byte_len)))
+    let r = got.delivered(Posted::Recv(0))?;
+    r.imm.ok_or_else(|| Error::Protocol("expected an immediate, got an empty SEND without one".into()))
 }
 
 /// The remote word an atomic (`verb`) targets: in bounds and 8-byte aligned.
@@ -149,7 +136,11 @@ impl Connection {
         self.one(sge, SendOp::SendWithImm(imm)).map(|_| ())
     }
 
-    /// Posts a receive into `local` and waits for a SEND to fill it.
+    /// Posts a receive into `local` and waits for the message that consumes it. What arrived:
+    /// a SEND's bytes (at most `local.len()`, [`Arrival::Data`](crate::transfer::Arrival)), or,
+    /// when the peer's WRITE with immediate consumed the receive, only its immediate
+    /// ([`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0: no byte of `local` was
+    /// written).
     ///
     /// # Errors
     /// - As [`Connection::write_at`] for `local` and the wait (no remote range, no send-queue
@@ -166,7 +157,7 @@ impl Connection {
         // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
         // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
         let t = unsafe { self.post_recv_raw(std::slice::from_ref(&sge))? };
-        self.wait_borrowed(t).map(Received::from)
+        self.wait_borrowed(t)?.delivered(Posted::Recv(sge.len() as usize))
     }
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty

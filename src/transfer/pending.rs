@@ -13,7 +13,8 @@ use crate::remote::RemoteBuf;
 use crate::transfer::completion::Ticket;
 use crate::transfer::iobuf::{IoBuf, IoTarget};
 use crate::transfer::local::sge_of_parts;
-use crate::transfer::ops::{nonempty, Received};
+use crate::transfer::ops::nonempty;
+use crate::transfer::received::{Posted, Received};
 use crate::transfer::Connection;
 use crate::verbs::{SendOp, Sge, Verb};
 
@@ -55,9 +56,10 @@ pub struct Pending<'c, B: Send + 'static> {
     conn: &'c Connection,
     ticket: Ticket,
     buf: Option<B>,
-    /// For a READ or receive target: records what the NIC wrote (`Some(len)`: a READ, all of
-    /// it; `None`: a receive, the completion's byte count).
-    fill: Option<(Filled<B>, Option<usize>)>,
+    /// What was posted: the length the completion is interpreted against.
+    posted: Posted,
+    /// For a READ or receive target: records what the NIC wrote.
+    fill: Option<Filled<B>>,
 }
 
 /// [`IoTarget::filled`] of a target type, kept as a plain function pointer so that `Pending`
@@ -78,7 +80,9 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     }
 
     /// Waits for the completion and returns the buffer (also when the operation failed: the NIC
-    /// is done with it either way).
+    /// is done with it either way) with what the operation delivered: for a receive, which kind
+    /// of message arrived and how many bytes of the buffer it wrote ([`Received`]; none when
+    /// the peer's WRITE with immediate consumed it), never more than was posted.
     ///
     /// # Errors
     /// With the buffer back in [`Rejected`]:
@@ -91,19 +95,22 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     ///   `recv_timeout`, if set), [`Error::Verbs`] or [`Error::Io`] (polling or waiting failed):
     ///   the connection is failed, flushed first.
     ///
+    /// - [`Error::Protocol`]: the completion's opcode does not fit the request (a device
+    ///   fault): no byte of the buffer is reported written.
+    ///
     /// [`Error::FlushLost`] comes without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
         let r = self.conn.wait(self.ticket);
         let mut buf = self.buf.take().expect("a Pending holds its buffer until waited");
-        match r {
-            Ok(c) => {
-                if let Some((filled, len)) = self.fill {
-                    // SAFETY: the operation completed successfully: the NIC wrote the whole
-                    // target (a READ of len bytes) or byte_len bytes from its start (a receive,
-                    // at most the posted length).
-                    unsafe { filled(&mut buf, len.unwrap_or(c.byte_len as usize)) };
+        match r.and_then(|c| c.delivered(self.posted)) {
+            Ok(got) => {
+                if let Some(filled) = self.fill {
+                    // SAFETY: the operation completed successfully, and `got.len` is what it
+                    // wrote from the start of the target, bounded by the posted length (a READ:
+                    // all of it; a receive: what a SEND delivered, 0 for a WRITE with immediate).
+                    unsafe { filled(&mut buf, got.len) };
                 }
-                Ok((buf, c.into()))
+                Ok((buf, got))
             }
             Err(error @ Error::FlushLost { .. }) => {
                 // The NIC may still own the memory: leak it rather than hand it back.
@@ -166,7 +173,7 @@ impl Connection {
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: fill.map(|f| (f, Some(len))) }),
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), posted: Posted::Send(len), fill }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })
@@ -259,7 +266,13 @@ impl Connection {
         };
         // SAFETY: as in post_owned (a refused receive post touches nothing).
         match unsafe { self.post_recv_raw(std::slice::from_ref(&sge)) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), fill: Some((B::filled, None)) }),
+            Ok(ticket) => Ok(Pending {
+                conn: self,
+                ticket,
+                buf: Some(buf),
+                posted: Posted::Recv(sge.len() as usize),
+                fill: Some(B::filled),
+            }),
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
     }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::transfer::received::{Arrival, Posted, Received};
 use crate::transfer::Connection;
-use crate::verbs::{Access, CompChannel, Cq, Pd, RegisteredBuf, Sge, Srq, WcOpcode, WorkCompletion};
+use crate::verbs::{Access, CompChannel, Cq, Pd, RegisteredBuf, Sge, Srq, WorkCompletion};
 
 /// Receives for many connections from one pool: a shared receive queue (SRQ) with `slots`
 /// receive buffers of `slot_size` bytes, registered once. Connections set up with it
@@ -293,27 +294,26 @@ impl SharedReceiver {
         }
         inner.posted.fetch_sub(1, Ordering::Relaxed);
         let slot = wc.wr_id() as u32;
-        let ok = wc.is_ok() && matches!(wc.opcode(), WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
-        if !ok {
+        let got = if wc.is_ok() {
+            Received::interpret(wc.opcode(), wc.byte_len(), wc.imm(), Posted::Recv(inner.slot_size)).ok()
+        } else {
+            None
+        };
+        let Some(got) = got else {
             inner.failed.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(qp_num = wc.qp_num(), status = %wc.status().name(), "a shared receive failed");
             if let Err(e) = inner.post(slot) {
                 tracing::error!("reposting a shared receive buffer: {e}; one buffer fewer");
             }
             return None;
-        }
+        };
         Some(SharedMessage {
             inner: Arc::clone(inner),
             slot,
-            // A WRITE with immediate consumes a receive but puts no bytes in it (byte_len is the
-            // WRITE's length).
-            len: if wc.opcode() == WcOpcode::RecvRdmaWithImm {
-                0
-            } else {
-                (wc.byte_len() as usize).min(inner.slot_size)
-            },
+            len: got.len,
             qp_num: wc.qp_num(),
-            imm: wc.imm(),
+            imm: got.imm,
+            kind: got.kind,
         })
     }
 }
@@ -326,6 +326,7 @@ pub struct SharedMessage {
     len: usize,
     qp_num: u32,
     imm: Option<u32>,
+    kind: Arrival,
 }
 
 impl std::fmt::Debug for SharedMessage {
@@ -355,6 +356,12 @@ impl SharedMessage {
     /// The immediate value, if the peer sent one (SEND or WRITE with immediate).
     pub fn imm(&self) -> Option<u32> {
         self.imm
+    }
+
+    /// Which kind of message it was: a SEND's bytes, or only the immediate of the peer's WRITE
+    /// with immediate (then the message has no bytes).
+    pub fn kind(&self) -> Arrival {
+        self.kind
     }
 }
 

@@ -18,9 +18,9 @@ pub struct ConnectionStats {
     pub send_bytes: u64,
     /// Receives posted.
     pub recv_requests: u64,
-    /// Bytes completed receives report (`byte_len`): what a SEND delivered; for a receive
-    /// consumed by a WRITE with immediate, the length of that WRITE (into remote-accessible
-    /// memory, not the receive's buffer).
+    /// Bytes SENDs delivered into completed receives (`byte_len`). A receive consumed by the
+    /// peer's WRITE with immediate adds nothing: that WRITE's bytes went to remote-accessible
+    /// memory, not into the receive's buffer.
     pub recv_bytes: u64,
     /// Work completions reaped with success, both queues (a batch or an unsignaled chain
     /// completes once).

@@ -15,7 +15,8 @@ use crate::transfer::aio::wire::Msg;
 use crate::transfer::aio::{control, driver, scratch, spin, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
-use crate::transfer::{Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
+use crate::transfer::received::Posted;
+use crate::transfer::{Completed, Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
 use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Sge, Verb};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
@@ -310,15 +311,9 @@ impl AsyncConnection {
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let sge = self.conn().checked_target(&mut buf, Verb::Read);
-        let len = sge.as_ref().map_or(0, |s| s.len() as usize);
+        let posted = Posted::Send(sge.as_ref().map_or(0, |s| s.len() as usize));
         let op = self.start_checked(buf, sge, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
-        async move {
-            op.await.map(|(mut b, _)| {
-                // SAFETY: the READ completed successfully: the NIC wrote all `len` bytes.
-                unsafe { b.filled(len) };
-                b
-            })
-        }
+        async move { filled(op.await, posted).map(|(b, _)| b) }
     }
 
     /// SEND of all of `buf` (the peer must have a receive posted).
@@ -356,15 +351,9 @@ impl AsyncConnection {
         mut buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
         let sge = self.conn().checked_target(&mut buf, Verb::Recv);
+        let posted = Posted::Recv(sge.as_ref().map_or(0, |s| s.len() as usize));
         let op = self.start_checked(buf, sge, |_| Ok(None));
-        async move {
-            op.await.map(|(mut b, c)| {
-                // SAFETY: the receive completed successfully: the NIC wrote byte_len bytes from
-                // the start of the buffer (at most its length).
-                unsafe { b.filled(c.byte_len as usize) };
-                (b, c.into())
-            })
-        }
+        async move { filled(op.await, posted) }
     }
 
     /// Posts a receive without memory and completes with the immediate of the peer's WRITE with
@@ -468,5 +457,24 @@ impl AsyncConnection {
             }
         })
         .await
+    }
+}
+
+/// A finished READ or receive into `B`, interpreted against what was `posted`
+/// ([`Completed::delivered`]): the target learns how many bytes the NIC wrote.
+fn filled<B: IoTarget>(
+    done: std::result::Result<(B, Completed), Rejected<B>>,
+    posted: Posted,
+) -> std::result::Result<(B, Received), Rejected<B>> {
+    let (mut b, c) = done?;
+    match c.delivered(posted) {
+        Ok(got) => {
+            // SAFETY: the operation completed successfully, and `got.len` is what it wrote from
+            // the start of the target, bounded by the posted length (a READ: all of it; a
+            // receive: what a SEND delivered, 0 for a WRITE with immediate).
+            unsafe { b.filled(got.len) };
+            Ok((b, got))
+        }
+        Err(error) => Err(Rejected { error, buf: Some(b) }),
     }
 }
