@@ -95,13 +95,15 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let size = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
     let crc_sent = u32::from_be_bytes(header[8..12].try_into().expect("4 bytes"));
     // SAFETY: the server's own output file; nothing else opens it while it is mapped.
-    let dst = unsafe { MappedFile::create(&out, size, &pd)? };
+    // Exposed: the client may RDMA WRITE it, so it lends no `&[u8]` until revoked.
+    let dst = unsafe { MappedFile::create(&out, size, &pd)? }.expose()?;
     let mut offer = heap.alloc(RemoteBuf::ENCODED_LEN)?;
-    offer.copy_from_slice(&dst.remote()?.to_bytes());
+    offer.copy_from_slice(&dst.remote().to_bytes());
     conn.send(&offer)?;
-    println!("offered {size} bytes of {} (rkey {:#x})", out.display(), dst.remote()?.rkey);
+    println!("offered {size} bytes of {} (rkey {:#x})", out.display(), dst.remote().rkey);
     let mut done = heap.alloc(1)?;
     conn.recv(&mut done)?; // the client has written everything
+    let dst = dst.revoke()?; // the key is dead: the bytes are ours to read
     dst.flush()?;
     let crc = crc32fast::hash(dst.as_slice());
     let mut verdict = heap.alloc(1)?;

@@ -64,11 +64,13 @@ fn run() -> mralloc::Result<()> {
     // (_b's QP must accept RDMA WRITEs: connections grant no remote rights unless asked.)
     let (a, _b) = Connection::pair(&pd, &Options { remote_access: Access::REMOTE_WRITE, ..Options::default() })?;
     for (what, bytes) in [("Vec<u8>", &vec[..]), ("String", text.as_bytes())] {
-        let dst = RegisteredBuf::new(&pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-        let remote = mralloc::RemoteBuf { addr: dst.mr().addr(), len: dst.len() as u64, rkey: dst.mr().rkey() };
+        // Memory a peer writes is exposed: it lends no `&[u8]` until revoked.
+        let dst = RegisteredBuf::new(&pd, bytes.len(), Access::LOCAL_WRITE)?.expose(Access::REMOTE_WRITE)?;
+        let remote = dst.remote();
         let t = Instant::now();
         a.write(bytes, &remote)?; // the std value itself is the source: no copy, no registration
         let secs = t.elapsed().as_secs_f64();
+        let dst = dst.revoke()?;
         if &dst[..] != bytes {
             return Err(mralloc::Error::Protocol(format!("{what}: the peer's bytes differ")));
         }

@@ -124,6 +124,25 @@
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.
 //!
+//! ## Memory the NIC writes, and who may look at it
+//!
+//! Rust's references promise that nothing changes the bytes behind a `&[u8]` (or touches those
+//! behind a `&mut [u8]`) while it lives; a NIC writing them then would be undefined behaviour.
+//! So every type the NIC can write either lends no references while it may be written, or
+//! lends them only when no write can be pending:
+//!
+//! | type | written by | references meanwhile | why that is sound |
+//! |---|---|---|---|
+//! | [`heap::Buffer`], `[u8]`/`Vec<u8>` of heap memory, [`verbs::RegisteredBuf`], [`transfer::MappedFile`] | the local NIC: READ targets, receives, atomics results | none: the operation borrows it mutably (blocking calls, [`transfer::Batch`]) or owns it ([`transfer::Pending`], async operations) until the NIC is done | their keys give peers no write right: per-buffer keys ([`heap::Buffer::remote`], [`transfer::MappedFile::remote`]) are read-only, and `RegisteredBuf::new` refuses remote-write, atomic and window rights |
+//! | [`heap::UninitBuffer`] | the local NIC (READ, receive) | none to uninitialised bytes; only [`heap::UninitBuffer::init_len`] bytes, which grow when an operation completes | the length it learns is [`transfer::Received::len`]: bounded by what was posted, 0 for a peer's WRITE with immediate |
+//! | [`heap::Exposed`], [`verbs::RemoteWritable`] (an exposed `RegisteredBuf` or `MappedFile`) | a peer, at any moment, through its key | never: copies with atomic byte accesses only | `revoke` deregisters the key before references come back; dropping deregisters before freeing (and leaks if the device refuses) |
+//! | [`transfer::Grant`], buffers lent through `transfer::RemoteMemory` (feature `tokio`) | a peer, through a window or registration of exactly the buffer | never: the grant or the lending registry owns the buffer | invalidated (or the QP destroyed) before the buffer comes back or is freed |
+//! | [`transfer::SharedMessage`] | the local NIC, into its receive slot | `&[u8]` of the received bytes only after the receive completed | the slot is posted again only when the message is dropped |
+//! | chunk-wide keys ([`heap::Buffer::remote_whole_chunk`]) | a peer, anywhere in the chunk | yes: the heap's ordinary buffers | only heaps built with the `unsafe` [`heap::HeapBuilder::remote_access_to_whole_chunks`] hand them out: the caller takes that on |
+//!
+//! Whatever a completion reports (lengths, opcodes, immediates) is interpreted in one place,
+//! against what was posted into that buffer ([`transfer::Received`]).
+//!
 //! ## What is pinned, what is never purged
 //!
 //! Registered chunks are pinned and count against `RLIMIT_MEMLOCK`. mralloc's extent hooks refuse
@@ -156,6 +175,7 @@ mod error;
 mod fork;
 pub mod heap;
 mod mmap;
+mod peer_bytes;
 mod remote;
 pub mod transfer;
 pub mod verbs;

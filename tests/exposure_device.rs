@@ -82,8 +82,9 @@ fn device_verbs_qp_default_grants_no_remote_rights() {
     let pd = Pd::new(&ctx).unwrap();
     let mut src = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE).unwrap();
     src.fill(0x44);
-    let mut dst = RegisteredBuf::new(&pd, 4096, Access::ALL_REMOTE).unwrap();
+    let mut dst = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE).unwrap();
     dst.fill(0x33);
+    let dst = dst.expose(Access::ALL_REMOTE).unwrap();
     let remote = dst.mr().remote(0).unwrap();
     let sge = [src.sge(0..4096).unwrap()];
     for (granted, want) in [(None, Err(REFUSED)), (Some(Access::ALL_REMOTE), Ok(()))] {
@@ -103,9 +104,9 @@ fn device_verbs_qp_default_grants_no_remote_rights() {
         assert_eq!(got, want);
         if want.is_err() {
             assert_eq!(a.state().unwrap(), QpState::Error);
-            assert!(dst.iter().all(|&x| x == 0x33), "the refused WRITE changed the target memory");
+            assert!(dst.to_vec().iter().all(|&x| x == 0x33), "the refused WRITE changed the target memory");
         } else {
-            assert!(dst.iter().all(|&x| x == 0x44), "the permitted WRITE landed");
+            assert!(dst.to_vec().iter().all(|&x| x == 0x44), "the permitted WRITE landed");
         }
     }
 }
@@ -376,4 +377,66 @@ fn device_whole_chunk_keys_only_when_asked() {
     let (c, _d) = open_pair(&pd);
     let err = c.write(&src[..1], &RemoteBuf { addr: neighbour.addr(), len: 1, rkey: own.rkey }).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+}
+
+/// A read-write mapped file's own key lets a peer READ it, never WRITE it (it lends `&[u8]`);
+/// exposed, the peer WRITEs it, and revoked, the key is dead and the bytes readable again.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_mapped_file_is_writable_by_a_peer_only_while_exposed() {
+    use mralloc::transfer::MappedFile;
+    let (pd, heap) = setup();
+    // A local filesystem (the VM's root is 9p, which cannot map files shared).
+    let dir = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
+    let path = dir.join(format!("mralloc-exposed-{}.bin", std::process::id()));
+    // SAFETY: the test's own file; nothing else opens it.
+    let file = unsafe { MappedFile::create(&path, 4096, &pd) }.unwrap();
+    let src = filled(&heap, 4096, 0x5C);
+
+    // Its plain key: a WRITE through it fails (remote access error), nothing lands.
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
+    let err = a.write(&src, &file.remote().unwrap()).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+    assert!(file.as_slice().iter().all(|&x| x == 0), "a refused WRITE changed the file");
+
+    // Exposed: the WRITE lands; the bytes are read by copy meanwhile.
+    let file = file.expose().unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
+    let remote = file.remote();
+    a.write(&src, &remote).unwrap();
+    assert!(file.to_vec().iter().all(|&x| x == 0x5C));
+
+    // Revoked: the key is dead, the file readable again.
+    let file = file.revoke().unwrap();
+    assert!(file.as_slice().iter().all(|&x| x == 0x5C));
+    let err = a.write(&filled(&heap, 4096, 0x77), &remote).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+    assert!(file.as_slice().iter().all(|&x| x == 0x5C), "a WRITE through a revoked key landed");
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A RegisteredBuf that lends references refuses remote-write rights; exposed, a peer writes
+/// it through its key, and revoked, the key is dead.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_registered_buf_is_writable_by_a_peer_only_while_exposed() {
+    let (pd, heap) = setup();
+    let r = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let buf = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_READ).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
+    let plain = RemoteBuf { addr: buf.mr().addr(), len: 4096, rkey: buf.mr().rkey() };
+    let err = a.write(&filled(&heap, 64, 0x11), &plain).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+
+    let buf = buf.expose(Access::REMOTE_WRITE).unwrap();
+    let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
+    a.write(&filled(&heap, 64, 0x22), &buf.remote()).unwrap();
+    let remote = buf.remote();
+    let buf = buf.revoke().unwrap();
+    assert!(buf[..64].iter().all(|&x| x == 0x22) && buf[64..].iter().all(|&x| x == 0));
+    let err = a.write(&filled(&heap, 64, 0x33), &remote).unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
+    assert!(buf[..64].iter().all(|&x| x == 0x22), "a WRITE through a revoked key landed");
 }

@@ -161,12 +161,13 @@ fn device_global_bind_registers_values_created_before_bind() {
 /// compares.
 fn rdma_write_check(lb: &Loopback, bytes: &[u8], what: &str) {
     let keys = mralloc::keys_of(bytes.as_ptr()).unwrap_or_else(|| panic!("{what} has no keys"));
-    let dst = RegisteredBuf::new(&lb.pd, bytes.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    let dst =
+        RegisteredBuf::new(&lb.pd, bytes.len(), Access::LOCAL_WRITE).unwrap().expose(Access::REMOTE_WRITE).unwrap();
     let sge = [Sge::new(bytes.as_ptr() as u64, bytes.len() as u32, keys.lkey)];
     // SAFETY: `bytes` and `dst` outlive the completion polled below; nothing writes them.
     unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.mr().remote(0).unwrap()))]).unwrap() };
     lb.cq_a.next(WAIT).unwrap().ok().unwrap();
-    assert_bytes_eq(&dst, bytes, what);
+    assert_bytes_eq(&dst.to_vec(), bytes, what);
 }
 
 /// `arena.<MALLCTL_ARENAS_ALL>.purge`: purge every automatic arena now.

@@ -56,7 +56,12 @@ fn device_open_missing_names_available() {
 fn device_register_2mib() {
     let ctx = open();
     let pd = Pd::new(&ctx).unwrap();
-    let mut buf = RegisteredBuf::new(&pd, 2 << 20, Access::ALL_REMOTE).unwrap();
+    // A buffer that lends references refuses rights under which a peer could write it.
+    for writable in [Access::REMOTE_WRITE, Access::REMOTE_ATOMIC, Access::MW_BIND] {
+        let r = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | writable);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{writable:?}: {r:?}");
+    }
+    let mut buf = RegisteredBuf::new(&pd, 2 << 20, Access::LOCAL_WRITE | Access::REMOTE_READ).unwrap();
     assert_eq!(buf.len(), 2 << 20);
     assert_eq!(buf.mr().len(), 2 << 20);
     assert_eq!(buf.mr().addr(), buf.as_ptr() as u64);
@@ -76,7 +81,10 @@ fn device_write_1mib_and_read_4kib() {
     const N: usize = 1 << 20;
     let want = pattern(1, N);
     let mut src = RegisteredBuf::new(&lb.pd, N, Access::LOCAL_WRITE).unwrap();
-    let dst = RegisteredBuf::new(&lb.pd, N, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ).unwrap();
+    let dst = RegisteredBuf::new(&lb.pd, N, Access::LOCAL_WRITE)
+        .unwrap()
+        .expose(Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
     src.copy_from_slice(&want);
 
     let sge = [src.sge(0..N).unwrap()];
@@ -87,7 +95,7 @@ fn device_write_1mib_and_read_4kib() {
     let wc = lb.cq_a.next(WAIT).unwrap();
     wc.ok().unwrap();
     assert_eq!((wc.wr_id(), wc.opcode()), (7, WcOpcode::RdmaWrite));
-    assert_bytes_eq(&dst, &want, "RDMA WRITE 1 MiB");
+    assert_bytes_eq(&dst.to_vec(), &want, "RDMA WRITE 1 MiB");
 
     // READ 4 KiB from an unaligned offset of dst back into a fresh buffer.
     let back = RegisteredBuf::new(&lb.pd, 4096, Access::LOCAL_WRITE).unwrap();
@@ -145,7 +153,7 @@ fn device_wrong_rkey_is_remote_access_error_then_new_qp_works() {
     let pd = Pd::new(&ctx).unwrap();
     let lb = loopback_in(&ctx, &pd);
     let src = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE).unwrap();
-    let dst = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    let dst = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE).unwrap().expose(Access::REMOTE_WRITE).unwrap();
     let sge = [src.sge(0..64).unwrap()];
     let bad = RemoteAddr { addr: dst.mr().addr(), rkey: dst.mr().rkey() ^ 0x5a5a_0000 };
     // SAFETY: both buffers outlive the completion.
@@ -165,6 +173,7 @@ fn device_wrong_rkey_is_remote_access_error_then_new_qp_works() {
     // SAFETY: as above.
     unsafe { lb2.a.post_send(&[SendWr::new(10, &sge, SendOp::Write(dst.mr().remote(0).unwrap()))]).unwrap() };
     lb2.cq_a.next(WAIT).unwrap().ok().unwrap();
+    let dst = dst.revoke().unwrap();
     assert_bytes_eq(&dst[..64], &pattern(3, 64), "write after error");
 }
 
@@ -172,7 +181,7 @@ fn device_wrong_rkey_is_remote_access_error_then_new_qp_works() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_atomics_and_bad_atomic_arguments() {
     let lb = loopback();
-    let word = RegisteredBuf::new(&lb.pd, 8, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC).unwrap();
+    let word = RegisteredBuf::new(&lb.pd, 8, Access::LOCAL_WRITE).unwrap().expose(Access::REMOTE_ATOMIC).unwrap();
     let old = RegisteredBuf::new(&lb.pd, 8, Access::LOCAL_WRITE).unwrap();
     let sge = [old.sge(0..8).unwrap()];
     let remote = word.mr().remote(0).unwrap();
@@ -185,7 +194,7 @@ fn device_atomics_and_bad_atomic_arguments() {
     // SAFETY: as above.
     unsafe { lb.a.post_send(&[SendWr::new(9, &sge, SendOp::CompareSwap { remote, compare: 50, swap: 7 })]).unwrap() };
     lb.cq_a.next(WAIT).unwrap().ok().unwrap();
-    assert_eq!(u64::from_ne_bytes(word[..8].try_into().unwrap()), 7);
+    assert_eq!(u64::from_ne_bytes(word.to_vec()[..8].try_into().unwrap()), 7);
     // Misaligned remote word: refused before posting.
     // SAFETY: nothing is posted: validation fails first.
     let r = unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::FetchAdd { remote: remote.offset(1), add: 1 })]) };

@@ -47,7 +47,8 @@ fn device_a_chunk_the_device_will_not_deregister_stays_mapped() {
 fn device_a_registered_buffer_the_device_will_not_deregister_stays_mapped() {
     let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
     let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
-    let buf = RegisteredBuf::new(&pd, 8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND).unwrap();
+    let buf = RegisteredBuf::with_any_access(&pd, 8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND)
+        .unwrap();
     let (addr, len) = (buf.as_ptr() as usize, buf.len());
     let mw = bind_window(&a, &pd, buf.mr().as_raw(), addr as u64, len as u64);
     let before = leaked_mappings();

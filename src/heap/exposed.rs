@@ -1,10 +1,10 @@
 //! `Exposed`: a heap buffer handed to the network, which a peer may write.
 
 use crate::error::{Error, Result};
-use crate::heap::buffer::{range_of, Buffer};
+use crate::heap::buffer::Buffer;
+use crate::peer_bytes;
 use crate::remote::RemoteBuf;
 use crate::verbs::Pd;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 impl Buffer {
     /// Hands the buffer to the network: the returned [`Exposed`] carries a key of its own
@@ -115,21 +115,9 @@ impl Exposed {
     /// # Errors
     /// [`Error::OutOfBounds`] if the range does not fit.
     pub fn read_into(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        let (s, _) = range_of(offset..offset.saturating_add(out.len()), self.len())?;
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = self.byte(s + i).load(Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    /// Byte `i` (in bounds) as an atomic: accesses from several threads through `&self` are
-    /// then defined, and no `&[u8]` to memory the NIC may write is ever made.
-    fn byte(&self, i: usize) -> &AtomicU8 {
-        debug_assert!(i < self.len());
-        // SAFETY: i < len: inside the live allocation, which outlives &self; the pointer is
-        // not derived from a reference; AtomicU8 has u8's size and alignment; every access to
-        // these bytes while exposed is atomic (here) or the NIC's.
-        unsafe { AtomicU8::from_ptr(self.as_ptr().add(i)) }
+        // SAFETY: the live allocation, which outlives &self; while exposed every access to it
+        // is atomic (here and in write_from) or the NIC's: no reference to the bytes exists.
+        unsafe { peer_bytes::copy_out(self.as_ptr(), self.len(), offset, out) }
     }
 
     /// The whole buffer, copied out with atomic byte loads ([`Exposed::read_into`]).
@@ -145,11 +133,8 @@ impl Exposed {
     /// # Errors
     /// [`Error::OutOfBounds`] if the range does not fit.
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
-        let (s, _) = range_of(offset..offset.saturating_add(src.len()), self.len())?;
-        for (i, &b) in src.iter().enumerate() {
-            self.byte(s + i).store(b, Ordering::Relaxed);
-        }
-        Ok(())
+        // SAFETY: as in read_into.
+        unsafe { peer_bytes::copy_in(self.as_ptr(), self.len(), offset, src) }
     }
 
     /// Revokes every key of the buffer (once this returns, each remote access fails at the

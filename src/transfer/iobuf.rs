@@ -270,7 +270,7 @@ unsafe impl IoBuf for MappedFile {
 // completion error), and the CPU cannot reach it mutably while an operation owns it.
 unsafe impl IoBufMut for MappedFile {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.as_slice().as_ptr().cast_mut()
+        self.mut_ptr()
     }
 }
 

@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::heap::{keys_of_for, BufSlice, Buffer};
 use crate::transfer::iobuf::{IoBuf, IoBufMut, Slice};
-use crate::verbs::{Pd, RegisteredBuf, Sge};
+use crate::verbs::{Exposable, Pd, RegisteredBuf, RemoteWritable, Sge};
 
 /// Memory the NIC may read for a blocking operation (the source of WRITE and SEND), borrowed for
 /// the call.
@@ -169,3 +169,20 @@ impl<'a> Sges<'a> {
         }
     }
 }
+
+// SAFETY: the memory stays mapped and registered as one region of `mr().pd()` while the value
+// lives; no reference to its bytes exists while it is exposed (only atomic copies), so the NIC
+// reading or writing them for an operation that borrows the value conflicts with none.
+unsafe impl<T: Exposable> Local for RemoteWritable<T> {
+    fn local_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn local_len(&self) -> usize {
+        self.len()
+    }
+    fn lkey_for(&self, pd: &Pd) -> Option<u32> {
+        self.mr().lkey_in(pd)
+    }
+}
+// SAFETY: as above; the registration includes LOCAL_WRITE.
+unsafe impl<T: Exposable> LocalMut for RemoteWritable<T> {}

@@ -9,14 +9,15 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::local::{Local, LocalMut};
-use crate::verbs::{Access, Mr, Pd};
+use crate::verbs::{Access, Exposable, ExposeFailed, Mr, Pd, RemoteWritable};
 
 /// How a file is mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Read-only mapping; peers may RDMA READ it, it can be the source of WRITE and SEND.
     ReadOnly,
-    /// Read-write shared mapping; peers may also RDMA WRITE into it.
+    /// Read-write shared mapping, writable here; peers may also RDMA WRITE into it once it is
+    /// exposed ([`MappedFile::expose`]).
     ReadWrite,
 }
 
@@ -29,7 +30,11 @@ pub enum Mode {
 /// // SAFETY: nothing else modifies data.bin or copy.bin while they are mapped.
 /// let src = unsafe { MappedFile::open("data.bin", Mode::ReadOnly, &pd)? };
 /// let dst = unsafe { MappedFile::create("copy.bin", src.len() as u64, &pd)? };
-/// println!("send {} bytes; the receiver offers {:?}", src.len(), dst.remote()?);
+/// // A peer may WRITE into `dst` only once it is exposed: then it lends no `&[u8]`.
+/// let dst = dst.expose()?;
+/// println!("send {} bytes; the receiver offers {:?}", src.len(), dst.remote());
+/// let dst = dst.revoke()?; // the key is dead: the bytes are readable again
+/// println!("first byte {:?}", dst.as_slice().first());
 /// # Ok::<(), mralloc::Error>(())
 /// ```
 pub struct MappedFile {
@@ -40,6 +45,12 @@ pub struct MappedFile {
     len: usize,
     mode: Mode,
     _file: File,
+}
+
+impl std::fmt::Debug for MappedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedFile").field("len", &self.len).field("mode", &self.mode).field("mr", &*self.mr).finish()
+    }
 }
 
 /// Unmaps on drop (only once its registration is gone, see `MappedFile`'s Drop).
@@ -127,7 +138,8 @@ impl MappedFile {
         let access = match mode {
             // A read-only mapping cannot be registered with LOCAL_WRITE.
             Mode::ReadOnly => Access::REMOTE_READ,
-            Mode::ReadWrite => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            // Remote write only through `expose`, which lends no references meanwhile.
+            Mode::ReadWrite => Access::LOCAL_WRITE | Access::REMOTE_READ,
         };
         let prot = match mode {
             Mode::ReadOnly => libc::PROT_READ,
@@ -209,17 +221,40 @@ impl MappedFile {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
 
+    /// The mapping's start, with the mapping's own provenance (not derived from a shared slice).
+    pub(crate) fn mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     /// The memory region.
     pub fn mr(&self) -> &Mr {
         &self.mr
     }
 
-    /// What a peer needs to access the whole file (READ always; WRITE for read-write files).
+    /// What a peer needs to RDMA READ the whole file. The key grants no remote write: a peer
+    /// may write a file only once it is exposed ([`MappedFile::expose`]).
     ///
     /// # Errors
     /// Never fails: the whole file is registered, so its keys always exist.
     pub fn remote(&self) -> Result<RemoteBuf> {
         Ok(RemoteBuf { addr: self.ptr as u64, len: self.len as u64, rkey: self.mr.rkey() })
+    }
+
+    /// Hands a read-write file to the network: the returned [`RemoteWritable`] carries a key a
+    /// peer may RDMA WRITE (and READ) the whole file through, and lends no `&[u8]` to the bytes
+    /// meanwhile (the peer may write them at any moment); [`RemoteWritable::revoke`] kills the
+    /// key and gives the file back.
+    ///
+    /// # Errors
+    /// With the file back: [`Error::InvalidArgument`] if it is mapped [`Mode::ReadOnly`],
+    /// [`Error::Verbs`] if the device refuses the registration.
+    #[allow(clippy::result_large_err)] // the error gives the file back, unboxed, as `Rejected` does
+    pub fn expose(self) -> std::result::Result<RemoteWritable<MappedFile>, ExposeFailed<MappedFile>> {
+        if self.mode != Mode::ReadWrite {
+            let error = Error::InvalidArgument("a read-only mapped file cannot be written by a peer".into());
+            return Err(ExposeFailed { error, value: self });
+        }
+        RemoteWritable::expose(self, Access::REMOTE_WRITE | Access::REMOTE_READ)
     }
 
     /// A range of the file, usable as the local side of any operation.
@@ -297,5 +332,13 @@ unsafe impl Local for MappedSlice<'_> {
     }
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
         self.file.lkey_for(pd)
+    }
+}
+
+impl crate::verbs::sealed::Sealed for MappedFile {}
+
+impl Exposable for MappedFile {
+    fn region(&self) -> (*mut u8, usize, &Pd) {
+        (self.ptr, self.len, self.mr.pd())
     }
 }

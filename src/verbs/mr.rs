@@ -7,7 +7,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::mmap::Mapping;
-use crate::verbs::{Pd, RemoteAddr, Sge};
+use crate::verbs::{ExposeFailed, Pd, RemoteAddr, RemoteWritable, Sge};
 
 bitflags::bitflags! {
     /// Access rights of a memory region (`IBV_ACCESS_*`), a set of flags: combine them with
@@ -306,13 +306,31 @@ impl Drop for RegisteredBuf {
 }
 
 impl RegisteredBuf {
-    /// Maps `len` zeroed bytes and registers them with `pd` with `access`.
+    /// Maps `len` zeroed bytes and registers them with `pd` with `access`: local rights
+    /// ([`Access::LOCAL_WRITE`]) and, if asked, [`Access::REMOTE_READ`] — rights under which
+    /// no peer can write the bytes while `Deref`/`DerefMut` lend them out. Memory a peer may
+    /// write comes from [`RegisteredBuf::expose`], which lends no references.
     ///
     /// # Errors
-    /// - [`Error::InvalidArgument`] if `len` is 0 or too large to round up to whole pages.
+    /// - [`Error::InvalidArgument`] if `access` includes [`Access::REMOTE_WRITE`],
+    ///   [`Access::REMOTE_ATOMIC`] or [`Access::MW_BIND`] (a window could grant remote writes),
+    ///   or if `len` is 0 or too large to round up to whole pages.
     /// - [`Error::Io`] if `mmap` fails.
     /// - [`Error::Verbs`] if `ibv_reg_mr` fails (e.g. the memlock limit; the error's hint says so).
     pub fn new(pd: &Pd, len: usize, access: Access) -> Result<RegisteredBuf> {
+        let writable = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC | Access::MW_BIND;
+        if access.intersects(writable) {
+            return Err(Error::InvalidArgument(format!(
+                "RegisteredBuf::new lends references to its bytes, so no peer may write them: {:?} \
+                 is refused; register locally and use RegisteredBuf::expose",
+                access & writable
+            )));
+        }
+        RegisteredBuf::with_any_access(pd, len, access)
+    }
+
+    /// [`RegisteredBuf::new`] without the check of `access` (crate tests of windows on it).
+    pub(crate) fn with_any_access(pd: &Pd, len: usize, access: Access) -> Result<RegisteredBuf> {
         if len == 0 {
             return Err(Error::InvalidArgument("a registered buffer needs at least one byte".into()));
         }
@@ -328,11 +346,26 @@ impl RegisteredBuf {
         &self.mr
     }
 
+    /// Hands the buffer to the network with a key of its own carrying `access` (remote rights:
+    /// write, read, atomics): the returned [`RemoteWritable`] gives no references to the bytes
+    /// while a peer may write them; [`RemoteWritable::revoke`] gives the buffer back.
+    ///
+    /// # Errors
+    /// With the buffer back: [`Error::InvalidArgument`] if `access` is empty or holds a local
+    /// right, [`Error::Verbs`] if the device refuses the registration.
+    pub fn expose(self, access: Access) -> std::result::Result<RemoteWritable<RegisteredBuf>, ExposeFailed<Self>> {
+        RemoteWritable::expose(self, access)
+    }
+
     /// The start of the mapping, with the mapping's own provenance (not derived from a shared
     /// slice), for memory the NIC writes while only `&self` is held.
-    #[cfg(feature = "tokio")]
-    pub(crate) fn raw_ptr(&self) -> *mut u8 {
+    pub(crate) fn map_ptr(&self) -> *mut u8 {
         self.map.as_ptr()
+    }
+
+    /// The length, without making a reference to the bytes.
+    pub(crate) fn byte_len(&self) -> usize {
+        self.len
     }
 
     /// A scatter/gather entry for `range` of the buffer.
@@ -355,8 +388,10 @@ impl Deref for RegisteredBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: the mapping is at least len bytes, initialised (zeroed), and lives as long as
-        // self. The NIC only writes it through work requests the caller posted with unsafe
-        // calls, whose contract forbids overlapping CPU access.
+        // self. No peer can write it (`new` refuses remote-write, atomic and window rights; an
+        // exposed buffer is a RemoteWritable, which has no Deref); the local NIC writes it only
+        // for an operation that borrows it mutably, or one posted with an unsafe call whose
+        // contract forbids overlapping CPU access.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len) }
     }
 }

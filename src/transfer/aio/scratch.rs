@@ -71,7 +71,7 @@ pub(crate) struct Word {
 impl Word {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: the index is below CHUNK / size, so the word lies inside the chunk.
-        unsafe { self.chunk.raw_ptr().add(self.words.size * self.at.1 as usize) }
+        unsafe { self.chunk.map_ptr().add(self.words.size * self.at.1 as usize) }
     }
 
     /// The first 8 bytes as the NIC wrote them (an atomic's old value; call after the
