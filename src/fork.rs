@@ -1,13 +1,28 @@
-//! `fork()`: telling a parent's objects from a child's, and the crate's process-wide locks that a
-//! child must find unlocked.
+//! `fork()`: telling a parent's objects from a child's, what a child finds of the parent's
+//! registered memory, and the crate's process-wide locks that a child must find unlocked.
 //!
-//! A child has one thread, a copy of the parent's memory (minus the data chunks of scoped heaps
-//! and registered buffers, which it sees as fresh zero pages: `MADV_WIPEONFORK`) and the
-//! parent's verbs descriptors. The parent's queue pairs, memory regions and heaps stay the
-//! parent's: the child must neither use them (their rings and pages are not the child's) nor
-//! destroy them (the kernel objects are shared with the parent, which keeps using them). So each object remembers the fork *generation* it was made in: a
-//! child's handler bumps the generation, after which the parent's objects refuse every use with
-//! [`Error::Forked`] and release nothing when dropped, while objects made in the child work.
+//! A child has one thread, a copy of the parent's memory and the parent's verbs descriptors.
+//! Registered memory (the data chunks of scoped heaps, registered buffers) holds typed values —
+//! a `Vec<NonZeroU64, Heap>`, a `Box`, the `String`s of a map — so a child must see either the
+//! parent's bytes or nothing, never zero pages posing as values. Which one is decided once per
+//! process ([`children_copy_pinned_pages`]):
+//! - kernels that copy pinned anonymous pages into the child at fork (Linux 5.13+; rdma-core
+//!   reports `IBV_FORK_UNNEEDED`) get no fork advice at all: the child sees copies, and the
+//!   parent keeps its pinned pages (no copy-on-write between it and the NIC);
+//! - older kernels get `MADV_DONTFORK` (else the parent's first write after a fork would move
+//!   its page away from the NIC's), so the child has no mapping there; every such range is
+//!   recorded ([`crate::mmap::advise_fork`]) and the child's fork handler maps an inaccessible
+//!   `PROT_NONE` reservation over it, so that touching it faults and no later mapping of the
+//!   child can land where a parent's value was.
+//!
+//! `ibv_fork_init` is never called (it would `madvise` every registration itself).
+//!
+//! The parent's queue pairs, memory regions and heaps stay the parent's: the child must neither
+//! use them (their rings and registered pages are not the child's) nor destroy them (the kernel
+//! objects are shared with the parent, which keeps using them). So each object remembers the
+//! fork *generation* it was made in: a child's handler bumps the generation, after which the
+//! parent's objects refuse every use with [`Error::Forked`] and release nothing when dropped,
+//! while objects made in the child work.
 //!
 //! The crate's process-wide locks are [`ForkLock`]s, which a child finds unlocked even if
 //! another parent thread held one at the fork (that thread does not exist in the child).
@@ -15,7 +30,7 @@
 //! the parent's objects, which the child no longer uses.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -92,6 +107,83 @@ static INSTALL_AT_LOAD: extern "C" fn() = {
 
 extern "C" fn child() {
     GENERATION.fetch_add(1, Ordering::Relaxed);
+    // Only where the parent's registered memory is not in the child (older kernels): holds
+    // its place with inaccessible reservations. No allocation, no lock.
+    crate::mmap::reserve_fork_holes();
+}
+
+/// [`children_copy_pinned_pages`], once decided: 0 = not yet, 1 = copies, 2 = no copies.
+static COPIES: AtomicU8 = AtomicU8::new(0);
+
+/// Whether a fork()ed child gets copies of the parent's pinned (registered) anonymous pages,
+/// decided on the first call and fixed for the process (a child inherits the answer).
+///
+/// Asks rdma-core (`ibv_is_fork_initialized`, a library call that needs no device and does not
+/// initialise fork support): `IBV_FORK_UNNEEDED` means the kernel copies pinned pages at fork;
+/// `IBV_FORK_ENABLED` means someone called `ibv_fork_init`, so rdma-core marks every
+/// registration `MADV_DONTFORK` itself: no copies. rdma-core learns the kernel's answer over
+/// RDMA netlink, which needs the `ib_core` module: without it (a host with no RDMA device) it
+/// reports `IBV_FORK_DISABLED` whatever the kernel does, so then the kernel's version decides
+/// (copy-on-fork of pinned anonymous pages: Linux 5.13). Allocates nothing, takes no lock.
+pub(crate) fn children_copy_pinned_pages() -> bool {
+    match COPIES.load(Ordering::Relaxed) {
+        1 => return true,
+        2 => return false,
+        _ => {}
+    }
+    // SAFETY: a query without arguments; it reads (and caches) rdma-core's fork state and never
+    // initialises fork support.
+    let copies = match unsafe { rdma_sys::ibv_is_fork_initialized() } {
+        rdma_sys::IBV_FORK_UNNEEDED => true,
+        rdma_sys::IBV_FORK_ENABLED => false,
+        _ => kernel_at_least(5, 13),
+    };
+    // Racing first calls compute the same answer.
+    COPIES.store(if copies { 1 } else { 2 }, Ordering::Relaxed);
+    copies
+}
+
+/// The decision of [`children_copy_pinned_pages`] if it was made: `Some(false)` only where
+/// data ranges are kept out of children. For the fork handler, which must not decide anything.
+pub(crate) fn decided_copies() -> Option<bool> {
+    match COPIES.load(Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// Whether the running kernel's release (`uname -r`) is at least `major.minor` (`false` if it
+/// cannot be read). No allocation.
+fn kernel_at_least(major: u32, minor: u32) -> bool {
+    // SAFETY: utsname is plain bytes; all-zero is a valid value.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: uname fills the struct we own.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return false;
+    }
+    parse_release(u.release.iter().map(|c| c.to_ne_bytes()[0])).is_some_and(|v| v >= (major, minor))
+}
+
+/// `(major, minor)` of a kernel release such as `6.1.0-56-amd64` (bytes up to a NUL).
+fn parse_release(bytes: impl Iterator<Item = u8>) -> Option<(u32, u32)> {
+    let mut parts = [0u32; 2];
+    let mut at = 0;
+    let mut digits = 0;
+    for b in bytes {
+        match b {
+            b'0'..=b'9' => {
+                parts[at] = parts[at].saturating_mul(10).saturating_add(u32::from(b - b'0'));
+                digits += 1;
+            }
+            b'.' if at == 0 && digits > 0 => {
+                at = 1;
+                digits = 0;
+            }
+            _ => break,
+        }
+    }
+    (at == 1 && digits > 0).then_some((parts[0], parts[1]))
 }
 
 /// A process-wide lock for short critical sections (spins, then yields) that a fork()ed child
@@ -261,6 +353,35 @@ mod tests {
         assert_eq!(code[0], 0, "child check {} failed", code[0]);
         assert!(born.here(), "the parent is unchanged");
         assert!(!L.lock().after_fork);
+    }
+
+    #[test]
+    fn kernel_releases_parse() {
+        let p = |s: &str| parse_release(s.bytes().chain([0, b'9']));
+        assert_eq!(p("6.1.0-56-amd64"), Some((6, 1)));
+        assert_eq!(p("5.13"), Some((5, 13)));
+        assert_eq!(p("4.19.0+"), Some((4, 19)));
+        assert_eq!(p("6.18.44-fc-v657"), Some((6, 18)));
+        assert_eq!(p("6"), None);
+        assert_eq!(p(""), None);
+        assert_eq!(p(".5"), None);
+        assert!(kernel_at_least(2, 6));
+        assert!(!kernel_at_least(999, 0));
+    }
+
+    /// On this project's hosts (Linux 5.13+) children get copies, whatever rdma-core can tell
+    /// (without an RDMA module loaded it reports `IBV_FORK_DISABLED`).
+    #[test]
+    fn children_get_copies_on_this_kernel() {
+        let copies = children_copy_pinned_pages();
+        assert_eq!(copies, kernel_at_least(5, 13));
+        assert_eq!(decided_copies(), Some(copies));
+        // SAFETY: a query without arguments.
+        let rdma_core = unsafe { rdma_sys::ibv_is_fork_initialized() };
+        assert_ne!(rdma_core, rdma_sys::IBV_FORK_ENABLED, "nothing here calls ibv_fork_init");
+        if rdma_core == rdma_sys::IBV_FORK_UNNEEDED {
+            assert!(copies);
+        }
     }
 
     #[test]

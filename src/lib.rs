@@ -154,10 +154,15 @@
 //! ## `fork()`
 //!
 //! A child's copies of the parent's devices, heaps and connections stay the parent's: using one
-//! fails with [`Error::Forked`], dropping one releases nothing (the kernel objects are shared
-//! with the parent, which keeps using them), and the data of scoped heaps and registered buffers
-//! is not copied to the child (`MADV_WIPEONFORK`: the child sees zero pages there, the parent's
-//! pinned pages stay as they are). mralloc's process-wide locks are free in the child whichever
+//! fails with [`Error::Forked`], and dropping one releases nothing (the kernel objects are shared
+//! with the parent, which keeps using them). The values a child holds in scoped heaps and
+//! registered buffers (a `Vec<NonZeroU64, Heap>`, a `Box`, a map's `String`s) read as the
+//! parent's at the fork: the kernel copies pinned pages into the child (Linux 5.13+; rdma-core's
+//! `IBV_FORK_UNNEEDED`), so mralloc gives that memory no fork advice, and the parent's pinned
+//! pages stay the NIC's. On older kernels that memory is kept out of children
+//! (`MADV_DONTFORK`) and the child finds an inaccessible reservation there: touching it faults,
+//! it never reads zeros posing as values. mralloc never calls `ibv_fork_init`. mralloc's
+//! process-wide locks are free in the child whichever
 //! parent thread held them, and the global allocator keeps allocating there (new chunks
 //! unregistered). The child may open a device and build heaps and connections of its own.
 //!

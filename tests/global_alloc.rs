@@ -116,12 +116,20 @@ fn strings_boxes_and_big_blocks_are_in_chunks() {
 #[test]
 fn forked_child_allocates_normally() {
     let _warm = vec![0u8; 1 << 20];
+    // Values made before the fork read as the parent's in the child (Global's chunks get no
+    // fork advice: the child has copies).
+    let before: Vec<std::num::NonZeroU64> = (1..=10_000).map(|i| std::num::NonZeroU64::new(i * 31).unwrap()).collect();
+    let text = "made before the fork ".repeat(50);
     // SAFETY: the child allocates (jemalloc's fork handlers make that safe), checks, and _exits.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
+        let raw = before.as_ptr().cast::<u64>();
+        // SAFETY: before.len() initialised elements read as plain u64s (sound whatever they hold).
+        let kept = (0..before.len()).all(|i| unsafe { raw.add(i).read_volatile() } == (i as u64 + 1) * 31)
+            && text == "made before the fork ".repeat(50);
         let v = vec![5u8; 100_000];
-        let ok = in_chunk(v.as_ptr(), v.len()) && v.iter().all(|&x| x == 5);
+        let ok = kept && in_chunk(v.as_ptr(), v.len()) && v.iter().all(|&x| x == 5);
         // SAFETY: terminates the child without running the test harness.
         unsafe { libc::_exit(if ok { 0 } else { 1 }) };
     }

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::num::NonZeroU64;
 use std::time::Duration;
 
 use common::*;
@@ -131,7 +132,8 @@ fn device_memory_written_after_fork_in_the_parent() {
         }
     }
     // While the child runs, the parent writes the registered memory (copy-on-write would give
-    // the parent a new page the NIC does not see; MADV_DONTFORK prevents it).
+    // the parent a new page the NIC does not see; the kernel copies pinned pages for the child
+    // at fork since Linux 5.13, and before that mralloc keeps them out of it, MADV_DONTFORK).
     src.copy_from_slice(&pattern(12, 1 << 20));
     write_read(&lb, &src, dst, &back, "after fork");
     let mut status = 0;
@@ -139,6 +141,81 @@ fn device_memory_written_after_fork_in_the_parent() {
     let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
     assert_eq!(rc, pid, "waitpid: {}", std::io::Error::last_os_error());
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+}
+
+/// fork() with registered (pinned) heap memory: the child reads its copies of the typed values
+/// that live in the heap (a `Vec<NonZeroU64, Heap>`, a `Box<u64, &Heap>`, the `String`s of a
+/// `hashbrown::HashMap` whose table is in the heap) as the parent had them: the kernel copies
+/// pinned pages into children (Linux 5.13+), never zero pages posing as values. The parent
+/// keeps its pages: what it writes afterwards is what the NIC reads.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_forked_child_reads_its_copies_of_registered_values() {
+    let lb = loopback();
+    let heap = remote_heap(&lb.pd);
+    let mut v: allocator_api2::vec::Vec<NonZeroU64, Heap> = allocator_api2::vec::Vec::new_in(heap.clone());
+    v.extend((1..=100_000u64).map(|i| NonZeroU64::new(i * 7919).unwrap()));
+    let b = allocator_api2::boxed::Box::new_in(0xdead_beef_u64, &heap);
+    let mut map = hashbrown::HashMap::new_in(&heap);
+    for i in 0..1000u64 {
+        map.insert(i, format!("{i:08}"));
+    }
+    let table = map.iter().next().unwrap().1 as *const String as *const u8;
+    for p in [v.as_ptr().cast::<u8>(), (&*b as *const u64).cast(), table] {
+        assert!(heap.keys(p).is_some(), "{p:?} is not registered");
+    }
+    // SAFETY: the child makes no allocation and takes no lock: it reads memory, then _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let raw = v.as_ptr().cast::<u64>();
+        // SAFETY: v.len() initialised elements read as plain u64s (sound whatever they hold).
+        let code = if (0..v.len()).any(|i| unsafe { raw.add(i).read_volatile() } != (i as u64 + 1) * 7919) {
+            1
+        // SAFETY: as above, one u64.
+        } else if unsafe { (&*b as *const u64).read_volatile() } != 0xdead_beef {
+            2
+        } else if !v.iter().zip(1u64..).all(|(x, i)| x.get() == i * 7919) || *b != 0xdead_beef {
+            3
+        } else if map.len() != 1000
+            || !(0..1000u64).all(|i| map.get(&i).is_some_and(|s| s.as_bytes() == eight_digits(i)))
+        {
+            4
+        } else {
+            0
+        };
+        // SAFETY: leaves the child without running the parent's destructors or the harness.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(libc::WIFEXITED(status), "child status {status:#x} (signal {})", libc::WTERMSIG(status));
+    assert_eq!(libc::WEXITSTATUS(status), 0, "child check {} failed", libc::WEXITSTATUS(status));
+    // The parent's pages are still the NIC's: new values, RDMA-WRITten from the Vec's memory.
+    for (x, i) in v.iter_mut().zip(1u64..) {
+        *x = NonZeroU64::new(i * 31).unwrap();
+    }
+    let n = 64 << 10;
+    // SAFETY: n bytes of the Vec's initialised elements.
+    let src = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), n) };
+    let lkey = heap.keys(src.as_ptr()).unwrap().lkey;
+    let dst = heap.alloc(n).unwrap().expose().expect("dst exposed");
+    let sge = [mralloc::verbs::Sge::new(src.as_ptr() as u64, n as u32, lkey)];
+    // SAFETY: the Vec and dst outlive the completion polled right after; nothing writes them.
+    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.remote().at(0, n as u64).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap();
+    assert_bytes_eq(&dst.to_vec(), src, "the parent's values after the fork, as the NIC reads them");
+}
+
+/// `i` as eight decimal digits (what `format!("{i:08}")` gives), without allocating.
+fn eight_digits(mut i: u64) -> [u8; 8] {
+    let mut d = [b'0'; 8];
+    for c in d.iter_mut().rev() {
+        *c = b'0' + (i % 10) as u8;
+        i /= 10;
+    }
+    d
 }
 
 #[test]

@@ -8,6 +8,7 @@ use common::model::{op, run_model, Host, SendLive};
 use mralloc::heap::{chunk_of, Heap};
 use mralloc::Error;
 use proptest::prelude::*;
+use std::num::NonZeroU64;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
@@ -300,11 +301,13 @@ fn a_buffer_becomes_bytes_without_a_copy() {
 
 #[test]
 fn fork_with_a_live_heap_leaves_the_child_working() {
-    // A scoped heap's data chunks are kept out of fork() children (MADV_WIPEONFORK: registered
-    // memory is neither shared copy-on-write nor copied); its metadata is not, because
-    // jemalloc's fork handlers touch every arena's metadata in the child (regression: the child
-    // died of SIGSEGV). So in the child: the heap's metadata answers, its data pages are fresh zeros,
-    // and a heap created there allocates, writes and frees. The fork happens in a re-exec of this
+    // A scoped heap's data chunks come to fork() children as copies where the kernel copies
+    // pinned pages (Linux 5.13+: no fork advice), and are kept out of them otherwise
+    // (MADV_DONTFORK, an inaccessible reservation in their place); never zero pages posing as
+    // values. Its metadata always comes along, because jemalloc's fork handlers touch every
+    // arena's metadata in the child (regression: the child died of SIGSEGV). So in the child:
+    // the heap's metadata answers, its data reads as the parent's (or faults), and a heap
+    // created there allocates, writes and frees. The fork happens in a re-exec of this
     // binary running only this test, so no other test's thread can hold a lock at the fork.
     const NAME: &str = "fork_with_a_live_heap_leaves_the_child_working";
     if std::env::var_os("MRALLOC_FORK_CHILD").is_none() {
@@ -335,7 +338,7 @@ fn fork_with_a_live_heap_leaves_the_child_working() {
     assert!(heap.stats().metadata_bytes > 0);
     let big = heap.alloc(40 << 20).unwrap();
     assert!(chunk_of(big.as_ptr()).is_some(), "the parent's heap still grows");
-    println!("fork: the child saw the heap's metadata, not its data, and used a heap of its own");
+    println!("fork: the child saw the heap's metadata and its copy of the data (or a reservation), and used a heap of its own");
 }
 
 /// What the forked child checks; 0 when all held, else the number of the check that failed.
@@ -345,14 +348,15 @@ fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
     if heap.stats().live_bytes != live {
         return 1;
     }
-    // 2. Its data chunk did not: the page is not resident in the child, yet mapped (fresh zero
-    // pages, MADV_WIPEONFORK), so no mapping of the child lands where a parent's buffer was.
-    let mut vec = [0u8; 1];
+    // 2. Its data chunk: where the kernel copies pinned pages, the child's copy, holding the
+    // parent's bytes. Otherwise not in the child, yet something is mapped there (an
+    // inaccessible reservation), so no mapping of the child lands where a parent's buffer was.
     let page = (data as usize & !4095) as *mut libc::c_void;
-    // SAFETY: mincore only inspects the mapping and writes one byte to `vec`.
-    let r = unsafe { libc::mincore(page, 4096, vec.as_mut_ptr()) };
-    if r != 0 || vec[0] & 1 != 0 {
-        return 2;
+    if kernel_copies_pinned_pages_at_fork() {
+        if !buf.iter().all(|&x| x == 0x11) {
+            return 2;
+        }
+        return child_uses_a_heap_of_its_own(heap, buf, live);
     }
     // SAFETY: asks for a mapping exactly there, refused if anything is mapped (then nothing
     // changes); unmapped again if it was granted.
@@ -371,10 +375,23 @@ fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
         unsafe { libc::munmap(p, 4096) };
         return 8;
     }
-    // SAFETY: the parent's buffer's bytes, mapped in the child (zero pages): reading is sound.
-    if unsafe { std::slice::from_raw_parts(data, 4096) }.iter().any(|&x| x != 0) {
+    // The reservation is inaccessible (never the parent's bytes, never zeros).
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let reserved = maps.lines().any(|l| {
+        let mut f = l.split_whitespace();
+        let (range, perms) = (f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let (lo, hi) = range.split_once('-').unwrap_or(("0", "0"));
+        let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap_or(0), usize::from_str_radix(hi, 16).unwrap_or(0));
+        (lo..hi).contains(&(page as usize)) && perms.starts_with("---")
+    });
+    if !reserved {
         return 9;
     }
+    child_uses_a_heap_of_its_own(heap, buf, live)
+}
+
+/// The rest of [`child_after_fork`]'s checks.
+fn child_uses_a_heap_of_its_own(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
     // 3. A heap made in the child works: a new arena, new chunks through the hooks.
     let fresh = Heap::builder().build().unwrap();
     let mut big = fresh.alloc(40 << 20).unwrap();
@@ -407,6 +424,117 @@ fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
         return 7;
     }
     0
+}
+
+/// fork() (issue 33): a child reads its copies of typed values that live in a scoped heap — a
+/// `Vec<NonZeroU64, Heap>`, a `Box<u64, &Heap>` and `String`s in a `hashbrown::HashMap` whose
+/// table is in the heap — and finds the parent's values, never zero bytes posing as them (a
+/// `NonZeroU64` of 0, a null `Box`, a `&str` with a null pointer). Dropping them there releases
+/// nothing of the parent's. (On kernels that do not copy pinned pages at fork the heap's data
+/// is not in the child at all; this host's kernel copies them, so the values must be there.)
+#[test]
+fn fork_child_reads_the_parents_typed_values() {
+    const NAME: &str = "fork_child_reads_the_parents_typed_values";
+    if std::env::var_os("MRALLOC_FORK_CHILD").is_none() {
+        let text = common::finish_child(common::spawn_test(NAME, false, &[("MRALLOC_FORK_CHILD", "1")]), "fork");
+        assert!(text.contains("fork: the child read"), "the fork test did not run in the re-exec");
+        return;
+    }
+    assert!(
+        kernel_copies_pinned_pages_at_fork(),
+        "this test expects a kernel that copies pinned pages at fork (Linux 5.13+)"
+    );
+    let heap = Heap::builder().build().unwrap();
+    let mut v: allocator_api2::vec::Vec<NonZeroU64, Heap> = allocator_api2::vec::Vec::new_in(heap.clone());
+    v.extend((1..=10_000u64).map(|i| NonZeroU64::new(i * 7919).unwrap()));
+    let b = allocator_api2::boxed::Box::new_in(0xdead_beef_u64, &heap);
+    let mut map = hashbrown::HashMap::new_in(&heap);
+    for i in 0..500 {
+        map.insert(format!("key {i}"), format!("value {i} ").repeat(3));
+    }
+    for p in [
+        v.as_ptr().cast::<u8>(),
+        (&*b as *const u64).cast(),
+        map.iter().next().unwrap().0 as *const String as *const u8,
+    ] {
+        assert!(chunk_of(p).is_some(), "{p:?} is outside the heap's chunks");
+    }
+    let live = heap.stats().live_bytes;
+    // SAFETY: this process runs one test thread (the main thread only waits for it); the child
+    // runs Rust code in the only thread it has, then _exits without unwinding into libtest.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        let check = std::panic::AssertUnwindSafe(|| child_reads_copies(&heap, v, b, map, live));
+        let code = std::panic::catch_unwind(check).unwrap_or(99);
+        // SAFETY: leaves the child without running the parent's atexit handlers or destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child status {status:#x} (killed by signal {})", libc::WTERMSIG(status));
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "child check {} failed (see child_reads_copies)",
+        libc::WEXITSTATUS(status)
+    );
+    // The parent's values are intact and still its own.
+    assert!(v.iter().zip(1u64..).all(|(x, i)| x.get() == i * 7919));
+    assert_eq!(*b, 0xdead_beef);
+    assert_eq!(map["key 499"], "value 499 ".repeat(3));
+    v.push(NonZeroU64::MIN);
+    map.insert("after".into(), "fork".into());
+    drop((v, b, map));
+    assert_eq!(heap.stats().live_bytes, 0);
+    println!("fork: the child read the parent's Vec<NonZeroU64>, Box and HashMap<String, String> from the heap");
+}
+
+/// What the forked child checks: 0 when all held, else the number of the check that failed.
+/// The raw checks come first: they read the heap's bytes as plain integers, which is sound
+/// whatever the bytes are (zeros included), before any typed value is used.
+fn child_reads_copies(
+    heap: &Heap,
+    v: allocator_api2::vec::Vec<NonZeroU64, Heap>,
+    b: allocator_api2::boxed::Box<u64, &Heap>,
+    map: hashbrown::HashMap<String, String, hashbrown::DefaultHashBuilder, &Heap>,
+    live: u64,
+) -> i32 {
+    let raw = v.as_ptr().cast::<u64>();
+    // SAFETY: v.len() initialised elements, mapped in the child (or the child faults): read as
+    // plain u64s, any value is valid.
+    if (0..v.len()).any(|i| unsafe { raw.add(i).read_volatile() } != (i as u64 + 1) * 7919) {
+        return 1;
+    }
+    // SAFETY: as above, one u64.
+    if unsafe { (&*b as *const u64).read_volatile() } != 0xdead_beef {
+        return 2;
+    }
+    if !v.iter().zip(1u64..).all(|(x, i)| x.get() == i * 7919) || *b != 0xdead_beef {
+        return 3;
+    }
+    if map.len() != 500 || (0..500).any(|i| map.get(&format!("key {i}")) != Some(&format!("value {i} ").repeat(3))) {
+        return 4;
+    }
+    if map.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() == 0 {
+        return 5;
+    }
+    // Dropping the copies releases nothing of the parent's heap (and runs the Strings' drops
+    // on the child's copies of them).
+    drop((v, b, map));
+    if heap.stats().live_bytes != live {
+        return 6;
+    }
+    0
+}
+
+/// Whether the running kernel copies pinned anonymous pages into a fork()ed child (Linux 5.13+).
+fn kernel_copies_pinned_pages_at_fork() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (5, 13)
 }
 
 /// The front cache: a freed buffer comes back to the next allocation of its size class on the

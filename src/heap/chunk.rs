@@ -1,7 +1,7 @@
 //! Chunks: the big, registered mappings jemalloc carves allocations from.
 //!
-//! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, excluded from
-//! `fork()`, optionally advised to use transparent huge pages, then registered with every PD its
+//! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, prepared for
+//! `fork()` (see `crate::fork`: copied into children, or kept out of them), optionally advised to use transparent huge pages, then registered with every PD its
 //! heap is bound to. Its record lives in a fixed, statically allocated table (never on a heap,
 //! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
 
@@ -24,8 +24,8 @@ pub(crate) struct ChunkRec {
     pub(crate) len: AtomicUsize,
     /// Id of the owning heap; 0 = free record.
     pub(crate) owner: AtomicU64,
-    /// Looks like jemalloc metadata (a base block): registered with local rights only, not
-    /// excluded from fork, no THP advice.
+    /// Looks like jemalloc metadata (a base block): registered with local rights only, never
+    /// kept out of fork children (jemalloc's fork handlers touch it), no THP advice.
     pub(crate) meta: AtomicBool,
     /// A registration `Owner::bind` made but has not published yet (touched only under the
     /// owner's `bound` lock): published when every chunk registered, rolled back otherwise.
@@ -230,18 +230,19 @@ pub(crate) fn map(len: usize, align: usize) -> Result<usize, i32> {
 pub(crate) fn unmap(base: usize, len: usize) {
     // SAFETY: the caller owns the chunk and nothing references it any more.
     unsafe { libc::munmap(base as *mut libc::c_void, len) };
+    crate::mmap::forget_fork(base, len);
 }
 
-/// Advice applied to a fresh chunk before it is touched or registered.
-pub(crate) fn advise(base: usize, len: usize, hugepages: bool, dontfork: bool) {
-    // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
-    unsafe {
-        if dontfork {
-            crate::mmap::exclude_from_fork(base, len);
-        }
-        if hugepages {
-            libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-        }
+/// Advice applied to a fresh chunk before it is touched or registered. `fork`: prepare it for
+/// `fork()` children as registered memory ([`crate::mmap::advise_fork`]: copied into children
+/// where the kernel copies pinned pages, otherwise kept out of them).
+pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) {
+    if fork {
+        crate::mmap::advise_fork(base, len);
+    }
+    if hugepages {
+        // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
+        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
     }
 }
 

@@ -60,7 +60,10 @@ static INIT_TID: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::ne
 ///
 /// Unbound, it behaves as jemalloc. Data chunks are not excluded from `fork()` children (every
 /// allocation of the process lives in them); on kernels with copy-on-fork for pinned pages
-/// (Linux ≥ 5.8, as `rdma system show` reports) a fork copies the registered pages for the child.
+/// (Linux ≥ 5.13, as `rdma system show` reports) a fork copies the registered pages for the
+/// child. On older kernels a bound `Global`'s pages are shared copy-on-write with the child, and
+/// whichever process writes one first after the fork gets a new page: if that is the parent,
+/// the NIC keeps the old one.
 pub struct Global {
     owner: Owner,
     state: AtomicU8,

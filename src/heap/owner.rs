@@ -111,7 +111,9 @@ pub(crate) struct Owner {
     /// NUMA node to bind new chunks to; u32::MAX = none.
     pub(crate) numa_node: AtomicU32,
     pub(crate) hugepages: bool,
-    /// Exclude data chunks from fork() children (scoped heaps); the global allocator cannot.
+    /// Prepare data chunks for fork() children as registered memory (scoped heaps:
+    /// `mmap::advise_fork`, which keeps them out of children on kernels that do not copy pinned
+    /// pages); the global allocator cannot keep its chunks out (every allocation lives there).
     pub(crate) dontfork: bool,
     /// Note a `tracing` event for each new chunk, emitted after jemalloc returns (scoped heaps,
     /// see events.rs). Not for the global allocator, whose every allocation may be the one
@@ -179,6 +181,8 @@ pub(crate) fn allocations_under_bound() -> Option<u64> {
 
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
+        // Decided here, outside jemalloc's hooks (the first answer asks rdma-core).
+        crate::fork::children_copy_pinned_pages();
         Owner {
             hooks: hooks::HOOKS,
             id: NEXT_OWNER_ID.fetch_add(1, Ordering::Relaxed),

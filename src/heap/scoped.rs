@@ -203,12 +203,15 @@ impl HeapBuilder {
 /// is deregistered and unmapped: at once if the handle goes last, otherwise within a few
 /// milliseconds of the last buffer's drop (a small reaper thread exists only meanwhile).
 ///
-/// `fork()`: the heap's data chunks are kept out of children (`MADV_WIPEONFORK`: the parent
-/// keeps its pinned pages, nothing is copied or made copy-on-write, and the child sees fresh
-/// zero pages there). In the child the heap is the parent's: allocating fails with
-/// [`Error::Forked`] (an allocator-api2 allocation with `AllocError`), dropping it or its
-/// buffers releases nothing, and a buffer's bytes read as zeros. The child may exec, use
-/// other allocators, or build a heap of its own, which works as usual.
+/// `fork()`: the child reads its copies of what lives in the heap (buffers, collections) as the
+/// parent had them at the fork: the kernel copies pinned pages into children (Linux 5.13+), so
+/// the heap's chunks get no fork advice, and the parent keeps its pinned pages (nothing is made
+/// copy-on-write). On older kernels the chunks are kept out of children (`MADV_DONTFORK`, with
+/// an inaccessible reservation in their place): there a child touching them faults. In the
+/// child the heap is the parent's: allocating fails with [`Error::Forked`] (an allocator-api2
+/// allocation with `AllocError`), and dropping it, its buffers or its collections releases
+/// nothing of it. The child may exec, use other allocators, or build a heap of its own, which
+/// works as usual.
 ///
 /// ```no_run
 /// use mralloc::heap::Heap;
@@ -272,7 +275,7 @@ impl Drop for Heap {
     fn drop(&mut self) {
         if !self.born.here() {
             // A fork()ed child's copy of a parent's heap: the parent's to tear down (its data
-            // chunks are only zero pages here).
+            // chunks here are copies, or not there at all).
             return;
         }
         // SAFETY: this handle is live and is given up here, once.

@@ -21,7 +21,8 @@ pub struct HeapStats {
     pub mapped_bytes: u64,
     /// Of `mapped_bytes`, chunks that look like jemalloc's own metadata (base blocks). They are
     /// registered like every chunk (no rkey of theirs is ever handed out: no buffer lies in them)
-    /// but not excluded from `fork()` children, whose jemalloc touches them.
+    /// but never kept out of `fork()` children (as data chunks are on kernels before 5.13),
+    /// whose jemalloc touches them.
     pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
