@@ -80,8 +80,10 @@ impl Connection {
         self.one(sge, SendOp::Write(to)).map(|_| ())
     }
 
-    /// RDMA WRITE that also delivers `imm` to the peer (it consumes one of the peer's receives;
-    /// see [`Connection::recv_imm`]).
+    /// RDMA WRITE that also delivers `imm` to the peer. It consumes one of the peer's posted
+    /// receives ([`Connection::recv_imm`], or any `recv`/`post_recv`: that receive's buffer is
+    /// left untouched and reports [`Arrival::ImmediateOnly`](crate::transfer::Arrival)); the
+    /// WRITE's bytes are in the target once that receive completes.
     ///
     /// # Errors
     /// As [`Connection::write_at`] (the peer must have a receive posted).

@@ -250,7 +250,11 @@ impl Connection {
         self.post_owned(buf, Verb::Send, |_| Ok(SendOp::Send))
     }
 
-    /// Posts `buf` as a receive buffer; the returned `Pending` completes when a SEND fills it.
+    /// Posts `buf` as a receive buffer; the returned `Pending` completes when the peer's SEND
+    /// fills it — or when the peer's RDMA WRITE with immediate consumes it: then nothing is
+    /// written into `buf` ([`Received::kind`] is
+    /// [`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0, an `UninitBuffer` stays
+    /// uninitialised).
     /// Receives complete in the order they were posted. The buffer may be uninitialised memory
     /// ([`crate::heap::UninitBuffer`]): after a successful [`Pending::wait`] the bytes that
     /// arrived are initialised.

@@ -32,7 +32,8 @@ pub struct Received {
     /// Bytes written into the receive buffer (never more than was posted; 0 for
     /// [`Arrival::ImmediateOnly`]). For this side's own operations: the bytes the request moved.
     pub len: usize,
-    /// Immediate data, when the sender attached some (SEND or WRITE with immediate).
+    /// Immediate data, when the sender attached some (SEND or WRITE with immediate): always
+    /// `Some` for [`Arrival::ImmediateOnly`].
     pub imm: Option<u32>,
     /// Which kind of message it was.
     pub kind: Arrival,

@@ -72,11 +72,13 @@ impl<T> From<ExposeFailed<T>> for Error {
 }
 
 impl<T: Exposable> RemoteWritable<T> {
-    /// Registers all of `inner` with `access` (remote rights only; `LOCAL_WRITE` is added).
+    /// Registers all of `inner` with `access` (at least one remote right; `LOCAL_WRITE` is
+    /// always added).
     pub(crate) fn expose(inner: T, access: Access) -> std::result::Result<RemoteWritable<T>, ExposeFailed<T>> {
-        if access.is_empty() || !Access::ALL_REMOTE.contains(access) {
+        if access.remote_only().is_empty() || !Access::ALL_REMOTE.contains(access) {
             let error = Error::InvalidArgument(format!(
-                "exposing asks for remote rights only (REMOTE_WRITE, REMOTE_READ, REMOTE_ATOMIC), got {access:?}"
+                "exposing takes remote rights (REMOTE_WRITE, REMOTE_READ, REMOTE_ATOMIC; LOCAL_WRITE is always \
+                 added), got {access:?}"
             ));
             return Err(ExposeFailed { error, value: inner });
         }

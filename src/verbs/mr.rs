@@ -29,6 +29,7 @@ bitflags::bitflags! {
         /// Memory windows may be bound to the region.
         const MW_BIND = ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0;
         /// Local write plus every remote right: what a buffer exposed to a trusted peer needs.
+        /// (It includes `LOCAL_WRITE`; [`Access::remote_only`] strips it.)
         const ALL_REMOTE = Self::LOCAL_WRITE.bits()
             | Self::REMOTE_WRITE.bits()
             | Self::REMOTE_READ.bits()
@@ -280,6 +281,21 @@ pub(crate) static LEAKED_MAPPINGS: std::sync::atomic::AtomicU64 = std::sync::ato
 /// Zeroed, page-aligned memory of its own, registered with a PD: the simplest safe way to get
 /// bytes the NIC can use. (The registered heap, [`crate::heap`], is the scalable way.)
 ///
+/// It derefs to `[u8]`, so no peer may write it: [`RegisteredBuf::new`] refuses remote-write
+/// rights. A buffer a peer writes is exposed first, and lends no references until revoked:
+///
+/// ```no_run
+/// # fn f(pd: &mralloc::verbs::Pd, peer: &mralloc::transfer::Connection, src: &mralloc::Buffer) -> mralloc::Result<()> {
+/// use mralloc::verbs::{Access, RegisteredBuf};
+/// let inbox = RegisteredBuf::new(pd, 4096, Access::LOCAL_WRITE)?.expose(Access::REMOTE_WRITE)?;
+/// // `inbox.remote()` is what a peer is sent; here the far end of a loopback pair writes.
+/// peer.write(&src[..8], &inbox.remote())?;
+/// println!("while exposed, only copies: {:?}", &inbox.to_vec()[..8]);
+/// let inbox = inbox.revoke()?; // the key is dead: the bytes are ours again
+/// println!("{:?}", &inbox[..8]);
+/// # Ok(()) }
+/// ```
+///
 /// ```no_run
 /// use mralloc::verbs::{Access, Context, Pd, RegisteredBuf};
 /// let ctx = Context::open_default()?;
@@ -351,8 +367,9 @@ impl RegisteredBuf {
     /// while a peer may write them; [`RemoteWritable::revoke`] gives the buffer back.
     ///
     /// # Errors
-    /// With the buffer back: [`Error::InvalidArgument`] if `access` is empty or holds a local
-    /// right, [`Error::Verbs`] if the device refuses the registration.
+    /// With the buffer back: [`Error::InvalidArgument`] if `access` holds no remote right, or
+    /// a right other than the remote ones and `LOCAL_WRITE` (which is always added), such as
+    /// `MW_BIND`; [`Error::Verbs`] if the device refuses the registration.
     pub fn expose(self, access: Access) -> std::result::Result<RemoteWritable<RegisteredBuf>, ExposeFailed<Self>> {
         RemoteWritable::expose(self, access)
     }

@@ -338,7 +338,9 @@ impl AsyncConnection {
         async move { op.await.map(|(b, _)| b) }
     }
 
-    /// Posts `buf` as a receive (at call time) and completes when a SEND fills it. Receives
+    /// Posts `buf` as a receive (at call time) and completes when the peer's SEND fills it, or
+    /// when its RDMA WRITE with immediate consumes it (nothing written into `buf`:
+    /// [`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0). Receives
     /// complete in the order they were posted. The buffer may be uninitialised memory
     /// ([`crate::heap::UninitBuffer`]): once the future returns it `Ok`, the bytes that arrived
     /// are initialised.
