@@ -201,6 +201,9 @@ fn device_two_processes_with_right_and_wrong_secrets() {
         let inbox = inbox.revoke().unwrap();
         assert_bytes_eq(&inbox, &pattern(43, 1 << 20), "secret server inbox");
         println!("secret server: verified {} bytes, imm {imm}", inbox.len());
+        // The client leaves last: exiting while its WRITE's acknowledgement may still be on the
+        // way would let its connection watcher report PeerClosed first.
+        conn.send(&filled(&heap, 1, 1)).unwrap();
         return;
     }
     let port = 21000 + (std::process::id() % 20000) as u16;
@@ -221,6 +224,7 @@ fn device_two_processes_with_right_and_wrong_secrets() {
     let mut data = heap.alloc(1 << 20).unwrap();
     data.copy_from_slice(&pattern(43, 1 << 20));
     conn.write_with_imm(&data, &remote, 0, 43).unwrap();
+    conn.recv(&mut heap.alloc(1).unwrap()).unwrap(); // the server is done
     let text = finish_child(child, "server");
     assert!(text.contains("secret server: first peer refused: WrongSecret"));
     assert!(text.contains("secret server: verified 1048576 bytes, imm 43"));

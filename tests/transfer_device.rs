@@ -154,15 +154,18 @@ fn device_mapped_file_64mib_zero_copy() {
     let src = unsafe { MappedFile::open(&src_path, Mode::ReadOnly, &pd) }.unwrap();
     // SAFETY: as above.
     let dst = unsafe { MappedFile::create(&dst_path, N as u64, &pd) }.unwrap();
+    // A plain key is read-only: the peer may write the file only while it is exposed.
+    let dst = dst.expose().unwrap();
     let t = Instant::now();
     // One WRITE per 4 MiB slice of the read-only mapping into the created file's mapping.
-    let remote = dst.remote().unwrap();
+    let remote = dst.remote();
     let slices: Vec<_> = (0..N).step_by(4 << 20).map(|o| src.slice(o..o + (4 << 20)).unwrap()).collect();
     let mut batch = a.batch();
     for (i, s) in slices.iter().enumerate() {
         batch.write(s, &remote, (i * (4 << 20)) as u64).unwrap();
     }
     batch.submit().unwrap();
+    let dst = dst.revoke().unwrap();
     dst.flush().unwrap();
     let took = t.elapsed();
     drop(dst);

@@ -107,8 +107,8 @@ impl MappedFile {
         MappedFile::map(file, len, mode, pd, path)
     }
 
-    /// Creates (or truncates) `path` with `len` bytes, maps it read-write and registers it, ready
-    /// to receive RDMA WRITEs.
+    /// Creates (or truncates) `path` with `len` bytes, maps it read-write and registers it; a
+    /// peer may RDMA WRITE it once it is exposed ([`MappedFile::expose`]).
     ///
     /// # Safety
     /// As [`MappedFile::open`]: nothing else may access the file's bytes while the value lives.
@@ -335,10 +335,10 @@ unsafe impl Local for MappedSlice<'_> {
     }
 }
 
-impl crate::verbs::sealed::Sealed for MappedFile {}
-
-impl Exposable for MappedFile {
+impl crate::verbs::sealed::Sealed for MappedFile {
     fn region(&self) -> (*mut u8, usize, &Pd) {
         (self.ptr, self.len, self.mr.pd())
     }
 }
+
+impl Exposable for MappedFile {}

@@ -173,7 +173,10 @@ impl Connection {
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
         match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), posted: Posted::Send(len), fill }),
+            Ok(ticket) => {
+                let posted = if fill.is_some() { Posted::Read(len) } else { Posted::Send(len) };
+                Ok(Pending { conn: self, ticket, buf: Some(buf), posted, fill })
+            }
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })

@@ -13,6 +13,7 @@ use crate::verbs::WcOpcode;
 /// What kind of message consumed a receive (or, for operations of this side, that the operation
 /// moved data).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Arrival {
     /// Bytes were written into the buffer: a SEND (with or without immediate) filled the first
     /// [`Received::len`] bytes; for this side's own operations (WRITE, READ, SEND, atomics), the
@@ -44,7 +45,9 @@ pub struct Received {
 pub(crate) enum Posted {
     /// A receive of this many bytes (all its SGEs together).
     Recv(usize),
-    /// A send-queue request (WRITE, READ, SEND, atomic) moving this many bytes.
+    /// An RDMA READ filling this many bytes.
+    Read(usize),
+    /// Another send-queue request (WRITE, SEND, atomic) moving this many bytes.
     Send(usize),
 }
 
@@ -72,10 +75,10 @@ impl Received {
                 Ok(Received { len: (byte_len as usize).min(len), imm, kind: Arrival::Data })
             }
             (Posted::Recv(_), WcOpcode::RecvRdmaWithImm) => Ok(Received { len: 0, imm, kind: Arrival::ImmediateOnly }),
-            (
-                Posted::Send(len),
-                WcOpcode::Send | WcOpcode::RdmaWrite | WcOpcode::RdmaRead | WcOpcode::CompareSwap | WcOpcode::FetchAdd,
-            ) => Ok(Received { len, imm: None, kind: Arrival::Data }),
+            (Posted::Read(len), WcOpcode::RdmaRead)
+            | (Posted::Send(len), WcOpcode::Send | WcOpcode::RdmaWrite | WcOpcode::CompareSwap | WcOpcode::FetchAdd) => {
+                Ok(Received { len, imm: None, kind: Arrival::Data })
+            }
             (posted, opcode) => {
                 Err(Error::Protocol(format!("a completion with opcode {opcode:?} for a request posted as {posted:?}")))
             }
@@ -108,8 +111,10 @@ mod tests {
 
     #[test]
     fn send_queue_requests_report_their_posted_length() {
-        let r = Received::interpret(WcOpcode::RdmaRead, 12345, None, Posted::Send(64)).unwrap();
+        let r = Received::interpret(WcOpcode::RdmaRead, 12345, None, Posted::Read(64)).unwrap();
         assert_eq!((r.len, r.imm, r.kind), (64, None, Arrival::Data));
+        let r = Received::interpret(WcOpcode::RdmaWrite, 0, None, Posted::Send(64)).unwrap();
+        assert_eq!((r.len, r.kind), (64, Arrival::Data));
     }
 
     #[test]
@@ -117,5 +122,8 @@ mod tests {
         assert!(matches!(Received::interpret(WcOpcode::RdmaRead, 64, None, Posted::Recv(64)), Err(Error::Protocol(_))));
         assert!(matches!(Received::interpret(WcOpcode::Recv, 64, None, Posted::Send(64)), Err(Error::Protocol(_))));
         assert!(Received::interpret(WcOpcode::Other(99), 1, None, Posted::Recv(64)).is_err());
+        // A READ target is reported written only by a READ's completion.
+        assert!(Received::interpret(WcOpcode::RdmaWrite, 64, None, Posted::Read(64)).is_err());
+        assert!(Received::interpret(WcOpcode::RdmaRead, 64, None, Posted::Send(64)).is_err());
     }
 }

@@ -335,6 +335,7 @@ impl std::fmt::Debug for SharedMessage {
             .field("qp_num", &self.qp_num)
             .field("len", &self.len)
             .field("imm", &self.imm)
+            .field("kind", &self.kind)
             .finish()
     }
 }

@@ -7,20 +7,22 @@ use std::mem::ManuallyDrop;
 use crate::error::{Error, Result};
 use crate::peer_bytes;
 use crate::remote::RemoteBuf;
-use crate::verbs::{Access, Mr, Pd, RegisteredBuf};
+use crate::verbs::{Access, Mr, Pd, RegisteredBuf, LEAKED_MAPPINGS};
 
 pub(crate) mod sealed {
+    use crate::verbs::Pd;
+
     /// Implemented only inside the crate.
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// Start, length and PD of the memory (stable while the value lives; the pointer has
+        /// the mapping's provenance, not a reference's).
+        fn region(&self) -> (*mut u8, usize, &Pd);
+    }
 }
 
 /// Memory that can be handed to the network as a [`RemoteWritable`]: a [`RegisteredBuf`], or a
 /// read-write [`MappedFile`](crate::transfer::MappedFile). Sealed.
-pub trait Exposable: sealed::Sealed + Sized {
-    /// Start, length and PD of the memory (stable while the value lives).
-    #[doc(hidden)]
-    fn region(&self) -> (*mut u8, usize, &Pd);
-}
+pub trait Exposable: sealed::Sealed + Sized {}
 
 /// Memory of one's own that a peer may write (and read, or use atomics on) at any moment: it
 /// carries a registration of exactly its bytes with the asked remote rights, and gives **no**
@@ -82,7 +84,7 @@ impl<T: Exposable> RemoteWritable<T> {
             ));
             return Err(ExposeFailed { error, value: inner });
         }
-        let (ptr, len, pd) = inner.region();
+        let (ptr, len, pd) = sealed::Sealed::region(&inner);
         // SAFETY: `inner`'s memory is valid for `len` bytes and stays mapped while the returned
         // value lives (it owns `inner`, and frees it only after a successful deregistration,
         // leaking it otherwise); no reference to the bytes is handed out while registered.
@@ -159,7 +161,7 @@ impl<T: Exposable> RemoteWritable<T> {
         match mr.deregister() {
             Ok(()) => Ok(inner),
             Err(e) => {
-                std::mem::forget(inner);
+                leak(inner, &e);
                 Err(e)
             }
         }
@@ -171,9 +173,19 @@ impl<T: Exposable> Drop for RemoteWritable<T> {
         // SAFETY: both fields are taken exactly once, here.
         let (mr, inner) = unsafe { (ManuallyDrop::take(&mut self.mr), ManuallyDrop::take(&mut self.inner)) };
         if let Err(e) = mr.deregister() {
-            tracing::debug!("dropping remotely writable memory: {e}; the memory is leaked");
-            std::mem::forget(inner);
+            leak(inner, &e);
         }
+    }
+}
+
+/// Keeps `inner` for good: its remote key could not be removed (`e`), so the peer may still
+/// reach the memory. A fork()ed child's copy (the registration is the parent's) is kept too,
+/// silently.
+fn leak<T>(inner: T, e: &Error) {
+    std::mem::forget(inner);
+    if !matches!(e, Error::Forked(_)) {
+        LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::error!("deregistering remotely writable memory failed: {e}; the memory is leaked");
     }
 }
 
@@ -183,10 +195,10 @@ impl<T: Exposable> std::fmt::Debug for RemoteWritable<T> {
     }
 }
 
-impl sealed::Sealed for RegisteredBuf {}
-
-impl Exposable for RegisteredBuf {
+impl sealed::Sealed for RegisteredBuf {
     fn region(&self) -> (*mut u8, usize, &Pd) {
         (self.map_ptr(), self.byte_len(), self.mr().pd())
     }
 }
+
+impl Exposable for RegisteredBuf {}

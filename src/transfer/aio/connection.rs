@@ -311,7 +311,7 @@ impl AsyncConnection {
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let sge = self.conn().checked_target(&mut buf, Verb::Read);
-        let posted = Posted::Send(sge.as_ref().map_or(0, |s| s.len() as usize));
+        let posted = Posted::Read(sge.as_ref().map_or(0, |s| s.len() as usize));
         let op = self.start_checked(buf, sge, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
         async move { filled(op.await, posted).map(|(b, _)| b) }
     }
