@@ -174,3 +174,26 @@ async fn device_async_write_with_immediate_fills_no_posted_receive() {
         assert!(buf.iter().all(|&x| x == 0xEE));
     }
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_write_with_immediate_into_a_shared_receive_queue_delivers_no_bytes() {
+    use mralloc::transfer::{Options, SharedReceiver};
+    let pd = Pd::new(&open()).unwrap();
+    let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_WRITE).build().unwrap();
+    let shared = SharedReceiver::new(&pd, 4, RECV).unwrap();
+    let opts = Options { shared_receive: Some(shared.clone()), ..rights(Access::REMOTE_WRITE) };
+    let (a, b) = Connection::pair(&pd, &opts).unwrap();
+    let target = heap.alloc(1 << 20).unwrap().expose().unwrap();
+    for (i, n) in WRITES.into_iter().enumerate() {
+        let imm = 0x3000 + i as u32;
+        a.write_with_imm(&heap.alloc(n).unwrap(), &target.remote(), 0, imm).unwrap();
+        let msg = shared.recv_timeout(std::time::Duration::from_secs(20)).unwrap();
+        assert!(msg.is_from(&b), "the message names the connection it came over");
+        assert_eq!((msg.len(), msg.imm(), msg.kind()), (0, Some(imm), Arrival::ImmediateOnly), "WRITE of {n} B");
+    }
+    // A SEND is data, at most the slot.
+    a.send(&heap.alloc(100).unwrap()).unwrap();
+    let msg = shared.recv_timeout(std::time::Duration::from_secs(20)).unwrap();
+    assert_eq!((msg.len(), msg.kind()), (100, Arrival::Data));
+}
