@@ -488,7 +488,7 @@ pub enum RemoteRefusal {
     /// Rights the peer's connection or heap does not allow (its `Options::remote_access`, or
     /// a heap without `Access::MW_BIND`).
     Rights = 5,
-    /// Binding a memory window failed at the peer.
+    /// Making the key failed at the peer (binding a memory window, or registering the buffer).
     Unavailable = 6,
 }
 
@@ -513,7 +513,7 @@ impl RemoteRefusal {
             RemoteRefusal::LimitReached => "its limit for this connection is reached",
             RemoteRefusal::OutOfMemory => "its heap is out of memory",
             RemoteRefusal::Rights => "rights its connection or heap does not allow",
-            RemoteRefusal::Unavailable => "binding a memory window failed",
+            RemoteRefusal::Unavailable => "making a remote key for the memory failed",
         }
     }
 }

@@ -118,8 +118,11 @@
 //! rkeys (free to hand out, but reaching every allocation in the chunk, irrevocably) exist only
 //! for heaps built with [`heap::HeapBuilder::remote_access_to_whole_chunks`], through
 //! [`heap::Buffer::remote_whole_chunk`]. [`transfer::Connection::grant`] gives one connection a
-//! revocable rkey of its own for any owned buffer (a type 2 memory window), revoked by
-//! [`transfer::Grant::revoke`]. And a connection's queue pair admits one-sided operations only
+//! revocable rkey of its own for exactly one owned buffer, revoked by
+//! [`transfer::Grant::revoke`]: a type 2 memory window where the device confines windows to
+//! their range (probed once per device, [`verbs::Context::confines_memory_windows`]), else a
+//! registration of just the buffer (Soft-RoCE on Linux 6.1 checks a window only against the
+//! whole chunk under it). Lent remote memory (feature `tokio`) is keyed the same way. And a connection's queue pair admits one-sided operations only
 //! with the rights its [`transfer::Options::remote_access`] asked for.
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.

@@ -420,7 +420,7 @@ fn device_grant_gives_scoped_revocable_access() {
     target.fill(0);
     let g = b.grant(target, Access::REMOTE_WRITE | Access::REMOTE_READ).unwrap();
     let remote = g.remote();
-    assert_ne!(remote.rkey, heap.keys(remote.addr as *const u8).unwrap().rkey, "a window rkey, not the heap's");
+    assert_ne!(remote.rkey, heap.keys(remote.addr as *const u8).unwrap().rkey, "a key of its own, not the heap's");
     let mut src = heap.alloc(8192).unwrap();
     src.copy_from_slice(&pattern(8, 8192));
     a.write(&src, &remote).unwrap();
@@ -433,8 +433,7 @@ fn device_grant_gives_scoped_revocable_access() {
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "revoked grant: {err}");
 
     // The grant's RemoteBuf covers exactly the buffer; a larger write is refused locally before
-    // posting. (rxe on 6.1 checks window accesses against the underlying region only, so a
-    // hand-made wider range would land next to the buffer there; hardware HCAs refuse it.)
+    // posting. (A hand-made wider range is refused by the device: tests/grant_exact_device.rs.)
     let (c, d) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let g = d.grant(heap.alloc(4096).unwrap(), Access::REMOTE_WRITE).unwrap();
     assert!(matches!(c.write(&src, &g.remote()), Err(Error::OutOfBounds { .. })));

@@ -80,7 +80,7 @@ impl Owner {
                 continue;
             }
             if failed.is_none() {
-                rec.set_mr(slot, mr);
+                rec.set_mr(slot, mr, self.access_for(rec.meta.load(Ordering::Relaxed)));
                 self.counters.registered[slot].fetch_add(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
             } else if !chunk::deregister(mr) {
                 // Still registered with `pd`: the chunk must never be unmapped nor purged.

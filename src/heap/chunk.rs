@@ -36,6 +36,9 @@ pub(crate) struct ChunkRec {
     pub(crate) keys: [AtomicU64; MAX_PDS],
     /// Set when a registration of this chunk could not be removed: never unmap it.
     pub(crate) leaked: AtomicBool,
+    /// The access bits its registrations have (the same for every PD), written before each
+    /// `mrs` entry is published.
+    pub(crate) access: AtomicU32,
     /// The PD of each registration, copied out of the `ibv_mr` when it is published, so that
     /// lookups never dereference an `ibv_mr` (another thread may be deregistering it).
     pub(crate) pds: [AtomicPtr<ffi::ibv_pd>; MAX_PDS],
@@ -55,6 +58,7 @@ impl ChunkRec {
         keys: [const { AtomicU64::new(0) }; MAX_PDS],
         pds: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
         leaked: AtomicBool::new(false),
+        access: AtomicU32::new(0),
         next_free: AtomicU32::new(u32::MAX),
     };
 
@@ -90,12 +94,13 @@ impl ChunkRec {
             || self.mrs.iter().any(|m| !m.load(Ordering::Acquire).is_null())
     }
 
-    /// Publishes a registration for `slot`.
-    pub(crate) fn set_mr(&self, slot: usize, mr: *mut ffi::ibv_mr) {
+    /// Publishes a registration for `slot`, made with `access` (`IBV_ACCESS_*` bits).
+    pub(crate) fn set_mr(&self, slot: usize, mr: *mut ffi::ibv_mr, access: u32) {
         // SAFETY: mr is a live registration made by the caller.
         let (lkey, rkey, pd) = unsafe { ((*mr).lkey, (*mr).rkey, (*mr).pd) };
         self.keys[slot].store((u64::from(lkey) << 32) | u64::from(rkey), Ordering::Relaxed);
         self.pds[slot].store(pd, Ordering::Relaxed);
+        self.access.store(access, Ordering::Relaxed);
         self.mrs[slot].store(mr, Ordering::Release);
     }
 }

@@ -2,7 +2,7 @@
 //! registered buffer whose deregistration the device refuses must stay mapped (leaked), never be
 //! unmapped while still registered. rxe refuses `ibv_dereg_mr` while a memory window is bound.
 
-use crate::heap::{chunk_of, mr_of, Heap};
+use crate::heap::{chunk_of, mr_and_access_of, Heap};
 use crate::transfer::{Connection, Options};
 use crate::verbs::{leaked_mappings, Access, Context, Mw, Pd, RegisteredBuf, SendFlags, SendOp, Sge};
 
@@ -31,7 +31,7 @@ fn device_a_chunk_the_device_will_not_deregister_stays_mapped() {
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE | Access::MW_BIND).build().unwrap();
     let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
     let buf = heap.alloc(4096).unwrap();
-    let (mr, _) = mr_of(buf.as_ptr(), &pd).unwrap();
+    let (mr, _) = mr_and_access_of(buf.as_ptr(), &pd).unwrap();
     let (base, len) = chunk_of(buf.as_ptr()).unwrap();
     let mw = bind_window(&a, &pd, mr, buf.addr(), 4096);
     let before = leaked_mappings();

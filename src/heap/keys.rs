@@ -1,7 +1,7 @@
 //! Pointer → keys, for any byte any heap handed out.
 
 use crate::heap::chunk::{self, ChunkRec};
-use crate::verbs::Pd;
+use crate::verbs::{Access, Pd};
 
 /// The memory-region keys covering a byte of heap memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,8 +56,18 @@ pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
     Some((rec.base.load(Relaxed), rec.len.load(Relaxed)))
 }
 
-/// The chunk's memory region in `pd` holding `ptr` (for binding memory windows), with its keys.
-pub(crate) fn mr_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Keys)> {
+/// The chunk's memory region in `pd` holding `ptr`, with its keys.
+fn mr_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Keys)> {
     let (_, rec) = chunk::find(ptr as usize)?;
     (0..chunk::MAX_PDS).find_map(|slot| Some((rec.mr_in(slot, pd.as_raw())?, keys_in_slot(rec, slot)?)))
+}
+
+/// The chunk's memory region in `pd` holding `ptr` (for binding memory windows) and the rights
+/// it was registered with.
+pub(crate) fn mr_and_access_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Access)> {
+    let (_, rec) = chunk::find(ptr as usize)?;
+    let mr = (0..chunk::MAX_PDS).find_map(|slot| rec.mr_in(slot, pd.as_raw()))?;
+    // Written before the registration was published (read with acquire by `mr_in`).
+    let access = Access::from_bits_truncate(rec.access.load(std::sync::atomic::Ordering::Relaxed));
+    Some((mr, access))
 }

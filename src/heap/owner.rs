@@ -305,7 +305,7 @@ impl Owner {
         let rec = chunk::rec(index);
         for (slot, &mr) in mrs.iter().enumerate() {
             if !mr.is_null() {
-                rec.set_mr(slot, mr);
+                rec.set_mr(slot, mr, self.access_for(meta));
                 self.counters.registered[slot].fetch_add(size as u64, Ordering::Relaxed);
             }
         }

@@ -1,55 +1,62 @@
-//! Scoped remote grants: a type 2 memory window over exactly one owned buffer, revocable.
+//! Scoped remote grants: a key for exactly one owned buffer, revocable.
 
 use crate::error::{Error, Result};
-use crate::heap::mr_of;
 use crate::remote::RemoteBuf;
 use crate::transfer::completion::{Failure, Ticket};
+use crate::transfer::exact::{exact_key, Keyed, Prepared};
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, Mw, Pd, SendFlags, SendOp, Sge};
+use crate::verbs::{Access, SendFlags, SendOp, Sge};
 
-/// Remote access to one buffer through one connection, with an rkey of its own (a type 2
-/// memory window bound to just that buffer). The grant owns the buffer:
-/// - [`Grant::revoke`] invalidates the rkey, waits for that, and gives the buffer back;
-/// - dropping a grant posts the invalidation and returns at once: the connection keeps the
-///   buffer until the invalidation completes, then frees it (on a failed connection, until the
-///   queue pair is destroyed);
+/// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
+/// over exactly that buffer's bytes. The grant owns the buffer:
+/// - [`Grant::revoke`] kills the rkey, waits for that, and gives the buffer back;
+/// - dropping a grant kills the rkey without waiting on the peer: the buffer is freed once the
+///   key is dead (a registration: at once, or never if the device refuses to remove it; a
+///   window: when the connection has reaped the invalidation — on a failed connection, once
+///   the queue pair is destroyed);
 /// - forgetting a grant leaks the buffer: the peer may keep access to it, never to memory that
 ///   was freed or reused.
 ///
 /// The buffer must come from a heap built with [`Access::MW_BIND`]. The grant's rights are the
 /// ones asked of [`Connection::grant`] (remote read and/or write), whatever remote rights the
-/// heap was built with: the window, not the chunk's registration, carries them.
+/// heap was built with: the key, not the chunk's registration, carries them.
 ///
-/// Range checking is the device's: hardware checks every access against the window's own
-/// range, but Soft-RoCE (rxe, Linux 6.1) checks only against the region the window is bound
-/// to — a whole heap chunk — so there a peer holding the window's rkey can reach the rest of
-/// that chunk until the grant is revoked. Where that matters on rxe, expose the buffer with
-/// [`crate::heap::Buffer::expose`] (a registration of its own, confined everywhere) instead.
+/// The device refuses every access outside the buffer, on every device. The key is a type 2
+/// memory window bound through the connection where the device checks a window against the
+/// window's own range; mralloc probes that once per opened device
+/// ([`crate::verbs::Context::confines_memory_windows`]: a loopback connection and a few
+/// accesses, milliseconds, on the first grant). Where it does not (Soft-RoCE in Linux 6.1 checks
+/// only against the region under the window — the whole heap chunk), the key is a registration
+/// of exactly the buffer instead (`ibv_reg_mr`: grant + revoke of 4 KiB took 35-57 µs in the
+/// Soft-RoCE VM, where a window's took ~140 µs; one more pinned range against `RLIMIT_MEMLOCK`
+/// and one of the device's `max_mr` regions while it lives), revoked by deregistering it
+/// (synchronous: no work request, also on a failed connection). Such a key is the region's, so
+/// it is valid on every connection of the PD whose queue pair admits the access, like
+/// [`crate::heap::Buffer::expose`]'s keys — not on this connection only, as a window's is.
 pub struct Grant<'c, B: IoBufMut> {
     conn: &'c Connection,
-    mw: Option<Mw>,
+    held: Option<Keyed<B>>,
     remote: RemoteBuf,
-    buf: Option<B>,
-}
-
-/// What a dropped grant leaves with the connection: the window and the buffer it covers, only
-/// to be dropped — the window first (field order), then the buffer.
-struct Held<B> {
-    _mw: Mw,
-    _buf: B,
 }
 
 impl<B: IoBufMut> Grant<'_, B> {
-    /// What the peer needs: address, length and the window's rkey.
+    /// What the peer needs: address, length and the grant's rkey.
     pub fn remote(&self) -> RemoteBuf {
         self.remote
     }
 
-    /// Posts the invalidation. If it cannot be posted (a failed connection, no send-queue room
-    /// within the operation timeout), the connection is failed: a QP in the error state serves
-    /// no remote access through its windows, so the buffer is unreachable either way.
+    /// Whether the key is a memory window (else a registration of the buffer).
+    #[cfg(test)]
+    pub(crate) fn is_window(&self) -> bool {
+        self.held.as_ref().is_some_and(Keyed::is_window)
+    }
+
+    /// Posts the window's invalidation. If it cannot be posted (a failed connection, no
+    /// send-queue room within the operation timeout), the connection is failed: a QP in the
+    /// error state serves no remote access through its windows, so the buffer is unreachable
+    /// either way.
     fn post_invalidate(&self) -> Result<Ticket> {
         // SAFETY: LOCAL_INV touches no local memory.
         let r = unsafe {
@@ -61,41 +68,41 @@ impl<B: IoBufMut> Grant<'_, B> {
         r
     }
 
-    /// Invalidates the rkey (later remote accesses fail with a remote access error), waits for
-    /// the invalidation, and returns the buffer.
+    /// Kills the rkey (later remote accesses fail with a remote access error), waits for that,
+    /// and returns the buffer.
     ///
     /// # Errors
-    /// Without the buffer (`buf` is `None`) but in a fork()ed child: if the invalidation
-    /// cannot be posted (the connection's earlier failure, [`Error::Timeout`] for send-queue
-    /// room, [`Error::Verbs`]) or fails ([`Error::Operation`], [`Error::Timeout`],
-    /// [`Error::Verbs`], [`Error::Io`]), the connection is failed (its queue pair serves no
-    /// remote access any more) and keeps the buffer until the queue pair is destroyed. With
-    /// [`Error::FlushLost`] it is leaked.
+    /// Without the buffer (`buf` is `None`) but in a fork()ed child:
+    /// - a window's invalidation cannot be posted (the connection's earlier failure,
+    ///   [`Error::Timeout`] for send-queue room, [`Error::Verbs`]) or fails
+    ///   ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]): the
+    ///   connection is failed (its queue pair serves no remote access any more) and keeps the
+    ///   buffer until the queue pair is destroyed. With [`Error::FlushLost`] it is leaked;
+    /// - a registration's removal fails ([`Error::Verbs`]): the peer may still reach the
+    ///   buffer, which is leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
-        let mw = self.mw.take().expect("a live grant holds its window");
-        let buf = self.buf.take().expect("a live grant holds its buffer");
+        let held = self.held.take().expect("a live grant holds its key and buffer");
         if self.conn.forked_copy() {
-            // A fork()ed child's copy: the window is the parent's (nothing to invalidate here,
-            // and the connection's locks may have been held at the fork); the child's copy of
-            // the bytes is its own. Dropping the window in a child destroys nothing.
-            drop(mw);
-            return Err(Rejected { error: Error::Forked("this grant"), buf: Some(buf) });
+            // A fork()ed child's copy: the key is the parent's (nothing to revoke here, and the
+            // connection's locks may have been held at the fork); the child's copy of the bytes
+            // is its own.
+            return Err(Rejected { error: Error::Forked("this grant"), buf: Some(held.into_forked_copy()) });
+        }
+        if !held.is_window() {
+            return held.into_buf().map_err(|error| Rejected { error, buf: None });
         }
         let r = self.post_invalidate().and_then(|id| self.conn.wait(id).map(|_| ()));
         match r {
-            Ok(()) => {
-                drop(mw);
-                Ok(buf)
-            }
+            Ok(()) => held.into_buf().map_err(|error| Rejected { error, buf: None }),
             Err(error @ Error::FlushLost { .. }) => {
-                std::mem::forget(Held { _mw: mw, _buf: buf });
+                std::mem::forget(held);
                 Err(Rejected { error, buf: None })
             }
             Err(error) => {
-                self.conn.core().park_until_destroyed(Box::new(Held { _mw: mw, _buf: buf }));
+                self.conn.core().park_until_destroyed(Box::new(held));
                 Err(Rejected { error, buf: None })
             }
         }
@@ -104,12 +111,16 @@ impl<B: IoBufMut> Grant<'_, B> {
 
 impl<B: IoBufMut> Drop for Grant<'_, B> {
     fn drop(&mut self) {
-        let (Some(mw), Some(buf)) = (self.mw.take(), self.buf.take()) else { return };
-        let held = Box::new(Held { _mw: mw, _buf: buf });
+        let Some(held) = self.held.take() else { return };
         if self.conn.forked_copy() {
             std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
             return;
         }
+        if !held.is_window() {
+            drop(held); // deregisters (leaks the buffer if the device refuses)
+            return;
+        }
+        let held = Box::new(held);
         match self.post_invalidate() {
             Ok(id) => {
                 self.conn.core().park(id, held);
@@ -123,74 +134,53 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
     }
 }
 
-/// Whether `access` is what a window grants: remote read and/or write, nothing else.
-pub(crate) fn window_rights(access: Access) -> bool {
-    let read_write = Access::REMOTE_READ | Access::REMOTE_WRITE;
-    access.bits() & !read_write.bits() == 0 && access.is_remote()
-}
-
-/// A fresh window in `pd` and the request that binds it over `ptr..ptr + len` (heap memory
-/// registered in `pd`) with `access`, and the rkey it binds with. Nothing is posted.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] (rights other than remote read/write), [`Error::NotRegistered`],
-/// [`Error::Verbs`] (allocating the window).
-pub(crate) fn window_for(pd: &Pd, ptr: *const u8, len: usize, access: Access) -> Result<(Mw, SendOp, u32)> {
-    let (mr, _) = mr_of(ptr, pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
-    if !window_rights(access) {
-        return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
-    }
-    let mw = Mw::new(pd)?;
-    let rkey = mw.next_rkey();
-    let op = SendOp::BindMw { mw: mw.as_raw(), rkey, mr, addr: ptr as u64, len: len as u64, access: access.bits() };
-    Ok((mw, op, rkey))
-}
-
 impl Connection {
-    /// Grants the peer `access` (remote read and/or write) to exactly `buf`, through this
-    /// connection only, with a fresh rkey. The heap must have been built with
-    /// [`Access::MW_BIND`] in its access rights.
+    /// Grants the peer `access` (remote read and/or write) to exactly `buf`, with a fresh rkey
+    /// (see [`Grant`] for how the device is kept to exactly those bytes). The heap must have
+    /// been built with [`Access::MW_BIND`] in its access rights. The first grant on a device
+    /// probes it (milliseconds, once per opened device).
     ///
     /// # Errors
     /// With the buffer back in [`Rejected`]:
-    /// - the connection's earlier failure; [`Error::InvalidArgument`] (an empty buffer, or
-    ///   rights other than remote read/write); [`Error::NotRegistered`] (not memory of a heap
-    ///   bound to this connection's PD: registered buffers and mapped files are refused too);
-    ///   [`Error::Verbs`] (allocating the window, or posting the bind); [`Error::Timeout`] (no
-    ///   send-queue room);
-    /// - the bind's failure, as [`Connection::write_at`]: e.g. [`Error::Operation`] with
-    ///   `MW_BIND_ERR` if the heap lacks [`Access::MW_BIND`] — which fails the connection.
+    /// - the connection's earlier failure; [`Error::InvalidArgument`] (an empty buffer, rights
+    ///   other than remote read/write, or a heap without [`Access::MW_BIND`]);
+    ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD:
+    ///   registered buffers and mapped files are refused too); [`Error::Verbs`] (allocating the
+    ///   window or posting its bind; or the registration, e.g. past the memlock limit);
+    ///   [`Error::Timeout`] (no send-queue room);
+    /// - a window bind's failure, as [`Connection::write_at`] (it fails the connection).
     ///
     /// With [`Error::FlushLost`] the buffer is leaked.
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
-        let (ptr, len) = (buf.stable_ptr(), buf.bytes_len());
-        let prepared = self.check().and_then(|()| {
-            if len == 0 {
-                return Err(Error::InvalidArgument("a grant of zero bytes".into()));
-            }
-            window_for(self.pd(), ptr, len, access)
-        });
-        let (mw, op, rkey) = match prepared {
+        let mut buf = buf;
+        let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_len());
+        // SAFETY: `buf` is owned by the Keyed below until its key is dead (a window invalidated
+        // or its QP destroyed, a region deregistered), or leaked; nothing references its bytes
+        // meanwhile (the grant gives no access to them).
+        let prepared = self.check().and_then(|()| unsafe { exact_key(self, ptr, len, access) });
+        let Prepared { key, rkey, bind } = match prepared {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
+        let held = Keyed::new(key, buf);
+        let grant = |held| Grant {
+            conn: self,
+            held: Some(held),
+            remote: RemoteBuf { addr: ptr as u64, len: len as u64, rkey },
+        };
+        let Some(bind) = bind else { return Ok(grant(held)) };
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
         // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
-        let r = unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.and_then(|id| self.wait(id));
+        let r = unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[bind], SendFlags::NONE) }.and_then(|id| self.wait(id));
         match r {
-            Ok(_) => Ok(Grant {
-                conn: self,
-                mw: Some(mw),
-                remote: RemoteBuf { addr: ptr as u64, len: len as u64, rkey },
-                buf: Some(buf),
-            }),
+            Ok(_) => Ok(grant(held)),
             Err(error @ Error::FlushLost { .. }) => {
-                std::mem::forget(Held { _mw: mw, _buf: buf });
+                std::mem::forget(held);
                 Err(Rejected { error, buf: None })
             }
             // A failed bind leaves the window unbound (or the QP in the error state and
             // flushed): nothing reaches the buffer through it.
-            Err(error) => Err(Rejected { error, buf: Some(buf) }),
+            Err(error) => Err(Rejected { error, buf: held.into_buf().ok() }),
         }
     }
 }

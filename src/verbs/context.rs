@@ -7,6 +7,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::fork::Born;
+use crate::verbs::confine::Confinement;
 use crate::verbs::device::{numa_node_of, DeviceList};
 use crate::verbs::{Gid, Mtu};
 
@@ -75,6 +76,8 @@ pub(crate) struct ContextInner {
     pub(crate) removed: AtomicBool,
     /// How to tell later that the device went, taken when it was opened.
     pub(crate) node: crate::verbs::removal::Node,
+    /// Whether the device confines memory windows to their range (probed on first use).
+    pub(crate) confinement: Confinement,
 }
 
 // SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
@@ -123,7 +126,14 @@ impl Context {
         // SAFETY: a context ibv_open_device just returned.
         let node = unsafe { crate::verbs::removal::Node::of_raw(ctx) };
         Context {
-            inner: Arc::new(ContextInner { ctx, name, born: Born::now(), removed: AtomicBool::new(false), node }),
+            inner: Arc::new(ContextInner {
+                ctx,
+                name,
+                born: Born::now(),
+                removed: AtomicBool::new(false),
+                node,
+                confinement: Confinement::default(),
+            }),
         }
     }
 

@@ -12,6 +12,7 @@
 //! [`crate::Error::Forked`] and destroy nothing when dropped (they are the parent's).
 
 mod channel;
+mod confine;
 mod context;
 mod cq;
 mod device;

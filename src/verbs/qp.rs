@@ -446,6 +446,11 @@ impl Qp {
         self.port
     }
 
+    /// The local GID index the QP was created with.
+    pub fn gid_index(&self) -> u32 {
+        self.gid_index
+    }
+
     /// The current state, as the device reports it.
     ///
     /// # Errors

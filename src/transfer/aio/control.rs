@@ -28,7 +28,7 @@ use crate::transfer::aio::{AsyncConnection, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::transfer::control::DEPTH;
-use crate::transfer::grant::window_for;
+use crate::transfer::exact::{exact_key, Keyed, Prepared};
 use crate::transfer::{Received, Rejected};
 use crate::verbs::{Access, SendOp};
 
@@ -234,9 +234,10 @@ async fn serve(cs: &Arc<ControlShared>, sh: &Arc<Shared>, seq: u64, len: u64, ac
     }
 }
 
-/// Binds a window over `buf` with `access` and registers it. The entry is in the registry
-/// before the bind is posted, so a cancelled bind leaves it there (released with the
-/// connection). On failure the buffer comes back unless the bind's flush was lost.
+/// Makes a key for exactly `buf` with `access` (see `transfer::exact`) and registers the
+/// entry. The entry is in the registry before a window's bind is posted, so a cancelled bind
+/// leaves it there (released with the connection). On failure the buffer comes back unless the
+/// bind's flush was lost.
 pub(crate) async fn lend(
     cs: &ControlShared,
     sh: &Arc<Shared>,
@@ -244,53 +245,68 @@ pub(crate) async fn lend(
     access: Access,
 ) -> std::result::Result<(u64, RemoteBuf), Rejected<Buffer>> {
     let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
-    let (op, handle, rkey) = start_bind(cs, sh, buf, access)?;
+    let ctx = sh.conn().pd().context();
+    if !ctx.confinement_known() {
+        // The device's first grant probes it (milliseconds of verbs calls): not on this thread.
+        let (ctx, qp) = (ctx.clone(), sh.conn().qp());
+        let at = Some((qp.port(), qp.gid_index()));
+        let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
+    }
+    let (bind, handle, rkey) = start_lend(cs, sh, buf, access)?;
+    let Some(op) = bind else { return Ok((handle, RemoteBuf { addr, len, rkey })) };
     match op.await {
         Ok(_) => Ok((handle, RemoteBuf { addr, len, rkey })),
         // Refused, or failed and flushed: the window is not bound, the memory is ours again
         // (unless the connection's failure path already took it).
         Err(Rejected { error, buf: Some(_) }) => {
-            let buf = cs.lending.lock().remove(handle).map(|Lent { mw, buf, .. }| {
-                drop(mw);
-                buf
-            });
-            Err(Rejected { error, buf })
+            let lent = cs.lending.lock().remove(handle);
+            Err(Rejected { error, buf: lent.and_then(|l| l.keyed.into_buf().ok()) })
         }
         // The flush never came: the entry stays (parked with the connection, never freed early).
         Err(Rejected { error, buf: None }) => Err(Rejected { error, buf: None }),
     }
 }
 
-/// Allocates a window, registers it with `buf` and posts its bind (no await: the verbs handles
-/// stay out of the future's state).
-fn start_bind(
+/// What [`start_lend`] started: a window's bind in flight (`None` for a registration), the
+/// entry's handle, the rkey.
+type Started = (Option<Op<NoBytes>>, u64, u32);
+
+/// Makes the key, registers the entry, and posts a window's bind (no await: the verbs handles
+/// stay out of the future's state). The bind is `None` for a registration (usable at once).
+fn start_lend(
     cs: &ControlShared,
     sh: &Arc<Shared>,
-    buf: Buffer,
+    mut buf: Buffer,
     access: Access,
-) -> std::result::Result<(Op<NoBytes>, u64, u32), Rejected<Buffer>> {
+) -> std::result::Result<Started, Rejected<Buffer>> {
     let conn = sh.conn();
-    let prepared = conn.check().and_then(|()| window_for(conn.pd(), buf.as_ptr(), buf.len(), access));
-    let (mw, bind, rkey) = match prepared {
+    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+    // SAFETY: the buffer goes into the registry with its key (a Keyed), which frees it only
+    // once the key is dead (see `Lent`), or never; nothing references its bytes meanwhile.
+    let prepared = conn.check().and_then(|()| unsafe { exact_key(conn, ptr, len, access) });
+    let Prepared { key, rkey, bind } = match prepared {
         Ok(x) => x,
         Err(error) => return Err(Rejected { error, buf: Some(buf) }),
     };
-    let handle = cs.lending.lock().insert(Lent { mw, buf, rkey, announced: false });
-    let req = Request { sge: None, what: Some(bind) };
-    Ok((Op::start(sh.clone(), NoBytes, req), handle, rkey))
+    let handle = cs.lending.lock().insert(Lent { keyed: Keyed::new(key, buf), rkey, announced: false });
+    let op = bind.map(|bind| Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(bind) }));
+    Ok((op, handle, rkey))
 }
 
-/// Invalidates the window of `handle` and takes its buffer out of the registry. `None` if the
-/// handle is unknown, not announced yet (its bind is in flight: a peer that names it breaks
-/// nothing), or the invalidation failed (the connection is failed then, and its failure path
-/// frees the entry).
+/// Kills the key of `handle` (a window's invalidation, a registration's removal) and takes its
+/// buffer out of the registry. `None` if the handle is unknown, not announced yet (its bind is
+/// in flight: a peer that names it breaks nothing), or the key could not be killed (a failed
+/// invalidation fails the connection, whose failure path frees the entry; a registration the
+/// device refused to remove leaks the buffer).
 async fn unlend(cs: &ControlShared, sh: &Arc<Shared>, handle: u64) -> Option<Buffer> {
-    let rkey = cs.lending.lock().lent.get(&handle).filter(|l| l.announced)?.rkey;
-    let inv = Request { sge: None, what: Some(SendOp::LocalInvalidate(rkey)) };
-    Op::start(sh.clone(), NoBytes, inv).await.ok()?;
-    let Lent { mw, buf, .. } = cs.lending.lock().remove(handle)?;
-    drop(mw);
-    Some(buf)
+    let (rkey, window) =
+        cs.lending.lock().lent.get(&handle).filter(|l| l.announced).map(|l| (l.rkey, l.keyed.is_window()))?;
+    if window {
+        let inv = Request { sge: None, what: Some(SendOp::LocalInvalidate(rkey)) };
+        Op::start(sh.clone(), NoBytes, inv).await.ok()?;
+    }
+    let lent = cs.lending.lock().remove(handle)?;
+    lent.keyed.into_buf().ok()
 }
 
 async fn send(

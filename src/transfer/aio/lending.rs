@@ -1,5 +1,4 @@
-//! Remote memory: what one side lends its peer (a registry of windows and the buffers they
-//! cover) and what it holds of the peer's ([`RemoteMemory`] handles).
+//! Remote memory: what one side lends its peer (a registry of the buffers lent and their keys) and what it holds of the peer's ([`RemoteMemory`] handles).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,8 +10,8 @@ use crate::error::{Error, Result};
 use crate::heap::{Buffer, Heap};
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::wire::{Msg, READ, WRITE};
-use crate::transfer::grant::window_rights;
-use crate::verbs::{Access, Mw, Pd};
+use crate::transfer::exact::{grant_rights, Keyed};
+use crate::verbs::{Access, Pd};
 
 /// How much memory an [`crate::transfer::AsyncConnection`] lends its peer
 /// ([`crate::transfer::AsyncConnection::serve_remote_memory`]); a request beyond them is refused
@@ -49,13 +48,13 @@ pub struct RemoteMemoryStats {
     pub held_bytes: u64,
 }
 
-/// Memory lent to the peer: the window (dropped first: deallocating it revokes its rkey) and
-/// the buffer it covers. Dropped only once the window was invalidated, or once the QP is in the
-/// error state and flushed, or after the QP is destroyed.
+/// Memory lent to the peer: the buffer and its key (a window, or a registration of exactly the
+/// buffer: see `transfer::exact`). Dropping it deregisters a registration before the buffer is
+/// freed (or leaks the buffer); an entry with a window is dropped only once the window was
+/// invalidated, or once the QP is in the error state and flushed, or after the QP is destroyed.
 pub(crate) struct Lent {
-    pub(crate) mw: Mw,
-    pub(crate) buf: Buffer,
-    /// The rkey the window is bound with.
+    pub(crate) keyed: Keyed<Buffer>,
+    /// The rkey handed to the peer.
     pub(crate) rkey: u32,
     /// Whether the peer was told the handle (its bind completed): only then may the peer's
     /// messages release it. Before, the entry belongs to the bind in flight.
@@ -79,7 +78,7 @@ impl Lending {
     /// Registers `lent` under a fresh handle.
     pub(crate) fn insert(&mut self, lent: Lent) -> u64 {
         self.next_handle += 1;
-        self.bytes += lent.buf.len() as u64;
+        self.bytes += lent.keyed.buf().len() as u64;
         self.lent.insert(self.next_handle, lent);
         self.next_handle
     }
@@ -104,7 +103,7 @@ impl Lending {
     /// Takes the entry `handle` out of the registry (`None`: unknown or already released).
     pub(crate) fn remove(&mut self, handle: u64) -> Option<Lent> {
         let lent = self.lent.remove(&handle)?;
-        self.bytes -= lent.buf.len() as u64;
+        self.bytes -= lent.keyed.buf().len() as u64;
         Some(lent)
     }
 
@@ -129,7 +128,7 @@ pub(crate) fn check_lending_heap(heap: &Heap, pd: &Pd) -> Result<()> {
 
 /// The wire's access bits for `access` (remote read and/or write; `None` for anything else).
 pub(crate) fn access_bits(access: Access) -> Option<u8> {
-    if !window_rights(access) {
+    if !grant_rights(access) {
         return None;
     }
     let mut b = 0;

@@ -27,9 +27,10 @@ impl AsyncConnection {
     /// Lends the peer memory of `heap` when it asks ([`AsyncConnection::request_remote`]),
     /// within `limits` (buffers handed over and not yet taken with
     /// [`AsyncConnection::handed_over`] count too). Each grant is a zeroed buffer of exactly
-    /// the size asked for, exposed through a memory window bound to this connection only
-    /// (hardware checks every access against the window; Soft-RoCE checks only against the
-    /// heap chunk the window lies in, see [`crate::transfer::Grant`]); it is freed when the peer drops
+    /// the size asked for, with a key for exactly those bytes: the device refuses every access
+    /// outside them, on every device (a memory window bound to this connection where the device
+    /// confines windows to their range, else a registration of just the buffer: see
+    /// [`crate::transfer::Grant`] for the probe that decides and the costs); it is freed when the peer drops
     /// its handle, when the connection closes or fails, or when the peer is found dead (a
     /// keepalive on the control channel). Calling it again replaces the heap and limits for
     /// later requests. Until it is called, requests are refused
@@ -123,8 +124,9 @@ impl AsyncConnection {
         Ok((tag, buf))
     }
 
-    /// Pushes `buf` to the peer: binds a window over it with `access` (remote read and/or
-    /// write) and sends the grant with `tag`; the peer gets a [`RemoteMemory`] from
+    /// Pushes `buf` to the peer: makes a key for exactly its bytes with `access` (remote read
+    /// and/or write; a window or a registration, as [`crate::transfer::Grant`]) and sends the
+    /// grant with `tag`; the peer gets a [`RemoteMemory`] from
     /// [`AsyncConnection::pushed`]. This side keeps the buffer until the peer drops the handle
     /// (then it is freed), hands it back ([`AsyncConnection::handed_over`]), or the connection
     /// goes. The buffer must come from a heap built with [`Access::MW_BIND`].
@@ -134,11 +136,11 @@ impl AsyncConnection {
     /// - [`Error::NoControlChannel`]; [`Error::InvalidArgument`] (rights other than remote
     ///   read/write, or beyond this connection's
     ///   [`Options::remote_access`](crate::transfer::Options::remote_access));
-    ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD);
-    ///   [`Error::Verbs`] (allocating the window); the connection's failure (or
+    ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD), or a
+    ///   heap without [`Access::MW_BIND`] ([`Error::InvalidArgument`]); [`Error::Verbs`]
+    ///   (allocating the window, or the registration); the connection's failure (or
     ///   [`Error::Closed`]) if it failed or the peer is gone;
-    /// - the bind's failure, as [`AsyncConnection::write`]: e.g. [`Error::Operation`] with
-    ///   `MW_BIND_ERR` if the heap lacks [`Access::MW_BIND`], which fails the connection.
+    /// - a window bind's failure, as [`AsyncConnection::write`] (it fails the connection).
     ///
     /// `buf` is `None` if the connection's failure path took the buffer meanwhile (it is freed
     /// after the flush), or with [`Error::FlushLost`] (kept until the connection is dropped).
