@@ -9,13 +9,18 @@
 //! - kernels that copy pinned anonymous pages into the child at fork (Linux 5.13+; rdma-core
 //!   reports `IBV_FORK_UNNEEDED`) get no fork advice at all: the child sees copies, and the
 //!   parent keeps its pinned pages (no copy-on-write between it and the NIC);
-//! - older kernels get `MADV_DONTFORK` (else the parent's first write after a fork would move
-//!   its page away from the NIC's), so the child has no mapping there; every such range is
+//! - older kernels, or a process where rdma-core's fork support is enabled (`ibv_fork_init`,
+//!   `RDMAV_FORK_SAFE`), get `MADV_DONTFORK` (else the parent's first write after a fork would
+//!   move its page away from the NIC's), so the child has no mapping there; every such range is
 //!   recorded ([`crate::mmap::advise_fork`]) and the child's fork handler maps an inaccessible
 //!   `PROT_NONE` reservation over it, so that touching it faults and no later mapping of the
 //!   child can land where a parent's value was.
 //!
-//! `ibv_fork_init` is never called (it would `madvise` every registration itself).
+//! mralloc never calls `ibv_fork_init`. Where it is enabled anyway, rdma-core marks every
+//! registration `MADV_DONTFORK` itself, including memory a child cannot do without: jemalloc's
+//! metadata (its fork handlers touch it) and the global allocator's chunks (all of the child's
+//! heap). Those are marked `MADV_DOFORK` again after each registration
+//! (`heap::chunk::keep_in_children`), with the copy-on-write caveat that entails (see there).
 //!
 //! The parent's queue pairs, memory regions and heaps stay the parent's: the child must neither
 //! use them (their rings and registered pages are not the child's) nor destroy them (the kernel
@@ -31,6 +36,8 @@
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+
+use libc::c_uint;
 
 use crate::error::{Error, Result};
 
@@ -115,38 +122,116 @@ extern "C" fn child() {
 /// [`children_copy_pinned_pages`], once decided: 0 = not yet, 1 = copies, 2 = no copies.
 static COPIES: AtomicU8 = AtomicU8::new(0);
 
-/// Whether a fork()ed child gets copies of the parent's pinned (registered) anonymous pages,
-/// decided on the first call and fixed for the process (a child inherits the answer).
-///
-/// Asks rdma-core (`ibv_is_fork_initialized`, a library call that needs no device and does not
-/// initialise fork support): `IBV_FORK_UNNEEDED` means the kernel copies pinned pages at fork;
-/// `IBV_FORK_ENABLED` means someone called `ibv_fork_init`, so rdma-core marks every
-/// registration `MADV_DONTFORK` itself: no copies. rdma-core learns the kernel's answer over
-/// RDMA netlink, which needs the `ib_core` module: without it (a host with no RDMA device) it
-/// reports `IBV_FORK_DISABLED` whatever the kernel does, so then the kernel's version decides
-/// (copy-on-fork of pinned anonymous pages: Linux 5.13). Allocates nothing, takes no lock.
-pub(crate) fn children_copy_pinned_pages() -> bool {
-    match COPIES.load(Ordering::Relaxed) {
-        1 => return true,
-        2 => return false,
-        _ => {}
+// rdma-core's `enum ibv_fork_status` (`infiniband/verbs.h`, rdma-core v35+: `IBV_FORK_DISABLED`,
+// `IBV_FORK_ENABLED`, `IBV_FORK_UNNEEDED`, in that order), defined here because older headers,
+// which rdma-sys binds as it finds them, have neither the enum nor the function.
+/// `IBV_FORK_DISABLED`: `ibv_fork_init` was not called (and rdma-core saw no copy-on-fork).
+const IBV_FORK_DISABLED: c_uint = 0;
+/// `IBV_FORK_ENABLED`: `ibv_fork_init` was called; rdma-core marks registrations `MADV_DONTFORK`.
+const IBV_FORK_ENABLED: c_uint = 1;
+/// `IBV_FORK_UNNEEDED`: the kernel copies pinned pages into fork children.
+const IBV_FORK_UNNEEDED: c_uint = 2;
+
+/// `enum ibv_fork_status ibv_is_fork_initialized(void)` (a C enum of these values is an
+/// `unsigned int`, as rdma-sys binds it).
+type IsForkInitialized = unsafe extern "C" fn() -> c_uint;
+
+/// `ibv_is_fork_initialized`, looked up at run time in the libraries the process has loaded:
+/// it exists from rdma-core v35 on (symbol version `IBVERBS_1.13`); `None` with an older
+/// libibverbs, which then cannot tell whether the kernel copies pinned pages.
+fn lookup_is_fork_initialized() -> Option<IsForkInitialized> {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only searches the loaded
+    // objects' symbol tables.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ibv_is_fork_initialized".as_ptr()) };
+    if p.is_null() {
+        return None;
     }
-    // SAFETY: a query without arguments; it reads (and caches) rdma-core's fork state and never
-    // initialises fork support.
-    let copies = match unsafe { rdma_sys::ibv_is_fork_initialized() } {
-        rdma_sys::IBV_FORK_UNNEEDED => true,
-        rdma_sys::IBV_FORK_ENABLED => false,
-        _ => kernel_at_least(5, 13),
-    };
-    // Racing first calls compute the same answer.
-    COPIES.store(if copies { 1 } else { 2 }, Ordering::Relaxed);
-    copies
+    // SAFETY: a non-null address of the function of that name, which libibverbs defines as
+    // `enum ibv_fork_status ibv_is_fork_initialized(void)`: the type above.
+    Some(unsafe { std::mem::transmute::<*mut libc::c_void, IsForkInitialized>(p) })
+}
+
+/// What the environment tells about rdma-core's fork support: a variable set to anything counts
+/// (rdma-core reads the fork-safety ones with a bare `getenv`; for `RDMAV_USE_MADVISE` this errs
+/// towards no copies, which is always safe).
+#[derive(Debug, Clone, Copy, Default)]
+struct ForkEnv {
+    /// `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE`: rdma-core calls `ibv_fork_init` when it
+    /// initialises (the first `ibv_get_device_list`), which may come after this decision (a
+    /// heap can be made before any device is opened).
+    fork_safe: bool,
+    /// `RDMAV_USE_MADVISE`: `ibv_fork_init` enables `MADV_DONTFORK` of registrations even where
+    /// the kernel copies pinned pages.
+    use_madvise: bool,
+}
+
+impl ForkEnv {
+    /// Reads the environment (allocates).
+    fn read() -> ForkEnv {
+        let set = |name: &str| std::env::var_os(name).is_some();
+        ForkEnv { fork_safe: set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE"), use_madvise: set("RDMAV_USE_MADVISE") }
+    }
+}
+
+/// The decision of [`children_copy_pinned_pages`] from its inputs: rdma-core's function if
+/// `lookup` finds it, the environment, and the kernel's rule (asked only when needed).
+fn decide(
+    lookup: impl FnOnce() -> Option<IsForkInitialized>,
+    env: ForkEnv,
+    kernel_copies: impl FnOnce() -> bool,
+) -> bool {
+    // SAFETY: rdma-core's query takes no arguments and only reads its fork state (its first
+    // call may query the kernel over RDMA netlink); it never initialises fork support.
+    let status = lookup().map(|f| unsafe { f() });
+    match status {
+        // Copies, unless rdma-core is told to madvise registrations anyway.
+        Some(IBV_FORK_UNNEEDED) => !(env.fork_safe && env.use_madvise),
+        // rdma-core marks every registration MADV_DONTFORK.
+        Some(IBV_FORK_ENABLED) => false,
+        // IBV_FORK_DISABLED (or an unknown value), or an rdma-core without the query (before
+        // v35): rdma-core will madvise registrations if the environment asks it to; otherwise
+        // the kernel decides.
+        Some(IBV_FORK_DISABLED) | Some(_) | None => !env.fork_safe && kernel_copies(),
+    }
+}
+
+/// Whether a fork()ed child gets copies of the parent's pinned (registered) anonymous pages
+/// (and rdma-core leaves registrations without fork advice), decided on the first call and
+/// fixed for the process (a child inherits the answer).
+///
+/// Asks rdma-core's `ibv_is_fork_initialized` if the loaded libibverbs has it (rdma-core v35+;
+/// looked up at run time; it needs no device and does not initialise fork support):
+/// `IBV_FORK_UNNEEDED` means the kernel copies pinned pages at fork; `IBV_FORK_ENABLED` means
+/// `ibv_fork_init` was called (by someone, or by rdma-core itself for `RDMAV_FORK_SAFE` /
+/// `IBV_FORK_SAFE`), so rdma-core marks every registration `MADV_DONTFORK` itself: no copies.
+/// rdma-core learns the kernel's answer over RDMA netlink, which needs the `ib_core` module:
+/// without it (a host with no RDMA device), or with an rdma-core older than v35, the kernel's
+/// version decides (copy-on-fork of pinned anonymous pages: Linux 5.13) — unless
+/// `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE` is set, which makes rdma-core enable fork support when
+/// it initialises, perhaps after this call (then: no copies). A later explicit `ibv_fork_init`
+/// by other code is not seen.
+///
+/// The first call may allocate and take locks (the environment, `dlsym`, rdma-core's netlink
+/// query through libnl), so it must be made outside jemalloc's hooks: `Owner::new` makes it
+/// for every scoped heap (before its arena exists), `Owner::bind` before taking any lock (for
+/// the global allocator, whose owner is a constant), and `Mapping::anonymous` for registered
+/// buffers. Later calls read one atomic. Racing first calls all return the first stored answer.
+pub(crate) fn children_copy_pinned_pages() -> bool {
+    if let Some(copies) = decided_copies() {
+        return copies;
+    }
+    let copies = decide(lookup_is_fork_initialized, ForkEnv::read(), || kernel_at_least(5, 13));
+    match COPIES.compare_exchange(0, if copies { 1 } else { 2 }, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => copies,
+        Err(first) => first == 1,
+    }
 }
 
 /// The decision of [`children_copy_pinned_pages`] if it was made: `Some(false)` only where
-/// data ranges are kept out of children. For the fork handler, which must not decide anything.
+/// registered ranges are not copied into children. For the fork handler and the extent hooks,
+/// which must not decide anything. No allocation, no lock.
 pub(crate) fn decided_copies() -> Option<bool> {
-    match COPIES.load(Ordering::Relaxed) {
+    match COPIES.load(Ordering::Acquire) {
         1 => Some(true),
         2 => Some(false),
         _ => None,
@@ -369,19 +454,95 @@ mod tests {
         assert!(!kernel_at_least(999, 0));
     }
 
-    /// On this project's hosts (Linux 5.13+) children get copies, whatever rdma-core can tell
-    /// (without an RDMA module loaded it reports `IBV_FORK_DISABLED`).
+    /// The process's decision equals rdma-core's answer and the kernel's release, each found
+    /// independently of the code under test: rdma-core's query through a `dlopen` handle of
+    /// libibverbs (not `RTLD_DEFAULT`), the release from `/proc/sys/kernel/osrelease` (not
+    /// `uname`), the rule written out again.
     #[test]
-    fn children_get_copies_on_this_kernel() {
+    fn the_decision_follows_rdma_core_and_the_kernel() {
         let copies = children_copy_pinned_pages();
-        assert_eq!(copies, kernel_at_least(5, 13));
         assert_eq!(decided_copies(), Some(copies));
-        // SAFETY: a query without arguments.
-        let rdma_core = unsafe { rdma_sys::ibv_is_fork_initialized() };
-        assert_ne!(rdma_core, rdma_sys::IBV_FORK_ENABLED, "nothing here calls ibv_fork_init");
-        if rdma_core == rdma_sys::IBV_FORK_UNNEEDED {
-            assert!(copies);
+        assert_eq!(children_copy_pinned_pages(), copies, "fixed once decided");
+
+        // SAFETY: only finds the libibverbs this test binary already loaded (RTLD_NOLOAD).
+        let lib = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        assert!(!lib.is_null(), "the test binary links libibverbs");
+        // SAFETY: a symbol lookup in that handle.
+        let f = unsafe { libc::dlsym(lib, c"ibv_is_fork_initialized".as_ptr()) };
+        let status = (!f.is_null()).then(|| {
+            // SAFETY: libibverbs' `enum ibv_fork_status ibv_is_fork_initialized(void)`; it
+            // takes no arguments and changes nothing.
+            unsafe { std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn() -> u32>(f)() }
+        });
+        // SAFETY: the handle dlopen returned (dropping its reference; the library stays).
+        unsafe { libc::dlclose(lib) };
+
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut numbers = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap());
+        let (major, minor) = (numbers.next().unwrap(), numbers.next().unwrap());
+        let set = |name| std::env::var_os(name).is_some();
+        let fork_safe = set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE");
+        let expected = match status {
+            Some(2) => !(fork_safe && set("RDMAV_USE_MADVISE")),
+            Some(1) => false,
+            _ => !fork_safe && (major, minor) >= (5, 13),
+        };
+        assert_eq!(
+            lookup_is_fork_initialized().is_some(),
+            status.is_some(),
+            "the run-time lookup finds what dlopen does"
+        );
+        println!("rdma-core: {status:?}, kernel {major}.{minor}, fork-safe environment: {fork_safe}");
+        assert_eq!(copies, expected, "rdma-core {status:?}, kernel {major}.{minor}");
+        if !fork_safe {
+            assert_ne!(status, Some(1), "nothing in these tests calls ibv_fork_init");
         }
+    }
+
+    /// rdma-core's answer for `decide`, injected.
+    unsafe extern "C" fn says_disabled() -> c_uint {
+        IBV_FORK_DISABLED
+    }
+    unsafe extern "C" fn says_enabled() -> c_uint {
+        IBV_FORK_ENABLED
+    }
+    unsafe extern "C" fn says_unneeded() -> c_uint {
+        IBV_FORK_UNNEEDED
+    }
+
+    /// Without `ibv_is_fork_initialized` (rdma-core before v35: the lookup finds nothing) the
+    /// kernel's rule decides; with it, rdma-core's answer does, the kernel being asked only for
+    /// `IBV_FORK_DISABLED`; the fork-safety environment means no copies unless rdma-core already
+    /// knows the kernel copies.
+    #[test]
+    fn the_decision_falls_back_to_the_kernel_without_rdma_cores_query() {
+        let env = ForkEnv::default();
+        let asked = std::cell::Cell::new(0);
+        let kernel = |copies: bool| {
+            let asked = &asked;
+            move || {
+                asked.set(asked.get() + 1);
+                copies
+            }
+        };
+        assert!(decide(|| None, env, kernel(true)));
+        assert!(!decide(|| None, env, kernel(false)));
+        assert_eq!(asked.get(), 2, "absent: the kernel's rule decides");
+
+        asked.set(0);
+        assert!(decide(|| Some(says_disabled as IsForkInitialized), env, kernel(true)));
+        assert!(!decide(|| Some(says_disabled as IsForkInitialized), env, kernel(false)));
+        assert_eq!(asked.get(), 2);
+        assert!(decide(|| Some(says_unneeded as IsForkInitialized), env, kernel(false)));
+        assert!(!decide(|| Some(says_enabled as IsForkInitialized), env, kernel(true)));
+        assert_eq!(asked.get(), 2, "rdma-core's ENABLED and UNNEEDED need no kernel rule");
+
+        let fork_safe = ForkEnv { fork_safe: true, use_madvise: false };
+        assert!(!decide(|| None, fork_safe, kernel(true)), "rdma-core will madvise once it initialises");
+        assert!(!decide(|| Some(says_disabled as IsForkInitialized), fork_safe, kernel(true)));
+        assert!(decide(|| Some(says_unneeded as IsForkInitialized), fork_safe, kernel(true)));
+        let madvise = ForkEnv { fork_safe: true, use_madvise: true };
+        assert!(!decide(|| Some(says_unneeded as IsForkInitialized), madvise, kernel(true)));
     }
 
     #[test]

@@ -164,7 +164,11 @@
 //! `IBV_FORK_UNNEEDED`), so mralloc gives that memory no fork advice, and the parent's pinned
 //! pages stay the NIC's. On older kernels that memory is kept out of children
 //! (`MADV_DONTFORK`) and the child finds an inaccessible reservation there: touching it faults,
-//! it never reads zeros posing as values. mralloc never calls `ibv_fork_init`. mralloc's
+//! it never reads zeros posing as values. The same holds where rdma-core's fork support is
+//! enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`), which mralloc never does itself; jemalloc's
+//! metadata and the global allocator's chunks are then marked `MADV_DOFORK` again after rdma-core
+//! marked them, so that the child's allocator works (a bound global allocator's pages are then
+//! shared copy-on-write: see `Global::bind`). mralloc's
 //! process-wide locks are free in the child whichever
 //! parent thread held them, and the global allocator keeps allocating there (new chunks
 //! unregistered). The child may open a device and build heaps and connections of its own.

@@ -1,7 +1,7 @@
 //! Anonymous memory mappings: the page-aligned backing store for registered memory.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -39,21 +39,36 @@ pub(crate) fn page_size() -> usize {
 /// pages in place of typed values (a `NonZeroU64`, a `Box`, a `String`) are undefined
 /// behaviour in the child. Call [`forget_fork`] after unmapping the range.
 ///
+/// # Errors
+/// The errno of a failed `madvise(MADV_DONTFORK)` (the record is dropped again): the range
+/// would be shared copy-on-write with children, so the caller must not use it as registered
+/// memory.
+///
 /// No allocation and no lock (it runs inside jemalloc's extent hooks) once the process has
-/// decided ([`crate::fork::children_copy_pinned_pages`], which asks rdma-core: owners call it up
-/// front) and installed its fork handler (every owner has: `Born::now`).
-pub(crate) fn advise_fork(base: usize, len: usize) {
+/// decided ([`crate::fork::children_copy_pinned_pages`], whose first call may allocate: owners
+/// make it in `Owner::new`) and installed its fork handler (every owner has: `Born::now`).
+pub(crate) fn advise_fork(base: usize, len: usize) -> std::result::Result<(), i32> {
     if crate::fork::children_copy_pinned_pages() {
-        return;
+        return Ok(());
     }
     // The child's handler must run in every child from now on.
     crate::fork::install();
-    // Recorded before it is advised: a fork in between copies the range (not advised yet), and
-    // the child's reservation attempt finds it mapped and leaves it alone.
-    // (With the table full, the child gets a hole there, which faults, but no reservation.)
-    HOLES.record(base, len);
-    // SAFETY: advice on a mapping the caller owns; it does not change the parent's contents.
-    unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK) };
+    HOLES.keep_out(base, len)
+}
+
+/// Logs a warning if ranges were kept out of fork children without a record since the last
+/// report (the table of [`MAX_HOLES`] ranges was full): a child has plain holes there, which
+/// fault but may be mapped over by the child. Outside jemalloc's hooks only (logging may
+/// allocate): called after a registered buffer is mapped and by a heap's slow paths once
+/// jemalloc returned (`heap::events::emit_pending`).
+pub(crate) fn report_unrecorded_holes() {
+    if let Some(overflows) = HOLES.unreported_overflows() {
+        tracing::warn!(
+            unrecorded = overflows,
+            table = MAX_HOLES,
+            "more registered ranges than mralloc's fork record holds: a fork()ed child gets plain holes, not reservations, for some of them (it must not map memory there and expect the parent's values)"
+        );
+    }
 }
 
 /// Drops the fork record of `[base, base+len)` ([`advise_fork`]) once it is unmapped. (A fork
@@ -76,8 +91,9 @@ pub(crate) fn reserve_fork_holes() {
     }
 }
 
-/// Ranges recorded at once; more are still kept out of children, unreserved. (1 MiB of zeroed,
-/// untouched memory until used; scanned up to the highest slot ever used.)
+/// Ranges recorded at once; more are still kept out of children, unreserved (counted in
+/// `Holes::overflows`, reported by [`report_unrecorded_holes`]). (1 MiB of zeroed, untouched
+/// memory until used; scanned up to the highest slot ever used.)
 const MAX_HOLES: usize = 1 << 16;
 
 /// The ranges marked `MADV_DONTFORK`: a fixed table of atomics (never on a heap; the extent
@@ -87,6 +103,10 @@ struct Holes {
     slots: [Hole; MAX_HOLES],
     /// Slots `[0, used)` may be taken.
     used: AtomicUsize,
+    /// Ranges not recorded because every slot was taken.
+    overflows: AtomicU64,
+    /// `overflows` as last reported ([`report_unrecorded_holes`]).
+    reported: AtomicU64,
 }
 
 struct Hole {
@@ -97,10 +117,12 @@ struct Hole {
 static HOLES: Holes = Holes {
     slots: [const { Hole { base: AtomicUsize::new(0), len: AtomicUsize::new(0) } }; MAX_HOLES],
     used: AtomicUsize::new(0),
+    overflows: AtomicU64::new(0),
+    reported: AtomicU64::new(0),
 };
 
 impl Holes {
-    /// Records `[base, base+len)`; `false` if the table is full.
+    /// Records `[base, base+len)`; `false` (counted in `overflows`) if the table is full.
     fn record(&self, base: usize, len: usize) -> bool {
         for (i, slot) in self.slots.iter().enumerate() {
             if slot.base.load(Ordering::Relaxed) == 0
@@ -111,7 +133,31 @@ impl Holes {
                 return true;
             }
         }
+        self.overflows.fetch_add(1, Ordering::Relaxed);
         false
+    }
+
+    /// Records `[base, base+len)` and marks it `MADV_DONTFORK`; on failure drops the record and
+    /// returns the errno.
+    fn keep_out(&self, base: usize, len: usize) -> std::result::Result<(), i32> {
+        // Recorded before it is advised: a fork in between copies the range (not advised yet),
+        // and the child's reservation attempt finds it mapped and leaves it alone.
+        // (With the table full, the child gets a hole there, which faults, but no reservation;
+        // the overflow is counted and reported by `report_unrecorded_holes`.)
+        self.record(base, len);
+        // SAFETY: advice on a mapping the caller owns; it does not change the parent's contents.
+        if unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EINVAL);
+            self.forget(base, len);
+            return Err(errno);
+        }
+        Ok(())
+    }
+
+    /// The count of ranges not recorded, if it grew since the last call. No allocation.
+    fn unreported_overflows(&self) -> Option<u64> {
+        let overflows = self.overflows.load(Ordering::Relaxed);
+        (overflows > 0 && self.reported.fetch_max(overflows, Ordering::Relaxed) < overflows).then_some(overflows)
     }
 
     /// Frees the slot of `[base, base+len)`, if one records it.
@@ -182,7 +228,12 @@ impl Mapping {
     /// Maps `len` bytes (rounded up to whole pages, at least one page) of zeroed memory, prepared
     /// for `fork()` as registered memory must be ([`advise_fork`]: a child gets a copy where the
     /// kernel copies pinned pages, otherwise nothing — never a page shared copy-on-write with the
-    /// parent, whose first write would then move the page away from the NIC's).
+    /// parent, whose first write would then move the page away from the NIC's). Not for
+    /// jemalloc's hooks: the process's first call decides the fork policy, which may allocate.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `len` rounded to pages overflows; [`Error::Io`] if `mmap`
+    /// fails, or `madvise(MADV_DONTFORK)` where that advice is needed.
     pub(crate) fn anonymous(len: usize) -> Result<Mapping> {
         let page = page_size();
         let rounded = len
@@ -206,7 +257,15 @@ impl Mapping {
                 source: std::io::Error::last_os_error(),
             });
         }
-        advise_fork(p as usize, rounded);
+        if let Err(errno) = advise_fork(p as usize, rounded) {
+            // SAFETY: the mapping just made, referenced by nothing.
+            unsafe { libc::munmap(p, rounded) };
+            return Err(Error::Io {
+                what: format!("madvise(MADV_DONTFORK) of a {rounded}-byte registered mapping"),
+                source: std::io::Error::from_raw_os_error(errno),
+            });
+        }
+        report_unrecorded_holes();
         Ok(Mapping { ptr: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FAILED"), len: rounded })
     }
 
@@ -228,7 +287,7 @@ impl Drop for Mapping {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -242,7 +301,7 @@ mod tests {
     }
 
     /// The `VmFlags` of the mapping containing `addr`, from /proc/self/smaps.
-    fn vm_flags(addr: usize) -> String {
+    pub(crate) fn vm_flags(addr: usize) -> String {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let mut inside = false;
         for line in smaps.lines() {
@@ -278,17 +337,19 @@ mod tests {
         }
     }
 
+    /// A second table, on the heap (the process's is in use by other tests).
+    fn private_holes() -> Box<Holes> {
+        let mut b = Box::<Holes>::new_uninit();
+        // SAFETY: all-zero bytes are a valid Holes (atomics of 0: every slot free, no overflow).
+        unsafe {
+            b.as_mut_ptr().write_bytes(0, 1);
+            b.assume_init()
+        }
+    }
+
     #[test]
     fn the_record_reuses_slots() {
-        let holes: Box<Holes> = {
-            // Built on the heap: a second table (the process's is in use by other tests).
-            let mut b = Box::<Holes>::new_uninit();
-            // SAFETY: all-zero bytes are a valid Holes (atomics of 0: every slot free).
-            unsafe {
-                b.as_mut_ptr().write_bytes(0, 1);
-                b.assume_init()
-            }
-        };
+        let holes = private_holes();
         assert!(holes.record(0x1000, 0x2000));
         assert!(holes.record(0x5000, 0x1000));
         assert_eq!(holes.used.load(Ordering::Relaxed), 2);
@@ -299,6 +360,42 @@ mod tests {
         assert!(holes.record(0x9000, 0x1000));
         assert_eq!(holes.slots[0].base.load(Ordering::Relaxed), 0x9000, "the freed slot is reused");
         assert_eq!(holes.used.load(Ordering::Relaxed), 2);
+    }
+
+    /// A range that does not fit in the table is counted, and reported once per new overflow.
+    #[test]
+    fn a_full_record_counts_what_it_could_not_record() {
+        let holes = private_holes();
+        for slot in &holes.slots {
+            slot.base.store(1, Ordering::Relaxed);
+        }
+        assert_eq!(holes.unreported_overflows(), None);
+        assert!(!holes.record(0x1000, 0x1000));
+        assert_eq!(holes.overflows.load(Ordering::Relaxed), 1);
+        assert_eq!(holes.unreported_overflows(), Some(1));
+        assert_eq!(holes.unreported_overflows(), None, "reported once");
+        assert!(!holes.record(0x2000, 0x1000));
+        assert_eq!(holes.unreported_overflows(), Some(2));
+        holes.slots[7].base.store(0, Ordering::Relaxed);
+        assert!(holes.record(0x3000, 0x1000), "a freed slot takes the next range");
+        assert_eq!(holes.overflows.load(Ordering::Relaxed), 2);
+    }
+
+    /// Keeping a range out of children either marks it `MADV_DONTFORK` and records it, or fails
+    /// with the errno and records nothing (here: a start that is not page-aligned, `EINVAL`).
+    #[test]
+    fn a_failed_dontfork_is_an_error_and_leaves_no_record() {
+        let holes = private_holes();
+        let len = 2 * page_size();
+        let m = Mapping::anonymous(len).unwrap();
+        let base = m.as_ptr() as usize;
+        assert_eq!(holes.keep_out(base + 1, len - 1), Err(libc::EINVAL), "madvise refuses");
+        assert_eq!(holes.slots[0].base.load(Ordering::Relaxed), 0, "the record is dropped");
+        assert_eq!(holes.slots[0].len.load(Ordering::Relaxed), 0);
+        assert_eq!(holes.keep_out(base, len), Ok(()));
+        assert!(vm_flags(base).split_whitespace().any(|w| w == "dc"), "advised MADV_DONTFORK");
+        assert_eq!(holes.slots[0].base.load(Ordering::Relaxed), base);
+        holes.forget(base, len);
     }
 
     /// The mechanism of kernels that do not copy pinned pages at fork, exercised directly here

@@ -42,6 +42,9 @@ impl Owner {
     fn bind(&self, pd: &Pd, on_removed: removal::Callback) -> Result<usize> {
         self.born.check("this heap")?;
         pd.context().usable_for_new()?;
+        // Decided before any lock (the first answer may allocate: for the global allocator,
+        // through the hooks, which take `bound`); the hooks then read it when they register.
+        crate::fork::children_copy_pinned_pages();
         let _binding = self.binding.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let started = Instant::now();
         let mut bound = self.lock_bound();
@@ -54,21 +57,29 @@ impl Owner {
         };
         // Register every chunk into its record's staging field; publish only when all
         // succeeded (readers never see a registration a rollback could withdraw).
-        let mut failed: Option<(i32, usize)> = None;
+        let mut failed: Option<(HookError, usize)> = None;
         for (_, rec) in chunk::owned_by(self.id) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
-            let access = self.access_for(rec.meta.load(Ordering::Relaxed));
+            let meta = rec.meta.load(Ordering::Relaxed);
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, len, access) {
+            match chunk::register(pd.as_raw(), base, len, self.access_for(meta)) {
                 Ok(mr) => {
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
                     self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     rec.staged.store(mr, Ordering::Relaxed);
+                    // Memory a fork child needs, which rdma-core may just have marked
+                    // MADV_DONTFORK (see `chunk::keep_in_children`).
+                    if self.inherited(meta) {
+                        if let Err(errno) = chunk::keep_in_children(base, len) {
+                            failed = Some((HookError::Advise(errno), len));
+                            break;
+                        }
+                    }
                 }
                 Err(errno) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
-                    failed = Some((errno, len));
+                    failed = Some((HookError::Register(errno), len));
                     break;
                 }
             }
@@ -88,12 +99,12 @@ impl Owner {
                 leaked += 1;
             }
         }
-        if let Some((errno, len)) = failed {
+        if let Some((error, len)) = failed {
             drop(bound);
             if leaked > 0 {
                 tracing::error!(leaked, "rolling back a failed bind: ibv_dereg_mr refused; those chunks stay mapped");
             }
-            return Err(HookError::Register(errno).into_error(len));
+            return Err(error.into_error(len));
         }
         bound.pds[slot] = Some(pd.clone());
         let chunks = chunk::owned_by(self.id).count();

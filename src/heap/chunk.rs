@@ -1,8 +1,10 @@
 //! Chunks: the big, registered mappings jemalloc carves allocations from.
 //!
 //! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, prepared for
-//! `fork()` (see `crate::fork`: copied into children, or kept out of them), optionally advised to use transparent huge pages, then registered with every PD its
-//! heap is bound to. Its record lives in a fixed, statically allocated table (never on a heap,
+//! `fork()` (see `crate::fork`: copied into children, or kept out of them), optionally advised
+//! to use transparent huge pages, then registered with every PD its heap is bound to (and, for
+//! memory a fork child needs, marked `MADV_DOFORK` again where rdma-core marked it otherwise:
+//! [`keep_in_children`]). Its record lives in a fixed, statically allocated table (never on a heap,
 //! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
 
 use std::ptr;
@@ -240,15 +242,54 @@ pub(crate) fn unmap(base: usize, len: usize) {
 
 /// Advice applied to a fresh chunk before it is touched or registered. `fork`: prepare it for
 /// `fork()` children as registered memory ([`crate::mmap::advise_fork`]: copied into children
-/// where the kernel copies pinned pages, otherwise kept out of them).
-pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) {
+/// where the kernel copies pinned pages, otherwise kept out of them). Returns the errno of a
+/// failed `MADV_DONTFORK` (the chunk must then not be used); huge-page advice is a hint only.
+pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) -> Result<(), i32> {
     if fork {
-        crate::mmap::advise_fork(base, len);
+        crate::mmap::advise_fork(base, len)?;
     }
     if hugepages {
         // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
         unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
     }
+    Ok(())
+}
+
+/// After `[base, base+len)` was registered: where the process's registrations are not copied
+/// into fork children ([`crate::fork::decided_copies`] is `Some(false)`), marks it `MADV_DOFORK`
+/// again, for memory a child needs — jemalloc's metadata (its fork handlers and every later
+/// allocation touch it) and the global allocator's chunks (the child's whole heap). rdma-core
+/// with fork support enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`) marks every registration
+/// `MADV_DONTFORK` itself, and a child would crash in jemalloc's fork handler; elsewhere this
+/// changes nothing (nothing marked the range). Returns the errno of a failed `madvise`.
+///
+/// The cost: where the kernel does not copy pinned pages, the range is shared copy-on-write
+/// with a child, and whichever process writes a page first after the fork gets a new page; if
+/// that is the parent, its registrations keep the old page, and the CPU and the NIC diverge.
+/// Harmless for metadata: it is registered with local rights only and no work request ever
+/// names it, so the NIC never reads or writes it. For the global allocator's data it is the
+/// caveat `Global::bind` documents.
+///
+/// Inside the extent hooks: no allocation, no lock (reads the decision made by `Owner::bind`).
+pub(crate) fn keep_in_children(base: usize, len: usize) -> Result<(), i32> {
+    keep_in_children_given(crate::fork::decided_copies(), base, len)
+}
+
+/// [`keep_in_children`] for the decision `copies`.
+fn keep_in_children_given(copies: Option<bool>, base: usize, len: usize) -> Result<(), i32> {
+    if copies != Some(false) {
+        return Ok(());
+    }
+    // SAFETY: advice on a chunk the caller owns; it changes neither its contents nor its
+    // registration (nor rdma-core's reference counts of the range, which only decide when
+    // rdma-core itself calls madvise).
+    if unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DOFORK) } != 0 {
+        return Err(match errno() {
+            0 => libc::EINVAL,
+            e => e,
+        });
+    }
+    Ok(())
 }
 
 /// Registers `[base, base+len)` with `pd`. Returns the MR or the errno.
@@ -312,6 +353,26 @@ mod tests {
         assert_eq!(rec(i).keys(0), None, "not registered");
         release(i);
         assert!(find(base).is_none());
+        unmap(base, len);
+    }
+
+    /// Where children get no copies, a chunk rdma-core marked `MADV_DONTFORK` at registration
+    /// (simulated here) is marked `MADV_DOFORK` again; where they do (or nothing is decided),
+    /// it is left alone.
+    #[test]
+    fn memory_children_need_is_marked_dofork_again() {
+        let len = SLOT;
+        let base = map(len, SLOT).unwrap();
+        let dontfork = || crate::mmap::tests::vm_flags(base).split_whitespace().any(|w| w == "dc");
+        // SAFETY: advice on the chunk just mapped, as rdma-core's ibv_reg_mr gives it.
+        assert_eq!(unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTFORK) }, 0);
+        assert!(dontfork());
+        assert_eq!(keep_in_children_given(Some(true), base, len), Ok(()));
+        assert_eq!(keep_in_children_given(None, base, len), Ok(()));
+        assert!(dontfork(), "copies (or undecided): no advice of mralloc's");
+        assert_eq!(keep_in_children_given(Some(false), base, len), Ok(()));
+        assert!(!dontfork(), "no copies: MADV_DOFORK again");
+        assert_eq!(keep_in_children_given(Some(false), base + 1, len - 1), Err(libc::EINVAL), "a failure is reported");
         unmap(base, len);
     }
 

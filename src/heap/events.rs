@@ -47,6 +47,8 @@ pub(crate) fn emit_pending() {
     if n == 0 {
         return;
     }
+    // New chunks may have been kept out of fork children without a record.
+    crate::mmap::report_unrecorded_holes();
     for e in kept.iter().flatten() {
         tracing::debug!(
             target: "mralloc::heap",

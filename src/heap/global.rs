@@ -61,9 +61,9 @@ static INIT_TID: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::ne
 /// Unbound, it behaves as jemalloc. Data chunks are not excluded from `fork()` children (every
 /// allocation of the process lives in them); on kernels with copy-on-fork for pinned pages
 /// (Linux ≥ 5.13, as `rdma system show` reports) a fork copies the registered pages for the
-/// child. On older kernels a bound `Global`'s pages are shared copy-on-write with the child, and
-/// whichever process writes one first after the fork gets a new page: if that is the parent,
-/// the NIC keeps the old one.
+/// child. On older kernels (or with rdma-core's fork support enabled) a bound `Global`'s pages
+/// are shared copy-on-write with the child, and whichever process writes one first after the
+/// fork gets a new page: if that is the parent, the NIC keeps the old one (see [`Global::bind`]).
 pub struct Global {
     owner: Owner,
     state: AtomicU8,
@@ -219,11 +219,25 @@ impl Global {
     /// # Ok(()) }
     /// ```
     ///
+    /// # `fork()`
+    ///
+    /// A fork()ed child keeps allocating from `Global`, so its chunks are never kept out of
+    /// children. Where the kernel copies pinned pages into a child (Linux 5.13+, rdma-core's
+    /// `IBV_FORK_UNNEEDED`), the child gets copies and the parent keeps its registered pages.
+    /// Where it does not (an older kernel, or rdma-core's fork support enabled by
+    /// `ibv_fork_init` or `RDMAV_FORK_SAFE`, which would mark every registration
+    /// `MADV_DONTFORK`: the chunks are marked `MADV_DOFORK` again after registering), a bound
+    /// `Global`'s registered pages are shared copy-on-write with the child: whichever process
+    /// writes a page first after the fork gets a new one, and if that is the parent, what it
+    /// writes there from then on diverges from what the NIC reads and writes (the registration
+    /// keeps the old page). Binding logs a warning in that case.
+    ///
     /// # Errors
     /// [`crate::Error::InvalidArgument`] if this `Global` is not the process allocator (or
     /// another one owns jemalloc's arenas); [`crate::Error::Registration`] if registering an
-    /// existing chunk fails; [`crate::Error::DeviceRemoved`] if `pd`'s device was removed
-    /// (a binding whose device is removed later is dropped, as for [`crate::heap::Heap::bind`]).
+    /// existing chunk fails ([`crate::Error::Io`] if marking it `MADV_DOFORK` does);
+    /// [`crate::Error::DeviceRemoved`] if `pd`'s device was removed (a binding whose device is
+    /// removed later is dropped, as for [`crate::heap::Heap::bind`]).
     pub fn bind(&'static self, pd: &Pd) -> Result<()> {
         if !self.ensure_init() {
             return Err(crate::Error::InvalidArgument(
@@ -231,6 +245,11 @@ impl Global {
             ));
         }
         self.owner.bind_static(pd)?;
+        if !crate::fork::children_copy_pinned_pages() {
+            tracing::warn!(
+                "mralloc::heap::Global is bound where registered pages are not copied into fork() children (kernel before 5.13, or rdma-core's fork support enabled): after a fork, a parent's first write to a registered page moves it away from the page the NIC uses"
+            );
+        }
         // Registered memory is never purged (the hooks refuse): stop jemalloc's decay from
         // trying. Until the first bind, decay runs and unregistered pages are purged normally.
         self.set_decay(-1);
@@ -366,6 +385,7 @@ impl Global {
                         HookError::Limit { .. } => "heap limit reached",
                         HookError::Map(_) => "mmap of a new chunk failed",
                         HookError::Numa(_) => "mbind of a new chunk failed",
+                        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
                         _ => "chunk table full",
                     }
                 ));

@@ -27,6 +27,9 @@ pub(crate) enum HookError {
     Map(i32),
     Numa(i32),
     Register(i32),
+    // `madvise` of the chunk's fork advice failed (`MADV_DONTFORK`, or `MADV_DOFORK` after
+    // registering: `chunk::advise`, `chunk::keep_in_children`).
+    Advise(i32),
     TableFull,
 }
 
@@ -64,6 +67,10 @@ impl HookError {
             },
             HookError::Numa(errno) => Error::Io {
                 what: "binding a chunk to its NUMA node (mbind)".into(),
+                source: std::io::Error::from_raw_os_error(errno),
+            },
+            HookError::Advise(errno) => Error::Io {
+                what: "giving a chunk its fork() advice (madvise MADV_DONTFORK / MADV_DOFORK)".into(),
                 source: std::io::Error::from_raw_os_error(errno),
             },
             HookError::TableFull => Error::OutOfMemory { requested, why: "the chunk table is full" },
@@ -113,7 +120,9 @@ pub(crate) struct Owner {
     pub(crate) hugepages: bool,
     /// Prepare data chunks for fork() children as registered memory (scoped heaps:
     /// `mmap::advise_fork`, which keeps them out of children on kernels that do not copy pinned
-    /// pages); the global allocator cannot keep its chunks out (every allocation lives there).
+    /// pages); the global allocator cannot keep its chunks out (every allocation lives there),
+    /// and marks them `MADV_DOFORK` after registering them (`chunk::keep_in_children`), as
+    /// every owner does its metadata.
     pub(crate) dontfork: bool,
     /// Note a `tracing` event for each new chunk, emitted after jemalloc returns (scoped heaps,
     /// see events.rs). Not for the global allocator, whose every allocation may be the one
@@ -181,7 +190,8 @@ pub(crate) fn allocations_under_bound() -> Option<u64> {
 
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
-        // Decided here, outside jemalloc's hooks (the first answer asks rdma-core).
+        // Decided here, outside jemalloc's hooks (the first answer may allocate: it reads the
+        // environment and asks rdma-core), before the arena exists.
         crate::fork::children_copy_pinned_pages();
         Owner {
             hooks: hooks::HOOKS,
@@ -249,7 +259,9 @@ impl Owner {
     /// `looks_like_metadata` (base_map's exact arguments: 2 MiB alignment, zero and commit
     /// requested — mralloc never asks jemalloc to zero a 2 MiB-aligned request, so no user extent
     /// matches) decides the rest: metadata is registered with local rights only, gets no THP
-    /// advice, and is not excluded from fork children (jemalloc's fork handlers touch it).
+    /// advice, and is not excluded from fork children (jemalloc's fork handlers touch it; where
+    /// rdma-core excludes registrations itself, it is marked `MADV_DOFORK` again after
+    /// registering, as every chunk of the global allocator is).
     pub(crate) fn new_chunk(
         &self,
         size: usize,
@@ -275,7 +287,10 @@ impl Owner {
         }
         // No huge pages for metadata: a 2 MiB base block would turn resident whole at its first
         // touch (8 automatic arenas: 16 MiB that plain jemalloc does not have).
-        chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta);
+        if let Err(e) = chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta) {
+            chunk::unmap(base, size);
+            return Err(HookError::Advise(e));
+        }
         let mapped_in = started.elapsed();
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         let mut registered_in = std::time::Duration::ZERO;
@@ -296,6 +311,12 @@ impl Owner {
                     chunk::deregister_and_unmap(&mrs, base, size);
                     return Err(HookError::Register(e));
                 }
+            }
+        }
+        if mrs.iter().any(|m| !m.is_null()) && self.inherited(meta) {
+            if let Err(e) = chunk::keep_in_children(base, size) {
+                chunk::deregister_and_unmap(&mrs, base, size);
+                return Err(HookError::Advise(e));
             }
         }
         let Some(index) = chunk::publish(self.id, base, size, meta) else {
@@ -340,7 +361,10 @@ impl Owner {
     /// are not the child's) and without taking `bound` (a parent thread may have held it).
     fn new_chunk_unregistered(&self, size: usize, align: usize, meta: bool) -> std::result::Result<usize, HookError> {
         let base = chunk::map(size, align).map_err(HookError::Map)?;
-        chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta);
+        if let Err(e) = chunk::advise(base, size, self.hugepages && !meta, self.dontfork && !meta) {
+            chunk::unmap(base, size);
+            return Err(HookError::Advise(e));
+        }
         if chunk::publish(self.id, base, size, meta).is_none() {
             chunk::deregister_and_unmap(&[], base, size);
             return Err(HookError::TableFull);
@@ -371,6 +395,13 @@ impl Owner {
         // pre-install, default-mapped ones: plain anonymous memory); nothing is registered there
         // (checked above under `bound`, which every registration takes).
         unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
+    }
+
+    /// Whether a fork()ed child must find this chunk (jemalloc's metadata; every chunk of the
+    /// global allocator): it is never kept out of children, and is marked `MADV_DOFORK` again
+    /// after each registration (`chunk::keep_in_children`).
+    pub(super) fn inherited(&self, meta: bool) -> bool {
+        meta || !self.dontfork
     }
 
     /// The access rights to register a chunk with: jemalloc metadata gets local rights only (no

@@ -206,8 +206,9 @@ impl HeapBuilder {
 /// `fork()`: the child reads its copies of what lives in the heap (buffers, collections) as the
 /// parent had them at the fork: the kernel copies pinned pages into children (Linux 5.13+), so
 /// the heap's chunks get no fork advice, and the parent keeps its pinned pages (nothing is made
-/// copy-on-write). On older kernels the chunks are kept out of children (`MADV_DONTFORK`, with
-/// an inaccessible reservation in their place): there a child touching them faults. In the
+/// copy-on-write). On older kernels (and where rdma-core's fork support is enabled) the chunks
+/// are kept out of children (`MADV_DONTFORK`, with an inaccessible reservation in their place):
+/// there a child touching them faults. In the
 /// child the heap is the parent's: allocating fails with [`Error::Forked`] (an allocator-api2
 /// allocation with `AllocError`), and dropping it, its buffers or its collections releases
 /// nothing of it. The child may exec, use other allocators, or build a heap of its own, which
@@ -335,7 +336,8 @@ impl Heap {
     /// to a PD of the device once it is back, or of another one.
     ///
     /// # Errors
-    /// [`Error::Registration`] if registering an existing chunk fails (nothing is bound then),
+    /// [`Error::Registration`] if registering an existing chunk fails (nothing is bound then;
+    /// [`Error::Io`] if marking its metadata `MADV_DOFORK` after registering does),
     /// [`Error::InvalidArgument`] if the heap is bound to [`crate::heap::MAX_PDS`] PDs already,
     /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(&self, pd: &Pd) -> Result<()> {

@@ -22,7 +22,8 @@ pub struct HeapStats {
     /// Of `mapped_bytes`, chunks that look like jemalloc's own metadata (base blocks). They are
     /// registered like every chunk (no rkey of theirs is ever handed out: no buffer lies in them)
     /// but never kept out of `fork()` children (as data chunks are on kernels before 5.13),
-    /// whose jemalloc touches them.
+    /// whose jemalloc touches them: where rdma-core marks registrations `MADV_DONTFORK`
+    /// (`ibv_fork_init`), they are marked `MADV_DOFORK` again.
     pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
