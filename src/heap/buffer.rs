@@ -188,6 +188,8 @@ impl Buffer {
 
     /// A key over exactly this buffer, with `rights`, through `pd`.
     pub(crate) fn key_with(&self, pd: &Pd, rights: Access) -> Result<RemoteBuf> {
+        // Before the exposure's lock (a fork()ed child: a parent thread may hold it).
+        self.shared().born.check("this heap")?;
         // SAFETY: the buffer owns its bytes until Drop, and Drop (or leaking the buffer) never
         // frees them before `Slot::revoke` succeeded; the heap's chunks stay mapped while the
         // buffer lives. Callers give write/atomic rights only to an `Exposed`, which hands out
@@ -203,8 +205,11 @@ impl Buffer {
     /// # Errors
     /// [`Error::Verbs`] (or [`Error::RevocationFailed`], for an earlier refusal) if the device
     /// refused to remove a registration: the buffer then stays reachable through it, and its
-    /// memory is leaked (never reused) when the buffer is dropped.
+    /// memory is leaked (never reused) when the buffer is dropped. [`Error::Forked`] in a
+    /// fork()ed child (the keys are the parent's).
     pub fn revoke_remote(&mut self) -> Result<()> {
+        // Before the exposure's lock (a fork()ed child: a parent thread may hold it).
+        self.shared().born.check("this heap")?;
         self.exposure.revoke()
     }
 

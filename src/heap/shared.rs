@@ -126,8 +126,8 @@ unsafe fn teardown(this: NonNull<Shared>) {
         Err(e) => {
             // jemalloc still uses the arena: its hooks point into the owner and its metadata lies
             // in our chunks. Keep both forever rather than leave them dangling.
+            std::mem::forget(Arc::clone(&shared.owner)); // before the log (a logger may panic)
             tracing::error!("arena.{}.destroy failed ({e}); leaking the heap's registered chunks", shared.arena);
-            std::mem::forget(Arc::clone(&shared.owner));
         }
     }
 }

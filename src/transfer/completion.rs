@@ -324,8 +324,14 @@ impl Core {
         for buf in all {
             // A buffer's own Drop must not unwind through completion processing: that would skip
             // the bookkeeping that keeps the other buffers from being freed too early.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(buf))).is_err() {
-                tracing::error!("dropping a buffer released by its completion panicked; the panic was contained");
+            // Nothing may unwind out of here at all: a poster reaps before its request's guard
+            // exists. So the panic's payload is leaked (its own Drop could panic again) and the
+            // log runs contained too (a subscriber may panic).
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(buf))) {
+                std::mem::forget(payload);
+                let _ = std::panic::catch_unwind(|| {
+                    tracing::error!("dropping a buffer released by its completion panicked; the panic was contained");
+                });
             }
         }
     }
@@ -668,8 +674,9 @@ impl Drop for Core {
         // means that did not happen (a panic on the way): the NIC may still use it, so leak it.
         let held = self.take_held();
         if !held.is_empty() {
-            tracing::error!("a connection's completion state went away holding {} buffers; leaking them", held.len());
-            std::mem::forget(held);
+            let n = held.len();
+            std::mem::forget(held); // leaked before anything else runs (a logger may panic)
+            tracing::error!("a connection's completion state went away holding {n} buffers; leaking them");
         }
     }
 }

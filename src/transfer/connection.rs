@@ -700,9 +700,11 @@ impl Drop for Connection {
         match flushed {
             Ok(()) => drop(held),
             Err(e) => {
-                // The device may still write them: never free them.
-                tracing::error!("closing a connection: {e}; leaking {} buffers it still held", held.len());
+                // The device may still write them: never free them (leaked before the log runs:
+                // a logger may panic).
+                let n = held.len();
                 std::mem::forget(held);
+                tracing::error!("closing a connection: {e}; leaking {n} buffers it still held");
             }
         }
     }

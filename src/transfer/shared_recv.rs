@@ -90,9 +90,9 @@ impl Drop for Inner {
             Ok(()) => drop(memory),
             Err(e) => {
                 // The queue may still hold receives naming the memory: never release it.
-                tracing::error!("destroying a shared receive queue: {e}; leaking its receive memory");
+                std::mem::forget(memory); // before the log (a logger may panic)
                 crate::verbs::LEAKED_MAPPINGS.fetch_add(1, Ordering::Relaxed);
-                std::mem::forget(memory);
+                tracing::error!("destroying a shared receive queue: {e}; leaking its receive memory");
             }
         }
     }

@@ -268,9 +268,9 @@ pub(crate) fn release<M>(mr: Mr, map: M) {
     match mr.deregister() {
         Ok(()) => drop(map),
         Err(e) => {
-            tracing::error!("{e}: leaking the registered mapping");
+            std::mem::forget(map); // before the log (a logger may panic)
             LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            std::mem::forget(map);
+            tracing::error!("{e}: leaking the registered mapping");
         }
     }
 }
