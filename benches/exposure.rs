@@ -4,9 +4,9 @@
 //! - `buffer`: [`Buffer::remote`] + [`Buffer::revoke_remote`] — a registration of exactly the
 //!   buffer (`ibv_reg_mr` + `ibv_dereg_mr`), the default;
 //! - `grant`: [`Connection::grant`] + `Grant::revoke` — a type 2 memory window bound and
-//!   invalidated through the connection (two work requests and their completions) where the
-//!   device confines windows, else a registration of exactly the buffer (as `buffer`; so on
-//!   Soft-RoCE);
+//!   invalidated through the connection (two work requests and their completions), over the
+//!   heap chunk where the device confines windows, else over a registration of exactly the
+//!   buffer with local rights only (so on Soft-RoCE: `buffer`'s registration plus the window);
 //! - `whole_chunk`: [`Buffer::remote_whole_chunk`] — the chunk's rkey, a page-map lookup;
 //! - `write`: one RDMA WRITE of the same size on the same connection, for scale.
 //!

@@ -119,11 +119,13 @@
 //! for heaps built with [`heap::HeapBuilder::remote_access_to_whole_chunks`], through
 //! [`heap::Buffer::remote_whole_chunk`]. [`transfer::Connection::grant`] gives one connection a
 //! revocable rkey of its own for exactly one owned buffer, revoked by
-//! [`transfer::Grant::revoke`]: a type 2 memory window where the device confines windows to
-//! their range (probed once per device, [`verbs::Context::confines_memory_windows`]), else a
-//! registration of just the buffer (Soft-RoCE on Linux 6.1 checks a window only against the
-//! whole chunk under it). Lent remote memory (feature `tokio`) is keyed the same way. And a connection's queue pair admits one-sided operations only
-//! with the rights its [`transfer::Options::remote_access`] asked for.
+//! [`transfer::Grant::revoke`]: a type 2 memory window bound through that connection (no other
+//! connection can use it), over the heap chunk where the device confines windows to their
+//! range (probed once per device, [`verbs::Context::confines_memory_windows`]), else over a
+//! registration of just the buffer without remote rights (Soft-RoCE on Linux 6.1 checks a window
+//! only against the region under it). Lent remote memory (feature `tokio`) is keyed the same
+//! way. And a connection's queue pair admits one-sided operations only with the rights its
+//! [`transfer::Options::remote_access`] asked for.
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.
 //!
@@ -139,7 +141,7 @@
 //! | [`heap::Buffer`], `[u8]`/`Vec<u8>` of heap memory, [`verbs::RegisteredBuf`], [`transfer::MappedFile`] | the local NIC: READ targets, receives, atomics results | none: the operation borrows it mutably (blocking calls, [`transfer::Batch`]) or owns it ([`transfer::Pending`], async operations) until the NIC is done | their keys give peers no write right: per-buffer keys ([`heap::Buffer::remote`], [`transfer::MappedFile::remote`]) are read-only, and `RegisteredBuf::new` refuses remote-write, atomic and window rights |
 //! | [`heap::UninitBuffer`] | the local NIC (READ, receive) | none to uninitialised bytes; only [`heap::UninitBuffer::init_len`] bytes, which grow when an operation completes | the length it learns is [`transfer::Received::len`]: bounded by what was posted, 0 for a peer's WRITE with immediate |
 //! | [`heap::Exposed`], [`verbs::RemoteWritable`] (an exposed `RegisteredBuf` or `MappedFile`) | a peer, at any moment, through its key | never: copies with atomic byte accesses only | `revoke` deregisters the key before references come back; dropping deregisters before freeing (and leaks if the device refuses) |
-//! | [`transfer::Grant`], buffers lent through `transfer::RemoteMemory` (feature `tokio`) | a peer, through a key of exactly the buffer: a memory window where a one-time probe shows the device confines windows to their range ([`verbs::Context::confines_memory_windows`]), else a registration of exactly its bytes | never: the grant or the lending registry owns the buffer | the key is invalidated or deregistered (or the QP destroyed) before the buffer comes back or is freed; a key that cannot be removed leaks the buffer |
+//! | [`transfer::Grant`], buffers lent through `transfer::RemoteMemory` (feature `tokio`) | a peer, through its one connection, with a key of exactly the buffer: a memory window bound through that connection, over the heap chunk where a one-time probe shows the device confines windows to their range ([`verbs::Context::confines_memory_windows`]), else over a registration of exactly its bytes without remote rights | never: the grant or the lending registry owns the buffer | the window is invalidated (or its QP flushed) and deallocated, and an exact registration deregistered, before the buffer comes back or is freed; a registration that cannot be removed leaks the buffer |
 //! | [`transfer::SharedMessage`] | the local NIC, into its receive slot | `&[u8]` of the received bytes only after the receive completed | the slot is posted again only when the message is dropped |
 //! | chunk-wide keys ([`heap::Buffer::remote_whole_chunk`]) | a peer, anywhere in the chunk | yes: the heap's ordinary buffers | only heaps built with the `unsafe` [`heap::HeapBuilder::remote_access_to_whole_chunks`] hand them out: the caller takes that on |
 //!

@@ -18,8 +18,8 @@
 //! from `Drop` without a connection; and Soft-RoCE (rxe, Linux 6.1) checks accesses through a
 //! window against the range of the region under it, not the window's own, so a window over a
 //! chunk-wide region does not confine a peer there. Windows bound per connection are
-//! [`crate::transfer::Connection::grant`] (which falls back to a registration like this one on
-//! such devices).
+//! [`crate::transfer::Connection::grant`] (which on such devices binds its window over a
+//! registration of exactly the buffer, like this one but without remote rights).
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 

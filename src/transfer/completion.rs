@@ -207,9 +207,11 @@ pub(crate) struct Core {
     pub(crate) failed: OnceLock<Failure>,
     send: Mutex<Queue>,
     recv: Mutex<Queue>,
-    /// Buffers that may be released only once the queue pair is destroyed (grants whose
-    /// invalidation could not be posted on a failed connection).
-    until_destroyed: Mutex<Vec<Parked>>,
+    /// Keyed buffers that may be released only once the queue pair is in the error state and
+    /// flushed (grants and lent memory whose window could not be invalidated): released by the
+    /// connection's drop after its close, before the queue pair is destroyed (a window still
+    /// bound to it makes Soft-RoCE wait for the window when the QP is destroyed).
+    until_closed: Mutex<Vec<Parked>>,
     /// Buffers released by the connection watcher, whose `Drop`s it does not run: dropped by
     /// the next reap of an application thread (or with the connection).
     deferred: Mutex<Vec<Parked>>,
@@ -240,7 +242,7 @@ impl Core {
             failed: OnceLock::new(),
             send: Mutex::new(Queue::default()),
             recv: Mutex::new(Queue::default()),
-            until_destroyed: Mutex::new(Vec::new()),
+            until_closed: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),
             reaps: AtomicU64::new(0),
@@ -559,9 +561,11 @@ impl Core {
         })
     }
 
-    /// Keeps `buf` until the queue pair is destroyed.
-    pub(crate) fn park_until_destroyed(&self, buf: Parked) {
-        self.until_destroyed.lock().push(buf);
+    /// Keeps `buf` until the connection is closed: dropped by the connection's drop once its
+    /// queue pair is in the error state and flushed (after which it serves no remote access),
+    /// or leaked if the flush never comes.
+    pub(crate) fn park_until_closed(&self, buf: Parked) {
+        self.until_closed.lock().push(buf);
     }
 
     /// Runs `f` with the send queue locked, so that posting and slot accounting are one step.
@@ -620,11 +624,11 @@ impl Core {
         !self.send.lock().parked.is_empty() || !self.recv.lock().parked.is_empty()
     }
 
-    /// Takes every buffer still held (parked or kept until the QP is destroyed).
+    /// Takes every buffer still held (parked, or kept until the connection is closed).
     pub(crate) fn take_held(&self) -> Vec<Parked> {
         let mut all = self.send.lock().parked.take_all();
         all.extend(self.recv.lock().parked.take_all());
-        all.append(&mut self.until_destroyed.lock());
+        all.append(&mut self.until_closed.lock());
         all.append(&mut self.deferred.lock());
         all
     }
@@ -670,7 +674,7 @@ impl Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        // The connection takes every held buffer after destroying its QP. Anything still here
+        // The connection takes every held buffer after closing or destroying its QP. Anything here
         // means that did not happen (a panic on the way): the NIC may still use it, so leak it.
         let held = self.take_held();
         if !held.is_empty() {

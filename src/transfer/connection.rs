@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
+use crate::transfer::exact::Windows;
 use crate::transfer::keepalive::{Keepalive, MAX_KEEPALIVE};
 use crate::transfer::local::Sges;
 use crate::transfer::stats::ConnectionStats;
@@ -66,6 +67,9 @@ pub struct Connection {
     /// The other end of a [`Connection::pair`]: told when this end goes away (no stream or CM
     /// id tells it, the process being the same).
     pair_peer: Option<Weak<Link>>,
+    /// The memory windows of grants and lent memory bound through this QP and not released
+    /// yet: deallocated in `Drop` once the QP is flushed, before it is destroyed.
+    windows: Arc<Windows>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -188,6 +192,7 @@ impl Connection {
             control: None,
             link,
             pair_peer: None,
+            windows: Arc::new(Windows::new()),
         })
     }
 
@@ -210,6 +215,11 @@ impl Connection {
     /// The PD local memory must be registered in.
     pub fn pd(&self) -> &Pd {
         &self.pd
+    }
+
+    /// The memory windows bound through this connection (see `transfer::exact`).
+    pub(crate) fn windows(&self) -> &Arc<Windows> {
+        &self.windows
     }
 
     /// The completion engine: routing, parking, waiting.
@@ -693,6 +703,15 @@ impl Drop for Connection {
         // Nothing watches the QP (or what `kept` holds) any more after these.
         drop(self.watch.take());
         self.link.retire();
+        if flushed.is_ok() {
+            // The QP is in the error state and flushed: it serves no remote access, so the
+            // windows bound through it are dead, and nothing it holds is in use. Release them,
+            // and deallocate the windows nobody will release (a forgotten grant's: its buffer
+            // stays leaked), before destroying it: a window still bound to a QP made Soft-RoCE
+            // (Linux 6.1) wait 50 s in the QP's destruction.
+            drop(self.core.take_held());
+            self.windows.deallocate_all();
+        }
         // SAFETY: dropped once, here; nothing uses the QP afterwards. Once it is destroyed the
         // device processes none of its requests any more.
         unsafe { ManuallyDrop::drop(&mut self.qp) };

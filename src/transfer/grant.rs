@@ -3,38 +3,37 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::completion::{Failure, Ticket};
-use crate::transfer::exact::{exact_key, Keyed, Prepared};
+use crate::transfer::exact::Keyed;
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::pending::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, SendFlags, SendOp, Sge};
+use crate::verbs::{Access, SendFlags, Sge};
 
 /// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
-/// over exactly that buffer's bytes. The grant owns the buffer:
+/// over exactly that buffer's bytes, working through that connection only. The grant owns the
+/// buffer:
 /// - [`Grant::revoke`] kills the rkey, waits for that, and gives the buffer back;
 /// - dropping a grant kills the rkey without waiting on the peer: the buffer is freed once the
-///   key is dead (a registration: at once, or never if the device refuses to remove it; a
-///   window: when the connection has reaped the invalidation — on a failed connection, once
-///   the queue pair is destroyed);
-/// - forgetting a grant leaks the buffer: the peer may keep access to it, never to memory that
-///   was freed or reused.
+///   connection has reaped the invalidation (on a failed connection: once its queue pair is
+///   flushed, when the connection is dropped);
+/// - forgetting a grant leaks the buffer: the peer may keep access to it while the connection
+///   lives, never to memory that was freed or reused.
 ///
 /// The buffer must come from a heap built with [`Access::MW_BIND`]. The grant's rights are the
 /// ones asked of [`Connection::grant`] (remote read and/or write), whatever remote rights the
 /// heap was built with: the key, not the chunk's registration, carries them.
 ///
-/// The device refuses every access outside the buffer, on every device. The key is a type 2
-/// memory window bound through the connection where the device checks a window against the
-/// window's own range; mralloc probes that once per opened device
+/// The key is a type 2 memory window bound through the connection: the device serves it to
+/// this connection's queue pair only — another connection of the same PD that learns or
+/// guesses the rkey is refused — and refuses every access outside the buffer, on every device.
+/// Where the device checks a window against the window's own range the window lies over the
+/// heap chunk's registration; mralloc probes that once per opened device
 /// ([`crate::verbs::Context::confines_memory_windows`]: a loopback connection and a few
 /// accesses, milliseconds, on the first grant). Where it does not (Soft-RoCE in Linux 6.1 checks
-/// only against the region under the window — the whole heap chunk), the key is a registration
-/// of exactly the buffer instead (`ibv_reg_mr`: grant + revoke of 4 KiB took 35-57 µs in the
-/// Soft-RoCE VM, where a window's took ~140 µs; one more pinned range against `RLIMIT_MEMLOCK`
-/// and one of the device's `max_mr` regions while it lives), revoked by deregistering it
-/// (synchronous: no work request, also on a failed connection). Such a key is the region's, so
-/// it is valid on every connection of the PD whose queue pair admits the access, like
-/// [`crate::heap::Buffer::expose`]'s keys — not on this connection only, as a window's is.
+/// only against the region under the window), the window lies over a registration of exactly
+/// the buffer with local rights only (`ibv_reg_mr`, deregistered when the grant ends: one more
+/// pinned range against `RLIMIT_MEMLOCK` and one of the device's `max_mr` regions while it
+/// lives).
 pub struct Grant<'c, B: IoBufMut> {
     conn: &'c Connection,
     held: Option<Keyed<B>>,
@@ -47,21 +46,19 @@ impl<B: IoBufMut> Grant<'_, B> {
         self.remote
     }
 
-    /// Whether the key is a memory window (else a registration of the buffer).
+    /// Whether the window lies over the heap chunk's region (else over an exact registration).
     #[cfg(test)]
-    pub(crate) fn is_window(&self) -> bool {
-        self.held.as_ref().is_some_and(Keyed::is_window)
+    pub(crate) fn over_chunk(&self) -> bool {
+        self.held.as_ref().is_some_and(Keyed::over_chunk)
     }
 
-    /// Posts the window's invalidation. If it cannot be posted (a failed connection, no
-    /// send-queue room within the operation timeout), the connection is failed: a QP in the
-    /// error state serves no remote access through its windows, so the buffer is unreachable
-    /// either way.
-    fn post_invalidate(&self) -> Result<Ticket> {
+    /// Posts the key's revocation (the window's invalidation). If it cannot be posted (a failed
+    /// connection, no send-queue room within the operation timeout), the connection is failed:
+    /// a QP in the error state serves no remote access through its windows, so the buffer is
+    /// unreachable either way.
+    fn post_revocation(&self, held: &Keyed<B>) -> Result<Ticket> {
         // SAFETY: LOCAL_INV touches no local memory.
-        let r = unsafe {
-            self.conn.post_chain(&[Sge::new(0, 0, 0)], &[SendOp::LocalInvalidate(self.remote.rkey)], SendFlags::NONE)
-        };
+        let r = unsafe { self.conn.post_chain(&[Sge::new(0, 0, 0)], &[held.revocation()], SendFlags::NONE) };
         if let Err(e) = &r {
             self.conn.fail(Failure::local(e));
         }
@@ -73,13 +70,13 @@ impl<B: IoBufMut> Grant<'_, B> {
     ///
     /// # Errors
     /// Without the buffer (`buf` is `None`) but in a fork()ed child:
-    /// - a window's invalidation cannot be posted (the connection's earlier failure,
+    /// - the window's invalidation cannot be posted (the connection's earlier failure,
     ///   [`Error::Timeout`] for send-queue room, [`Error::Verbs`]) or fails
     ///   ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]): the
     ///   connection is failed (its queue pair serves no remote access any more) and keeps the
-    ///   buffer until the queue pair is destroyed. With [`Error::FlushLost`] it is leaked;
-    /// - a registration's removal fails ([`Error::Verbs`]): the peer may still reach the
-    ///   buffer, which is leaked.
+    ///   buffer until its queue pair is flushed, when it is dropped. With [`Error::FlushLost`]
+    ///   it is leaked;
+    /// - an exact registration's removal fails ([`Error::Verbs`]): the buffer is leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.
@@ -91,10 +88,7 @@ impl<B: IoBufMut> Grant<'_, B> {
             // is its own.
             return Err(Rejected { error: Error::Forked("this grant"), buf: Some(held.into_forked_copy()) });
         }
-        if !held.is_window() {
-            return held.into_buf().map_err(|error| Rejected { error, buf: None });
-        }
-        let r = self.post_invalidate().and_then(|id| self.conn.wait(id).map(|_| ()));
+        let r = self.post_revocation(&held).and_then(|id| self.conn.wait(id).map(|_| ()));
         match r {
             Ok(()) => held.into_buf().map_err(|error| Rejected { error, buf: None }),
             Err(error @ Error::FlushLost { .. }) => {
@@ -102,7 +96,7 @@ impl<B: IoBufMut> Grant<'_, B> {
                 Err(Rejected { error, buf: None })
             }
             Err(error) => {
-                self.conn.core().park_until_destroyed(Box::new(held));
+                self.conn.core().park_until_closed(Box::new(held));
                 Err(Rejected { error, buf: None })
             }
         }
@@ -116,19 +110,16 @@ impl<B: IoBufMut> Drop for Grant<'_, B> {
             std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
             return;
         }
-        if !held.is_window() {
-            drop(held); // deregisters (leaks the buffer if the device refuses)
-            return;
-        }
+        let posted = self.post_revocation(&held);
         let held = Box::new(held);
-        match self.post_invalidate() {
+        match posted {
             Ok(id) => {
                 self.conn.core().park(id, held);
             }
             Err(Error::FlushLost { .. }) => std::mem::forget(held),
             Err(e) => {
-                tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is destroyed");
-                self.conn.core().park_until_destroyed(held);
+                tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is flushed");
+                self.conn.core().park_until_closed(held);
             }
         }
     }
@@ -146,34 +137,19 @@ impl Connection {
     ///   other than remote read/write, or a heap without [`Access::MW_BIND`]);
     ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD:
     ///   registered buffers and mapped files are refused too); [`Error::Verbs`] (allocating the
-    ///   window or posting its bind; or the registration, e.g. past the memlock limit);
+    ///   window or posting its bind; or the exact registration, e.g. past the memlock limit);
     ///   [`Error::Timeout`] (no send-queue room);
     /// - a window bind's failure, as [`Connection::write_at`] (it fails the connection).
     ///
     /// With [`Error::FlushLost`] the buffer is leaked.
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
-        let mut buf = buf;
-        let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_len());
-        // SAFETY: `buf` is owned by the Keyed below until its key is dead (a window invalidated
-        // or its QP destroyed, a region deregistered), or leaked; nothing references its bytes
-        // meanwhile (the grant gives no access to them).
-        let prepared = self.check().and_then(|()| unsafe { exact_key(self, ptr, len, access) });
-        let Prepared { key, rkey, bind } = match prepared {
-            Ok(x) => x,
-            Err(error) => return Err(Rejected { error, buf: Some(buf) }),
-        };
-        let held = Keyed::new(key, buf);
-        let grant = |held| Grant {
-            conn: self,
-            held: Some(held),
-            remote: RemoteBuf { addr: ptr as u64, len: len as u64, rkey },
-        };
-        let Some(bind) = bind else { return Ok(grant(held)) };
+        let (held, bind) = Keyed::prepare(self, buf, access)?;
+        let remote = held.remote();
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
-        // the connection, or a leak) keeps until the window is invalidated or the QP destroyed.
+        // the connection, or a leak) keeps until the window is invalidated or the QP flushed.
         let r = unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[bind], SendFlags::NONE) }.and_then(|id| self.wait(id));
         match r {
-            Ok(_) => Ok(grant(held)),
+            Ok(_) => Ok(Grant { conn: self, held: Some(held), remote }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(held);
                 Err(Rejected { error, buf: None })

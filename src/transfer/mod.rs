@@ -19,8 +19,9 @@
 //!   futures over owned buffers, which give the buffer back with the result; cancelling a
 //!   future never frees memory the NIC may touch.
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
-//! - [`Connection::grant`]: a revocable rkey for exactly one buffer (a type 2 memory window, or
-//!   a registration of the buffer on devices that do not confine windows).
+//! - [`Connection::grant`]: a revocable rkey for exactly one buffer, working through that
+//!   connection only (a type 2 memory window, over a registration of just the buffer on devices
+//!   that do not confine windows).
 //! - Remote rights: a connection lets its peer RDMA WRITE, READ or use atomics on this side's
 //!   memory only if [`Options::remote_access`] asks for it (default: none; SENDs always work).
 //!

@@ -28,9 +28,9 @@ use crate::transfer::aio::{AsyncConnection, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::transfer::control::DEPTH;
-use crate::transfer::exact::{exact_key, Keyed, Prepared};
+use crate::transfer::exact::Keyed;
 use crate::transfer::{Received, Rejected};
-use crate::verbs::{Access, SendOp};
+use crate::verbs::Access;
 
 /// How long a quiet control channel waits before checking on the peer with a `Ping`.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
@@ -234,28 +234,26 @@ async fn serve(cs: &Arc<ControlShared>, sh: &Arc<Shared>, seq: u64, len: u64, ac
     }
 }
 
-/// Makes a key for exactly `buf` with `access` (see `transfer::exact`) and registers the
-/// entry. The entry is in the registry before a window's bind is posted, so a cancelled bind
-/// leaves it there (released with the connection). On failure the buffer comes back unless the
-/// bind's flush was lost.
+/// Makes a key for exactly `buf` with `access` (see `transfer::exact`: a window bound through
+/// this connection) and registers the entry. The entry is in the registry before the bind is
+/// posted, so a cancelled bind leaves it there (released with the connection). On failure the
+/// buffer comes back unless the bind's flush was lost.
 pub(crate) async fn lend(
     cs: &ControlShared,
     sh: &Arc<Shared>,
     buf: Buffer,
     access: Access,
 ) -> std::result::Result<(u64, RemoteBuf), Rejected<Buffer>> {
-    let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
     let ctx = sh.conn().pd().context();
-    if !ctx.confinement_known() {
+    if ctx.confinement_settled().is_none() {
         // The device's first grant probes it (milliseconds of verbs calls): not on this thread.
         let (ctx, qp) = (ctx.clone(), sh.conn().qp());
         let at = Some((qp.port(), qp.gid_index()));
         let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
     }
-    let (bind, handle, rkey) = start_lend(cs, sh, buf, access)?;
-    let Some(op) = bind else { return Ok((handle, RemoteBuf { addr, len, rkey })) };
-    match op.await {
-        Ok(_) => Ok((handle, RemoteBuf { addr, len, rkey })),
+    let (bind, handle, remote) = start_lend(cs, sh, buf, access)?;
+    match bind.await {
+        Ok(_) => Ok((handle, remote)),
         // Refused, or failed and flushed: the window is not bound, the memory is ours again
         // (unless the connection's failure path already took it).
         Err(Rejected { error, buf: Some(_) }) => {
@@ -267,44 +265,30 @@ pub(crate) async fn lend(
     }
 }
 
-/// What [`start_lend`] started: a window's bind in flight (`None` for a registration), the
-/// entry's handle, the rkey.
-type Started = (Option<Op<NoBytes>>, u64, u32);
-
-/// Makes the key, registers the entry, and posts a window's bind (no await: the verbs handles
-/// stay out of the future's state). The bind is `None` for a registration (usable at once).
+/// Makes the key, registers the entry, and posts the window's bind (no await: the verbs
+/// handles stay out of the future's state). Returns the bind in flight, the entry's handle and
+/// what the peer needs.
 fn start_lend(
     cs: &ControlShared,
     sh: &Arc<Shared>,
-    mut buf: Buffer,
+    buf: Buffer,
     access: Access,
-) -> std::result::Result<Started, Rejected<Buffer>> {
-    let conn = sh.conn();
-    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-    // SAFETY: the buffer goes into the registry with its key (a Keyed), which frees it only
-    // once the key is dead (see `Lent`), or never; nothing references its bytes meanwhile.
-    let prepared = conn.check().and_then(|()| unsafe { exact_key(conn, ptr, len, access) });
-    let Prepared { key, rkey, bind } = match prepared {
-        Ok(x) => x,
-        Err(error) => return Err(Rejected { error, buf: Some(buf) }),
-    };
-    let handle = cs.lending.lock().insert(Lent { keyed: Keyed::new(key, buf), rkey, announced: false });
-    let op = bind.map(|bind| Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(bind) }));
-    Ok((op, handle, rkey))
+) -> std::result::Result<(Op<NoBytes>, u64, RemoteBuf), Rejected<Buffer>> {
+    let (keyed, bind) = Keyed::prepare(sh.conn(), buf, access)?;
+    let remote = keyed.remote();
+    let handle = cs.lending.lock().insert(Lent { keyed, announced: false });
+    let op = Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(bind) });
+    Ok((op, handle, remote))
 }
 
-/// Kills the key of `handle` (a window's invalidation, a registration's removal) and takes its
-/// buffer out of the registry. `None` if the handle is unknown, not announced yet (its bind is
-/// in flight: a peer that names it breaks nothing), or the key could not be killed (a failed
-/// invalidation fails the connection, whose failure path frees the entry; a registration the
-/// device refused to remove leaks the buffer).
+/// Kills the key of `handle` (the window's invalidation) and takes its buffer out of the
+/// registry. `None` if the handle is unknown, not announced yet (its bind is in flight: a peer
+/// that names it breaks nothing), or the key could not be killed (a failed invalidation fails
+/// the connection, whose failure path frees the entry once the queue pair is flushed), or an
+/// exact registration the device refused to remove (the buffer is leaked).
 async fn unlend(cs: &ControlShared, sh: &Arc<Shared>, handle: u64) -> Option<Buffer> {
-    let (rkey, window) =
-        cs.lending.lock().lent.get(&handle).filter(|l| l.announced).map(|l| (l.rkey, l.keyed.is_window()))?;
-    if window {
-        let inv = Request { sge: None, what: Some(SendOp::LocalInvalidate(rkey)) };
-        Op::start(sh.clone(), NoBytes, inv).await.ok()?;
-    }
+    let revocation = cs.lending.lock().lent.get(&handle).filter(|l| l.announced).map(|l| l.keyed.revocation())?;
+    Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(revocation) }).await.ok()?;
     let lent = cs.lending.lock().remove(handle)?;
     lent.keyed.into_buf().ok()
 }
@@ -393,10 +377,11 @@ async fn peer_gone(cs: &ControlShared, weak: &Weak<Shared>, why: Error) {
     cs.requests.lock().clear();
     let Some(sh) = sh else { return };
     let conn = sh.conn();
-    // Nothing reaches lent memory through a queue pair in the error state; wait for the flush
-    // of what is outstanding (binds and invalidations among it) before freeing it.
+    // Every key of lent memory is a window bound through this queue pair: nothing reaches that
+    // memory through a queue pair in the error state. Wait for the flush of what is
+    // outstanding (binds and invalidations among it) before freeing it.
     if conn.qp().set_error().is_err() {
-        return; // kept until the connection is dropped (parked until the QP is destroyed)
+        return; // kept until the connection is dropped (released after its close's flush)
     }
     let start = Instant::now();
     loop {

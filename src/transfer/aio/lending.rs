@@ -1,4 +1,5 @@
-//! Remote memory: what one side lends its peer (a registry of the buffers lent and their keys) and what it holds of the peer's ([`RemoteMemory`] handles).
+//! Remote memory: what one side lends its peer (a registry of the buffers lent and their keys)
+//! and what it holds of the peer's ([`RemoteMemory`] handles).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,14 +49,13 @@ pub struct RemoteMemoryStats {
     pub held_bytes: u64,
 }
 
-/// Memory lent to the peer: the buffer and its key (a window, or a registration of exactly the
-/// buffer: see `transfer::exact`). Dropping it deregisters a registration before the buffer is
-/// freed (or leaks the buffer); an entry with a window is dropped only once the window was
-/// invalidated, or once the QP is in the error state and flushed, or after the QP is destroyed.
+/// Memory lent to the peer: the buffer and its key (a window bound through the connection,
+/// over the heap chunk or an exact registration: see `transfer::exact`). An entry is dropped
+/// only once the window was invalidated, or the QP is in the error state and flushed; dropping
+/// it deallocates the window and deregisters an exact registration before the buffer is freed
+/// (or leaks the buffer).
 pub(crate) struct Lent {
     pub(crate) keyed: Keyed<Buffer>,
-    /// The rkey handed to the peer.
-    pub(crate) rkey: u32,
     /// Whether the peer was told the handle (its bind completed): only then may the peer's
     /// messages release it. Before, the entry belongs to the bind in flight.
     pub(crate) announced: bool,
@@ -167,8 +167,9 @@ pub(crate) struct Held {
 ///
 /// Dropping the handle tells the peer, which revokes the rkey and frees the memory;
 /// [`crate::transfer::AsyncConnection::hand_over`] gives it back with its contents instead.
-/// If the connection fails or closes, the peer frees it on its own (and the rkey stops working
-/// with the connection's queue pair).
+/// The rkey works through this connection only (its queue pair), and only on exactly this
+/// memory. If the connection fails or closes, the peer frees it on its own, once the rkey has
+/// stopped working (the connection's queue pair in the error state and flushed).
 pub struct RemoteMemory {
     remote: RemoteBuf,
     handle: u64,

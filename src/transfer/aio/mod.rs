@@ -87,10 +87,10 @@ impl Drop for Shared {
         // SAFETY: taken once, here; nothing uses it afterwards.
         let conn = unsafe { ManuallyDrop::take(&mut self.conn) };
         if let Some(cs) = &self.control {
-            // What is still lent may be reachable until the queue pair is destroyed.
+            // What is still lent is reachable until the queue pair is flushed (the drop below closes it).
             let lent = cs.take_lent();
             if !lent.is_empty() {
-                conn.core().park_until_destroyed(Box::new(lent));
+                conn.core().park_until_closed(Box::new(lent));
             }
         }
         // Closing waits for the device to flush what is outstanding, and destroying the QP, CQs

@@ -33,9 +33,9 @@ impl Request {
 
 // SAFETY: the only raw pointers a Request can hold are those of `SendOp::BindMw` (a window and a
 // region): handles of verbs objects, which are thread-safe, read by `ibv_post_send` only; the
-// window and the region outlive the request (remote memory keeps the window in its registry,
-// which is parked with the connection until the QP is destroyed, and the chunk's region lives as
-// long as the lent buffer). Everything else is plain data.
+// window and the region outlive the request (the connection keeps the window until the key is
+// released, or until its QP is flushed, in its drop; the chunk's region lives as long as the lent
+// buffer, an exact region as long as its key). Everything else is plain data.
 unsafe impl Send for Request {}
 
 enum Stage {

@@ -27,12 +27,13 @@ impl AsyncConnection {
     /// Lends the peer memory of `heap` when it asks ([`AsyncConnection::request_remote`]),
     /// within `limits` (buffers handed over and not yet taken with
     /// [`AsyncConnection::handed_over`] count too). Each grant is a zeroed buffer of exactly
-    /// the size asked for, with a key for exactly those bytes: the device refuses every access
-    /// outside them, on every device (a memory window bound to this connection where the device
-    /// confines windows to their range, else a registration of just the buffer: see
-    /// [`crate::transfer::Grant`] for the probe that decides and the costs); it is freed when the peer drops
-    /// its handle, when the connection closes or fails, or when the peer is found dead (a
-    /// keepalive on the control channel). Calling it again replaces the heap and limits for
+    /// the size asked for, with a key for exactly those bytes that works through this
+    /// connection only: the device refuses every access outside them, on every device (a
+    /// memory window bound through this connection, over the heap chunk where the device
+    /// confines windows to their range, else over a registration of just the buffer: see
+    /// [`crate::transfer::Grant`] for the probe that decides and the costs); it is freed when
+    /// the peer drops its handle, when the connection closes or fails, or when the peer is found
+    /// dead (a keepalive on the control channel). Calling it again replaces the heap and limits for
     /// later requests. Until it is called, requests are refused
     /// ([`crate::RemoteRefusal::NotServing`]); a server that lends from the peer's first
     /// message on sets it on its listener
@@ -125,8 +126,8 @@ impl AsyncConnection {
     }
 
     /// Pushes `buf` to the peer: makes a key for exactly its bytes with `access` (remote read
-    /// and/or write; a window or a registration, as [`crate::transfer::Grant`]) and sends the
-    /// grant with `tag`; the peer gets a [`RemoteMemory`] from
+    /// and/or write; a window bound through this connection, as [`crate::transfer::Grant`]'s)
+    /// and sends the grant with `tag`; the peer gets a [`RemoteMemory`] from
     /// [`AsyncConnection::pushed`]. This side keeps the buffer until the peer drops the handle
     /// (then it is freed), hands it back ([`AsyncConnection::handed_over`]), or the connection
     /// goes. The buffer must come from a heap built with [`Access::MW_BIND`].
@@ -138,7 +139,7 @@ impl AsyncConnection {
     ///   [`Options::remote_access`](crate::transfer::Options::remote_access));
     ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD), or a
     ///   heap without [`Access::MW_BIND`] ([`Error::InvalidArgument`]); [`Error::Verbs`]
-    ///   (allocating the window, or the registration); the connection's failure (or
+    ///   (allocating the window, or the exact registration); the connection's failure (or
     ///   [`Error::Closed`]) if it failed or the peer is gone;
     /// - a window bind's failure, as [`AsyncConnection::write`] (it fails the connection).
     ///
