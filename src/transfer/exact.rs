@@ -239,9 +239,9 @@ impl<B> Keyed<B> {
             }
             Some(mr) => {
                 if let Err(e) = mr.deregister() {
-                    tracing::error!("releasing a grant's exact registration: {e}; its buffer is leaked");
+                    std::mem::forget(buf); // before the log (a logger may panic)
                     crate::verbs::LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    std::mem::forget(buf);
+                    tracing::error!("releasing a grant's exact registration: {e}; its buffer is leaked");
                     return Err(e);
                 }
             }

@@ -153,18 +153,20 @@ unsafe impl<B: IoBufMut> IoBufMut for Slice<B> {
 // SAFETY: a Buffer owns its heap allocation (only its Drop frees it; a leaked Buffer keeps its
 // heap's chunks registered forever); the allocation does not move with the handle; its keys
 // come from the page map.
+// Pointer and length never go through `Deref`: they are read while the NIC or a peer (a grant,
+// lent memory) may be writing the bytes, when no reference to them may exist.
 unsafe impl IoBuf for Buffer {
     fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
+        self.raw().as_ptr()
     }
     fn bytes_len(&self) -> usize {
-        self.len()
+        self.size()
     }
 }
 // SAFETY: as above; the Buffer is the only owner of its bytes.
 unsafe impl IoBufMut for Buffer {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.as_mut_ptr()
+        self.raw().as_ptr()
     }
 }
 

@@ -78,7 +78,7 @@ impl Lending {
     /// Registers `lent` under a fresh handle.
     pub(crate) fn insert(&mut self, lent: Lent) -> u64 {
         self.next_handle += 1;
-        self.bytes += lent.keyed.buf().len() as u64;
+        self.bytes += lent.keyed.buf().size() as u64;
         self.lent.insert(self.next_handle, lent);
         self.next_handle
     }
@@ -103,7 +103,7 @@ impl Lending {
     /// Takes the entry `handle` out of the registry (`None`: unknown or already released).
     pub(crate) fn remove(&mut self, handle: u64) -> Option<Lent> {
         let lent = self.lent.remove(&handle)?;
-        self.bytes -= lent.keyed.buf().len() as u64;
+        self.bytes -= lent.keyed.buf().size() as u64;
         Some(lent)
     }
 
