@@ -189,6 +189,7 @@ mod error;
 mod fork;
 pub mod heap;
 mod mmap;
+mod os;
 mod peer_bytes;
 mod remote;
 pub mod transfer;

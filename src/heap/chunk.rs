@@ -237,16 +237,16 @@ pub(crate) fn map(len: usize, align: usize) -> Result<usize, i32> {
 pub(crate) fn unmap(base: usize, len: usize) {
     // SAFETY: the caller owns the chunk and nothing references it any more.
     unsafe { libc::munmap(base as *mut libc::c_void, len) };
-    crate::mmap::forget_fork(base, len);
+    crate::fork::forget_fork(base, len);
 }
 
 /// Advice applied to a fresh chunk before it is touched or registered. `fork`: prepare it for
-/// `fork()` children as registered memory ([`crate::mmap::advise_fork`]: copied into children
+/// `fork()` children as registered memory ([`crate::fork::advise_fork`]: copied into children
 /// where the kernel copies pinned pages, otherwise kept out of them). Returns the errno of a
 /// failed `MADV_DONTFORK` (the chunk must then not be used); huge-page advice is a hint only.
 pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) -> Result<(), i32> {
     if fork {
-        crate::mmap::advise_fork(base, len)?;
+        crate::fork::advise_fork(base, len)?;
     }
     if hugepages {
         // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.

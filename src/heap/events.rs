@@ -48,7 +48,7 @@ pub(crate) fn emit_pending() {
         return;
     }
     // New chunks may have been kept out of fork children without a record.
-    crate::mmap::report_unrecorded_holes();
+    crate::fork::report_unrecorded_holes();
     for e in kept.iter().flatten() {
         tracing::debug!(
             target: "mralloc::heap",

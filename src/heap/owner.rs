@@ -119,7 +119,7 @@ pub(crate) struct Owner {
     pub(crate) numa_node: AtomicU32,
     pub(crate) hugepages: bool,
     /// Prepare data chunks for fork() children as registered memory (scoped heaps:
-    /// `mmap::advise_fork`, which keeps them out of children on kernels that do not copy pinned
+    /// `fork::advise_fork`, which keeps them out of children on kernels that do not copy pinned
     /// pages); the global allocator cannot keep its chunks out (every allocation lives there),
     /// and marks them `MADV_DOFORK` after registering them (`chunk::keep_in_children`), as
     /// every owner does its metadata.
