@@ -594,12 +594,27 @@ fn the_thread_cache_keeps_at_most_its_bound() {
     drop(bufs);
     let s = heap.stats();
     assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes <= 256 << 10, "{}", s.thread_cached_bytes);
-    // A small class's magazine overflows: half of it goes back to jemalloc, the rest stays.
+    // Over the byte bound, a freed object goes straight back.
     let small: Vec<_> = (0..1000).map(|_| heap.alloc(64).unwrap()).collect();
     drop(small);
     let s = heap.stats();
     assert!(s.thread_cached_bytes <= 256 << 10, "{}", s.thread_cached_bytes);
     assert_eq!(s.live_bytes, 0);
+
+    // Within it, a small class's magazine (64 objects of 64 B) overflows: each time it is full,
+    // its older half goes back to jemalloc and the freed object is kept. After 1000 frees it
+    // holds some, never a full magazine's worth (which is what keeping the first 64 and handing
+    // every later one straight back would leave).
+    let fresh = Heap::builder().thread_cache(256 << 10).build().unwrap();
+    let small: Vec<_> = (0..1000).map(|_| fresh.alloc(64).unwrap()).collect();
+    let live = fresh.stats().jemalloc_allocated;
+    drop(small);
+    let s = fresh.stats();
+    assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes < 64 * 64, "{}", s.thread_cached_bytes);
+    // What left the magazine went back to jemalloc (its own thread cache counts as allocated).
+    if let (Some(live), Some(now)) = (live, s.jemalloc_allocated) {
+        assert!(now < live, "jemalloc counts {now} bytes after the frees, {live} before");
+    }
 
     let off = Heap::builder().thread_cache(0).build().unwrap();
     let b = off.alloc(64).unwrap();
@@ -615,6 +630,8 @@ fn the_thread_cache_keeps_at_most_its_bound() {
 fn a_thread_returns_its_cache_when_it_exits() {
     let heap = Heap::builder().build().unwrap();
     let bufs: Vec<_> = (0..8).map(|_| heap.alloc(4096).unwrap()).collect();
+    // With the 8 buffers live (and whatever this thread's caches hold, which stays).
+    let before = heap.stats().jemalloc_allocated;
     let h = &heap;
     std::thread::scope(|s| {
         // Joined explicitly: the scope's own wait ends before the thread's exit (its caches
@@ -633,6 +650,13 @@ fn a_thread_returns_its_cache_when_it_exits() {
     let s = heap.stats();
     assert_eq!(s.thread_cached_bytes, 0, "the exited thread's cache went back to the heap");
     assert_eq!(s.live_bytes, 0);
+    // Back in the arena, not just out of the stats: jemalloc counts no more than before.
+    if let (Some(b), Some(a)) = (before, s.jemalloc_allocated) {
+        assert!(
+            a + 8 * 4096 <= b,
+            "jemalloc counts {a} bytes after the thread exited, {b} with the 8 buffers live: its cache was not flushed"
+        );
+    }
 }
 
 /// Buffers allocated and freed by a thread-local destructor that runs after the thread's caches
@@ -879,4 +903,26 @@ fn an_uninit_buffer_shows_only_what_was_written() {
     assert_eq!(u.init_len(), 100);
     assert!(u.into_init().iter().all(|&x| x == 3));
     assert!(matches!(heap.alloc_uninit(0), Err(Error::InvalidArgument(_))));
+}
+
+/// Large buffers freed and allocated again reuse the heap's chunks: jemalloc offers freed large
+/// extents back to the extent hooks (eager purge above 8 MiB, `arena.N.purge`), and the heap
+/// refuses (its `dalloc` hook opts out), so jemalloc keeps and reuses them. A hook that accepted
+/// would let jemalloc forget memory that stays registered, and map more for every round.
+#[test]
+fn freed_large_buffers_are_reused_not_given_up() {
+    let heap = Heap::builder().build().unwrap();
+    drop(heap.alloc(24 << 20).unwrap());
+    let after_first = heap.stats();
+    for _ in 0..10 {
+        let b = heap.alloc(24 << 20).unwrap();
+        drop(b);
+        heap.purge().unwrap();
+    }
+    let s = heap.stats();
+    assert_eq!(
+        (s.chunks, s.mapped_bytes),
+        (after_first.chunks, after_first.mapped_bytes),
+        "ten more 24 MiB rounds mapped more memory: freed extents were given up"
+    );
 }
