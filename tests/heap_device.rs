@@ -376,6 +376,44 @@ fn device_numa_binding_is_visible_to_move_pages() {
     assert_eq!(policy_of(b.as_ptr()), want, "DeviceLocal with device node {device_node:?}");
 }
 
+/// `NumaPolicy::DeviceLocal` (the default) binds chunks to the device's node: the VM's rxe0 has
+/// none in sysfs, so a child process names one through `MRALLOC_NUMA_NODE` (the last online
+/// node, not 0, so that the binding shows), and its heap's pages land there.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_device_local_follows_the_devices_node() {
+    let nodes = online_nodes();
+    if std::env::var(mralloc::verbs::NUMA_OVERRIDE).is_err() {
+        if std::env::var("MRALLOC_IN_VM").is_ok() {
+            assert!(nodes.len() >= 2, "scripts/test boots a 2-node NUMA VM; online nodes: {nodes:?}");
+        }
+        let node = *nodes.last().expect("an online node");
+        let value = format!("{}:{node}", device_name());
+        let child = spawn_test(
+            "device_device_local_follows_the_devices_node",
+            true,
+            &[(mralloc::verbs::NUMA_OVERRIDE, &value), ("MRALLOC_WANT_NODE", &node.to_string())],
+        );
+        let out = finish_child(child, "DeviceLocal child");
+        assert!(out.contains(&format!("DeviceLocal: every sampled page on node {node}")), "{out}");
+        return;
+    }
+    let node: u32 = std::env::var("MRALLOC_WANT_NODE").unwrap().parse().unwrap();
+    let pd = Pd::new(&open()).unwrap();
+    assert_eq!(pd.context().numa_node(), Some(node), "the override names the device's node");
+    let heap = Heap::builder().bind(&pd).build().unwrap();
+    assert_eq!(heap.numa_node(), Some(node), "DeviceLocal follows the device");
+    for n in [4096usize, 100_000, 3 << 20] {
+        let mut b = heap.alloc(n).unwrap();
+        b.fill(1);
+        let pages: Vec<*const u8> = (0..n).step_by(4096).map(|o| b.as_ptr().wrapping_add(o)).collect();
+        let got = nodes_of_pages(&pages).unwrap();
+        assert!(got.iter().all(|&g| g == node as i32), "{n}-byte buffer: pages on {got:?}, want {node}");
+        assert_eq!(policy_of(b.as_ptr()), MPOL_BIND, "{n}-byte buffer's mapping is bound");
+    }
+    println!("DeviceLocal: every sampled page on node {node}");
+}
+
 const MPOL_DEFAULT: i32 = 0;
 const MPOL_BIND: i32 = 2;
 

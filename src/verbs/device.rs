@@ -37,15 +37,35 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
     Ok(list.iter().map(|d| d.info()).collect())
 }
 
-/// The NUMA node of a device, read from `/sys/class/infiniband/<name>/device/numa_node`.
+/// The NUMA node of a device, read from `/sys/class/infiniband/<name>/device/numa_node` — unless
+/// the environment variable [`NUMA_OVERRIDE`] (`MRALLOC_NUMA_NODE=<device>:<node>,...`) names
+/// the device: then that node, for machines whose sysfs does not tell (virtual devices,
+/// containers that hide sysfs, a VM whose virtual NIC sits on a known node).
 ///
 /// Returns `None` when the device has none: the file is missing (virtual devices) or holds `-1`.
 ///
 /// # Errors
 /// Also `None` (no error is reported) when the file cannot be read or does not hold a number.
 pub fn numa_node_of(name: &str) -> Option<u32> {
+    if let Some(node) = std::env::var(NUMA_OVERRIDE).ok().and_then(|v| parse_numa_override(&v, name)) {
+        return Some(node);
+    }
     let path: PathBuf = ["/sys/class/infiniband", name, "device", "numa_node"].iter().collect();
     parse_numa_node(&std::fs::read_to_string(path).ok()?)
+}
+
+/// The environment variable that names devices' NUMA nodes where sysfs cannot:
+/// `MRALLOC_NUMA_NODE=<device>:<node>[,<device>:<node>...]` (e.g. `mlx5_0:1,rxe0:0`).
+pub const NUMA_OVERRIDE: &str = "MRALLOC_NUMA_NODE";
+
+/// The node [`NUMA_OVERRIDE`]'s value `value` gives device `name`, if it names it (entries
+/// that do not parse are skipped).
+fn parse_numa_override(value: &str, name: &str) -> Option<u32> {
+    value
+        .split(',')
+        .filter_map(|entry| entry.split_once(':'))
+        .find(|(device, _)| device.trim() == name)
+        .and_then(|(_, node)| node.trim().parse().ok())
 }
 
 pub(crate) fn parse_numa_node(text: &str) -> Option<u32> {
@@ -147,6 +167,15 @@ mod tests {
         assert_eq!(parse_numa_node("0"), Some(0));
         assert_eq!(parse_numa_node("-1\n"), None);
         assert_eq!(parse_numa_node("garbage"), None);
+    }
+
+    #[test]
+    fn the_override_names_devices_nodes() {
+        assert_eq!(parse_numa_override("mlx5_0:1,rxe0:0", "rxe0"), Some(0));
+        assert_eq!(parse_numa_override(" mlx5_0 : 3 ", "mlx5_0"), Some(3));
+        assert_eq!(parse_numa_override("mlx5_0:1", "rxe0"), None);
+        assert_eq!(parse_numa_override("rxe0:x,rxe0", "rxe0"), None);
+        assert_eq!(parse_numa_override("", "rxe0"), None);
     }
 
     #[test]

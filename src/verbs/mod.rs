@@ -29,7 +29,7 @@ mod wr;
 pub use channel::CompChannel;
 pub use context::{Context, GidEntry, LinkLayer, PortInfo, PortState};
 pub use cq::{Cq, WcOpcode, WcStatus, WorkCompletion};
-pub use device::{devices, numa_node_of, DeviceInfo};
+pub use device::{devices, numa_node_of, DeviceInfo, NUMA_OVERRIDE};
 pub use endpoint::{Endpoint, Gid, Mtu};
 pub(crate) use exposed::sealed;
 pub use exposed::{Exposable, ExposeFailed, RemoteWritable};
