@@ -167,12 +167,13 @@
 //! pages stay the NIC's. On older kernels that memory is kept out of children
 //! (`MADV_DONTFORK`) and the child finds an inaccessible reservation there: touching it faults,
 //! it never reads zeros posing as values. The same holds where rdma-core's fork support is
-//! enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`), which mralloc never does itself; jemalloc's
-//! metadata and the global allocator's chunks are then marked `MADV_DOFORK` again after rdma-core
-//! marked them, so that the child's allocator works (a bound global allocator's pages are then
-//! shared copy-on-write: see `Global::bind`). mralloc's
-//! process-wide locks are free in the child whichever
-//! parent thread held them, and the global allocator keeps allocating there (new chunks
+//! enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`), on any kernel, which mralloc never does itself
+//! (it tries rdma-core out once, on a scratch page; support that is off then cannot be turned on
+//! later, as after any registration: `ibv_fork_init` fails); jemalloc's metadata and the global
+//! allocator's chunks are then marked `MADV_DOFORK` again after rdma-core marked them, so that
+//! the child's allocator works (a bound global allocator's pages are then shared copy-on-write:
+//! see `Global::bind`). mralloc's process-wide locks are free in the child whichever parent
+//! thread held them, and the global allocator keeps allocating there (new chunks
 //! unregistered). The child may open a device and build heaps and connections of its own.
 //!
 //! ## Getting an RDMA device
@@ -198,3 +199,13 @@ pub mod verbs;
 pub use error::{AuthFailure, Disconnect, Error, RemoteRefusal, Result};
 pub use heap::{keys_of, keys_of_for, Buffer, Heap, Keys};
 pub use remote::RemoteBuf;
+
+/// Whether a `fork()`ed child of this process gets copies of the parent's registered memory
+/// (scoped heaps' data, registered buffers), as decided for the process (on the first call, if
+/// nothing decided it yet): `true` where the kernel copies pinned pages into children and
+/// rdma-core leaves registrations without fork advice; `false` where that memory is kept out of
+/// children (a child touching it faults). For tests, which expect one or the other.
+#[doc(hidden)]
+pub fn fork_children_get_copies() -> bool {
+    fork::children_copy_pinned_pages()
+}

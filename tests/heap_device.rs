@@ -113,6 +113,67 @@ fn device_multi_pd_registration() {
     assert_eq!(heap.stats().registered_bytes[0], heap.stats().registered_bytes[1]);
 }
 
+/// Set in the re-run of the fork tests under `RDMAV_FORK_SAFE=1`
+/// ([`device_fork_tests_pass_with_rdma_cores_fork_support_on`]).
+const FORK_SAFE_RUN: &str = "MRALLOC_FORK_SAFE_RUN";
+
+/// Whether rdma-core marks registrations `MADV_DONTFORK` in this process (its fork support is
+/// on): a fresh page registered with `pd` shows `dc` in /proc/self/smaps.
+fn rdma_core_marks_registrations(pd: &Pd) -> bool {
+    let page = 4096;
+    // SAFETY: a fresh private anonymous page (not heap memory: no advice of mralloc's).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: the page stays mapped until after the registration is gone.
+    let mr =
+        unsafe { mralloc::verbs::Mr::register(pd, p.cast(), page, Access::LOCAL_WRITE) }.expect("registering a page");
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let at = format!("{:x}-", p as usize);
+    let flags = smaps
+        .split('\n')
+        .skip_while(|l| !l.starts_with(&at))
+        .find_map(|l| l.strip_prefix("VmFlags:"))
+        .expect("the page's VmFlags")
+        .to_owned();
+    mr.deregister().unwrap();
+    // SAFETY: our page, no longer registered.
+    unsafe { libc::munmap(p, page) };
+    flags.split_whitespace().any(|w| w == "dc")
+}
+
+/// mralloc's decision for this process's children — copies of registered memory, or none (a
+/// child touching it faults) — checked against what rdma-core does: where it marks
+/// registrations `MADV_DONTFORK` (its fork support is on: `RDMAV_FORK_SAFE` with an rdma-core
+/// from before 2024, whatever the kernel copies), children cannot get copies.
+fn children_get_copies(pd: &Pd) -> bool {
+    let copies = mralloc::fork_children_get_copies();
+    let marks = rdma_core_marks_registrations(pd);
+    println!(
+        "fork: children get copies: {copies}; rdma-core marks registrations MADV_DONTFORK: {marks}; RDMAV_FORK_SAFE: {:?}",
+        std::env::var("RDMAV_FORK_SAFE").ok()
+    );
+    assert!(!(copies && marks), "rdma-core keeps registered pages out of children: they get no copies");
+    copies
+}
+
+/// Waits for `pid` (our child) and returns its status.
+fn wait_for(pid: libc::pid_t) -> i32 {
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(rc, pid, "waitpid: {}", std::io::Error::last_os_error());
+    status
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_memory_written_after_fork_in_the_parent() {
@@ -121,6 +182,7 @@ fn device_memory_written_after_fork_in_the_parent() {
     let mut src = filled(&heap, 1 << 20, 11);
     let dst = heap.alloc(1 << 20).unwrap();
     let back = heap.alloc(1 << 20).unwrap();
+    children_get_copies(&lb.pd);
     // SAFETY: the child only sleeps and _exits (async-signal-safe calls).
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
@@ -133,24 +195,32 @@ fn device_memory_written_after_fork_in_the_parent() {
     }
     // While the child runs, the parent writes the registered memory (copy-on-write would give
     // the parent a new page the NIC does not see; the kernel copies pinned pages for the child
-    // at fork since Linux 5.13, and before that mralloc keeps them out of it, MADV_DONTFORK).
+    // at fork since Linux 5.13, and where it does not or rdma-core's fork support is on, the
+    // memory is kept out of the child, MADV_DONTFORK). The child itself must survive the fork:
+    // jemalloc's fork handlers touch the heap's arena, whose metadata the child must have.
     src.copy_from_slice(&pattern(12, 1 << 20));
     write_read(&lb, &src, dst, &back, "after fork");
-    let mut status = 0;
-    // SAFETY: pid is our child.
-    let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(rc, pid, "waitpid: {}", std::io::Error::last_os_error());
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+    let status = wait_for(pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "child status {status:#x} (signal {})",
+        if libc::WIFSIGNALED(status) { libc::WTERMSIG(status) } else { 0 }
+    );
+    if std::env::var_os(FORK_SAFE_RUN).is_some() {
+        println!("fork after write child: OK");
+    }
 }
 
-/// fork() with registered (pinned) heap memory: the child reads its copies of the typed values
-/// that live in the heap (a `Vec<NonZeroU64, Heap>`, a `Box<u64, &Heap>`, the `String`s of a
-/// `hashbrown::HashMap` whose table is in the heap) as the parent had them: the kernel copies
-/// pinned pages into children (Linux 5.13+), never zero pages posing as values. The parent
-/// keeps its pages: what it writes afterwards is what the NIC reads.
+/// fork() with registered (pinned) heap memory holding typed values (a `Vec<NonZeroU64, Heap>`,
+/// a `Box<u64, &Heap>`, the `String`s of a `hashbrown::HashMap` whose table is in the heap). As
+/// mralloc decided for the process ([`children_get_copies`]): either the child reads its copies
+/// of them as the parent had them (the kernel copies pinned pages into children, Linux 5.13+),
+/// or it has none — each one sits in an inaccessible reservation, so nothing of the child's can
+/// be mapped there and reading it faults cleanly (SIGSEGV) — never zero pages posing as values.
+/// Either way the parent keeps its pages: what it writes afterwards is what the NIC reads.
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
-fn device_a_forked_child_reads_its_copies_of_registered_values() {
+fn device_a_forked_child_reads_its_copies_of_registered_values_or_faults() {
     let lb = loopback();
     let heap = remote_heap(&lb.pd);
     let mut v: allocator_api2::vec::Vec<NonZeroU64, Heap> = allocator_api2::vec::Vec::new_in(heap.clone());
@@ -161,37 +231,73 @@ fn device_a_forked_child_reads_its_copies_of_registered_values() {
         map.insert(i, format!("{i:08}"));
     }
     let table = map.iter().next().unwrap().1 as *const String as *const u8;
-    for p in [v.as_ptr().cast::<u8>(), (&*b as *const u64).cast(), table] {
+    let values = [v.as_ptr().cast::<u8>(), (&*b as *const u64).cast(), table];
+    for p in values {
         assert!(heap.keys(p).is_some(), "{p:?} is not registered");
     }
-    // SAFETY: the child makes no allocation and takes no lock: it reads memory, then _exits.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let raw = v.as_ptr().cast::<u64>();
-        // SAFETY: v.len() initialised elements read as plain u64s (sound whatever they hold).
-        let code = if (0..v.len()).any(|i| unsafe { raw.add(i).read_volatile() } != (i as u64 + 1) * 7919) {
-            1
-        // SAFETY: as above, one u64.
-        } else if unsafe { (&*b as *const u64).read_volatile() } != 0xdead_beef {
-            2
-        } else if !v.iter().zip(1u64..).all(|(x, i)| x.get() == i * 7919) || *b != 0xdead_beef {
-            3
-        } else if map.len() != 1000
-            || !(0..1000u64).all(|i| map.get(&i).is_some_and(|s| s.as_bytes() == eight_digits(i)))
-        {
-            4
-        } else {
-            0
-        };
-        // SAFETY: leaves the child without running the parent's destructors or the harness.
-        unsafe { libc::_exit(code) };
+    if children_get_copies(&lb.pd) {
+        // SAFETY: the child makes no allocation and takes no lock: it reads memory, then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let raw = v.as_ptr().cast::<u64>();
+            // SAFETY: v.len() initialised elements read as plain u64s (sound whatever they hold).
+            let code = if (0..v.len()).any(|i| unsafe { raw.add(i).read_volatile() } != (i as u64 + 1) * 7919) {
+                1
+            // SAFETY: as above, one u64.
+            } else if unsafe { (&*b as *const u64).read_volatile() } != 0xdead_beef {
+                2
+            } else if !v.iter().zip(1u64..).all(|(x, i)| x.get() == i * 7919) || *b != 0xdead_beef {
+                3
+            } else if map.len() != 1000
+                || !(0..1000u64).all(|i| map.get(&i).is_some_and(|s| s.as_bytes() == eight_digits(i)))
+            {
+                4
+            } else {
+                0
+            };
+            // SAFETY: leaves the child without running the parent's destructors or the harness.
+            unsafe { libc::_exit(code) };
+        }
+        let status = wait_for(pid);
+        assert!(libc::WIFEXITED(status), "child status {status:#x} (signal {})", libc::WTERMSIG(status));
+        assert_eq!(libc::WEXITSTATUS(status), 0, "child check {} failed", libc::WEXITSTATUS(status));
+    } else {
+        for (what, p) in ["the Vec's elements", "the Box's value", "the map's table"].into_iter().zip(values) {
+            // SAFETY: the child makes system calls and one read (no allocation, no lock), then
+            // _exits if the read did not fault.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                let page = p as usize & !4095;
+                // SAFETY: a mapping exactly there, refused if anything (a reservation) is there.
+                let q = unsafe {
+                    libc::mmap(
+                        page as *mut libc::c_void,
+                        4096,
+                        libc::PROT_READ,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                        -1,
+                        0,
+                    )
+                };
+                // SAFETY: as above, then a read that must fault.
+                unsafe {
+                    if q as usize == page {
+                        libc::_exit(5); // a plain hole: the child could map zeros over the value
+                    }
+                    std::ptr::read_volatile(p);
+                    libc::_exit(6);
+                }
+            }
+            let status = wait_for(pid);
+            assert!(
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+                "{what}: a child with no copies must fault cleanly reading it; status {status:#x} (exit code {}: 5 = no reservation, 6 = read something)",
+                if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { -1 }
+            );
+        }
     }
-    let mut status = 0;
-    // SAFETY: pid is our child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid, "waitpid: {}", std::io::Error::last_os_error());
-    assert!(libc::WIFEXITED(status), "child status {status:#x} (signal {})", libc::WTERMSIG(status));
-    assert_eq!(libc::WEXITSTATUS(status), 0, "child check {} failed", libc::WEXITSTATUS(status));
     // The parent's pages are still the NIC's: new values, RDMA-WRITten from the Vec's memory.
     for (x, i) in v.iter_mut().zip(1u64..) {
         *x = NonZeroU64::new(i * 31).unwrap();
@@ -206,6 +312,36 @@ fn device_a_forked_child_reads_its_copies_of_registered_values() {
     unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(dst.remote().at(0, n as u64).unwrap()))]).unwrap() };
     lb.cq_a.next(WAIT).unwrap().ok().unwrap();
     assert_bytes_eq(&dst.to_vec(), src, "the parent's values after the fork, as the NIC reads them");
+    if std::env::var_os(FORK_SAFE_RUN).is_some() {
+        println!("fork values child: OK");
+    }
+}
+
+/// The fork tests once more in a process with `RDMAV_FORK_SAFE=1`, where rdma-core's fork
+/// support marks every registration `MADV_DONTFORK` (rdma-core from before 2024, such as the
+/// VM's v44, even though the kernel copies pinned pages): mralloc must then keep registered
+/// data out of children (reservations) and still give them jemalloc's metadata, or a child
+/// crashes in jemalloc's fork handler.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_fork_tests_pass_with_rdma_cores_fork_support_on() {
+    const TESTS: [&str; 2] = [
+        "device_memory_written_after_fork_in_the_parent",
+        "device_a_forked_child_reads_its_copies_of_registered_values_or_faults",
+    ];
+    let child = std::process::Command::new(std::env::current_exe().expect("test binary path"))
+        .args(["--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args(TESTS)
+        .envs([(FORK_SAFE_RUN, "1"), ("RDMAV_FORK_SAFE", "1")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning the RDMAV_FORK_SAFE=1 run");
+    let text = finish_child(child, "RDMAV_FORK_SAFE=1 run");
+    assert!(
+        text.contains("fork after write child: OK") && text.contains("fork values child: OK"),
+        "both fork tests ran in the RDMAV_FORK_SAFE=1 process"
+    );
 }
 
 /// `i` as eight decimal digits (what `format!("{i:08}")` gives), without allocating.

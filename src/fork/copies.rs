@@ -1,9 +1,13 @@
 //! Whether a fork()ed child gets copies of the parent's registered (pinned) pages: decided once
-//! per process, from rdma-core's answer, the environment and the kernel's version.
+//! per process, from the kernel's behaviour (rdma-core's answer, else the kernel's version) and
+//! from what rdma-core's fork support does to registrations, which is tried out on a scratch page.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use libc::c_uint;
+use libc::{c_int, c_uint, c_void};
+use rdma_sys as ffi;
+
+use crate::os::page_size;
 
 /// [`children_copy_pinned_pages`], once decided: 0 = not yet, 1 = copies, 2 = no copies.
 static COPIES: AtomicU8 = AtomicU8::new(0);
@@ -15,98 +19,191 @@ static COPIES: AtomicU8 = AtomicU8::new(0);
 const IBV_FORK_DISABLED: c_uint = 0;
 /// `IBV_FORK_ENABLED`: `ibv_fork_init` was called; rdma-core marks registrations `MADV_DONTFORK`.
 const IBV_FORK_ENABLED: c_uint = 1;
-/// `IBV_FORK_UNNEEDED`: the kernel copies pinned pages into fork children.
+/// `IBV_FORK_UNNEEDED`: the kernel copies pinned pages into fork children. Says nothing about
+/// rdma-core's own fork support, which it takes precedence over: rdma-core before 2024 (before
+/// linux-rdma/rdma-core#1431; v44, Debian 12's, measured in the VM) enables that support for
+/// `RDMAV_FORK_SAFE` (or an explicit `ibv_fork_init`) all the same, and then marks every
+/// registration `MADV_DONTFORK` while answering `IBV_FORK_UNNEEDED`; later releases skip it
+/// where the kernel copies, unless `RDMAV_USE_MADVISE` is set.
 const IBV_FORK_UNNEEDED: c_uint = 2;
 
 /// `enum ibv_fork_status ibv_is_fork_initialized(void)` (a C enum of these values is an
 /// `unsigned int`, as rdma-sys binds it).
 type IsForkInitialized = unsafe extern "C" fn() -> c_uint;
 
-/// `ibv_is_fork_initialized`, looked up at run time in the libraries the process has loaded:
-/// it exists from rdma-core v35 on (symbol version `IBVERBS_1.13`); `None` with an older
-/// libibverbs, which then cannot tell whether the kernel copies pinned pages.
-fn lookup_is_fork_initialized() -> Option<IsForkInitialized> {
+/// `int ibv_dontfork_range(void *base, size_t size)` and `ibv_dofork_range` (libibverbs, symbol
+/// version `IBVERBS_1.1`, which providers call; not in the public headers): what `ibv_reg_mr`
+/// and `ibv_dereg_mr` do to a registration's pages, counted per page range.
+type ForkRange = unsafe extern "C" fn(*mut c_void, usize) -> c_int;
+
+/// The function `name` in the libraries the process has loaded, if one defines it.
+///
+/// # Safety
+/// `F` must be the function pointer type of the C function of that name.
+unsafe fn lookup<F: Copy>(name: &std::ffi::CStr) -> Option<F> {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only searches the loaded
     // objects' symbol tables.
-    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ibv_is_fork_initialized".as_ptr()) };
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
     if p.is_null() {
         return None;
     }
-    // SAFETY: a non-null address of the function of that name, which libibverbs defines as
-    // `enum ibv_fork_status ibv_is_fork_initialized(void)`: the type above.
-    Some(unsafe { std::mem::transmute::<*mut libc::c_void, IsForkInitialized>(p) })
+    // SAFETY: a non-null address of the function of that name, whose type the caller names.
+    Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+/// `ibv_is_fork_initialized`, looked up at run time: it exists from rdma-core v35 on (symbol
+/// version `IBVERBS_1.13`); `None` with an older libibverbs, which then cannot tell whether the
+/// kernel copies pinned pages.
+fn lookup_is_fork_initialized() -> Option<IsForkInitialized> {
+    // SAFETY: libibverbs defines it as `enum ibv_fork_status ibv_is_fork_initialized(void)`.
+    unsafe { lookup::<IsForkInitialized>(c"ibv_is_fork_initialized") }
 }
 
 /// What the environment tells about rdma-core's fork support: a variable set to anything counts
-/// (rdma-core reads the fork-safety ones with a bare `getenv`; for `RDMAV_USE_MADVISE` this errs
-/// towards no copies, which is always safe).
+/// (rdma-core reads them with a bare `getenv`).
 #[derive(Debug, Clone, Copy, Default)]
 struct ForkEnv {
     /// `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE`: rdma-core calls `ibv_fork_init` when it
     /// initialises (the first `ibv_get_device_list`), which may come after this decision (a
     /// heap can be made before any device is opened).
     fork_safe: bool,
-    /// `RDMAV_USE_MADVISE`: `ibv_fork_init` enables `MADV_DONTFORK` of registrations even where
-    /// the kernel copies pinned pages.
-    use_madvise: bool,
 }
 
 impl ForkEnv {
     /// Reads the environment (allocates).
     fn read() -> ForkEnv {
         let set = |name: &str| std::env::var_os(name).is_some();
-        ForkEnv { fork_safe: set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE"), use_madvise: set("RDMAV_USE_MADVISE") }
+        ForkEnv { fork_safe: set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE") }
     }
 }
 
+/// Whether rdma-core's fork support is on, i.e. whether it marks every registration
+/// `MADV_DONTFORK` (`None`: it could not be told). Tried on a scratch page: rdma-core's
+/// `ibv_dontfork_range`, which `ibv_reg_mr` calls, either marks it (the page becomes a mapping
+/// of its own in `/proc/self/maps`) or, with fork support off, only notes that it is too late
+/// to turn it on — so the answer holds for the rest of the process: a later `ibv_fork_init`
+/// fails with `EINVAL` (rdma-core releases that skip fork support where the kernel copies return
+/// 0 and leave it off), as it does after the process's first registration anyway.
+///
+/// Under `RDMAV_FORK_SAFE` / `IBV_FORK_SAFE` rdma-core is initialised first (a device list,
+/// freed at once), so that it has turned its fork support on, if it does, before the try.
+/// Allocates; outside jemalloc's hooks only.
+fn rdma_core_marks_registrations(env: ForkEnv) -> Option<bool> {
+    // SAFETY: libibverbs defines both as `int f(void *base, size_t size)`.
+    let (dontfork, dofork) =
+        unsafe { (lookup::<ForkRange>(c"ibv_dontfork_range")?, lookup::<ForkRange>(c"ibv_dofork_range")?) };
+    if env.fork_safe {
+        let mut n = 0;
+        // SAFETY: lists the devices (initialising rdma-core once); the list is freed at once.
+        unsafe {
+            let list = ffi::ibv_get_device_list(&mut n);
+            if !list.is_null() {
+                ffi::ibv_free_device_list(list);
+            }
+        }
+    }
+    let page = page_size();
+    // SAFETY: a fresh private anonymous mapping of two pages at a kernel-chosen address.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    // The second page: a mapping of its own once advised (the first one keeps its flags).
+    let probe = p as usize + page;
+    // SAFETY: our mapping's second page, whole; rdma-core counts it in its tree of ranges.
+    let marked = match unsafe { dontfork(probe as *mut c_void, page) } {
+        // The madvise failed (rdma-core rolled its count back): fork support is on.
+        rc if rc != 0 => Some(true),
+        _ => {
+            let split = mapping_starts_at(probe);
+            // SAFETY: balances the call above (rdma-core's count back to 0: MADV_DOFORK).
+            unsafe { dofork(probe as *mut c_void, page) };
+            split
+        }
+    };
+    // SAFETY: our mapping, referenced by nothing.
+    unsafe { libc::munmap(p, 2 * page) };
+    marked
+}
+
+/// Whether the mapping containing `addr` starts there, per `/proc/self/maps` (`None`: no such
+/// mapping, or the file cannot be read). Allocates.
+fn mapping_starts_at(addr: usize) -> Option<bool> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let (range, _) = line.split_once(' ')?;
+        let (lo, hi) = range.split_once('-')?;
+        let (lo, hi) = (usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?);
+        (lo..hi).contains(&addr).then_some(lo == addr)
+    })
+}
+
 /// The decision of [`children_copy_pinned_pages`] from its inputs: rdma-core's function if
-/// `lookup` finds it, the environment, and the kernel's rule (asked only when needed).
+/// `lookup` finds it, the environment, the kernel's rule and rdma-core's fork support as tried
+/// out (each asked only when needed).
 fn decide(
     lookup: impl FnOnce() -> Option<IsForkInitialized>,
     env: ForkEnv,
     kernel_copies: impl FnOnce() -> bool,
+    rdma_core_marks: impl FnOnce(ForkEnv) -> Option<bool>,
 ) -> bool {
     // SAFETY: rdma-core's query takes no arguments and only reads its fork state (its first
     // call may query the kernel over RDMA netlink); it never initialises fork support.
     let status = lookup().map(|f| unsafe { f() });
-    match status {
-        // Copies, unless rdma-core is told to madvise registrations anyway.
-        Some(IBV_FORK_UNNEEDED) => !(env.fork_safe && env.use_madvise),
-        // rdma-core marks every registration MADV_DONTFORK.
-        Some(IBV_FORK_ENABLED) => false,
+    let kernel_copies = match status {
+        Some(IBV_FORK_UNNEEDED) => true,
+        // rdma-core's fork support is on (and it knows of no copy-on-fork).
+        Some(IBV_FORK_ENABLED) => return false,
         // IBV_FORK_DISABLED (or an unknown value), or an rdma-core without the query (before
-        // v35): rdma-core will madvise registrations if the environment asks it to; otherwise
-        // the kernel decides.
-        Some(IBV_FORK_DISABLED) | Some(_) | None => !env.fork_safe && kernel_copies(),
-    }
+        // v35): the kernel's rule (rdma-core learns copy-on-fork over netlink, which needs
+        // ib_core loaded).
+        Some(IBV_FORK_DISABLED) | Some(_) | None => kernel_copies(),
+    };
+    // Even where the kernel copies, rdma-core's fork support, if on, marks every registration
+    // MADV_DONTFORK (see IBV_FORK_UNNEEDED): then children get no copies. If that cannot be
+    // tried out, the environment's request for it is taken as granted (always safe).
+    kernel_copies && !rdma_core_marks(env).unwrap_or(env.fork_safe)
 }
 
 /// Whether a fork()ed child gets copies of the parent's pinned (registered) anonymous pages
 /// (and rdma-core leaves registrations without fork advice), decided on the first call and
 /// fixed for the process (a child inherits the answer).
 ///
-/// Asks rdma-core's `ibv_is_fork_initialized` if the loaded libibverbs has it (rdma-core v35+;
-/// looked up at run time; it needs no device and does not initialise fork support):
-/// `IBV_FORK_UNNEEDED` means the kernel copies pinned pages at fork; `IBV_FORK_ENABLED` means
-/// `ibv_fork_init` was called (by someone, or by rdma-core itself for `RDMAV_FORK_SAFE` /
-/// `IBV_FORK_SAFE`), so rdma-core marks every registration `MADV_DONTFORK` itself: no copies.
-/// rdma-core learns the kernel's answer over RDMA netlink, which needs the `ib_core` module:
-/// without it (a host with no RDMA device), or with an rdma-core older than v35, the kernel's
-/// version decides (copy-on-fork of pinned anonymous pages: Linux 5.13) — unless
-/// `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE` is set, which makes rdma-core enable fork support when
-/// it initialises, perhaps after this call (then: no copies). A later explicit `ibv_fork_init`
-/// by other code is not seen.
+/// Copies need both:
+/// - a kernel that copies pinned pages at fork (Linux 5.13+): rdma-core's
+///   `ibv_is_fork_initialized` says so (`IBV_FORK_UNNEEDED`) if the loaded libibverbs has it
+///   (rdma-core v35+; looked up at run time; it needs no device and does not initialise fork
+///   support) and can ask the kernel over RDMA netlink (which needs the `ib_core` module);
+///   otherwise the kernel's version decides. `IBV_FORK_ENABLED` (rdma-core's fork support on,
+///   no copy-on-fork known) means no copies;
+/// - rdma-core's fork support off (`ibv_fork_init`, called by someone or by rdma-core itself
+///   for `RDMAV_FORK_SAFE` / `IBV_FORK_SAFE`): when on, rdma-core marks every registration
+///   `MADV_DONTFORK` whatever the kernel does, and before 2024 it answers `IBV_FORK_UNNEEDED`
+///   all the same. So it is tried out ([`rdma_core_marks_registrations`], which also makes it
+///   too late to turn on afterwards: the answer cannot go stale); if it cannot be, the
+///   environment's request is taken as granted.
 ///
 /// The first call may allocate and take locks (the environment, `dlsym`, rdma-core's netlink
-/// query through libnl), so it must be made outside jemalloc's hooks: `Owner::new` makes it
-/// for every scoped heap (before its arena exists), `Owner::bind` before taking any lock (for
-/// the global allocator, whose owner is a constant), and `Mapping::anonymous` for registered
-/// buffers. Later calls read one atomic. Racing first calls all return the first stored answer.
+/// query through libnl, its initialisation under `RDMAV_FORK_SAFE`, `/proc/self/maps`), so it
+/// must be made outside jemalloc's hooks: `Owner::new` makes it for every scoped heap (before
+/// its arena exists), `Owner::bind` before taking any lock (for the global allocator, whose
+/// owner is a constant), and `Mapping::anonymous` for registered buffers. Later calls read one
+/// atomic. Racing first calls all return the first stored answer.
 pub(crate) fn children_copy_pinned_pages() -> bool {
     if let Some(copies) = decided_copies() {
         return copies;
     }
-    let copies = decide(lookup_is_fork_initialized, ForkEnv::read(), || kernel_at_least(5, 13));
+    let copies =
+        decide(lookup_is_fork_initialized, ForkEnv::read(), || kernel_at_least(5, 13), rdma_core_marks_registrations);
     match COPIES.compare_exchange(0, if copies { 1 } else { 2 }, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => copies,
         Err(first) => first == 1,
@@ -175,10 +272,52 @@ mod tests {
         assert!(!kernel_at_least(999, 0));
     }
 
-    /// The process's decision equals rdma-core's answer and the kernel's release, each found
-    /// independently of the code under test: rdma-core's query through a `dlopen` handle of
-    /// libibverbs (not `RTLD_DEFAULT`), the release from `/proc/sys/kernel/osrelease` (not
-    /// `uname`), the rule written out again.
+    /// Whether rdma-core marks a fresh page `MADV_DONTFORK` (`dc` in /proc/self/smaps) when
+    /// asked as `ibv_reg_mr` asks it — through a `dlopen` handle of libibverbs, not the code under
+    /// test; the page is released again.
+    fn rdma_core_marks_a_page() -> bool {
+        // SAFETY: only finds the libibverbs this test binary already loaded (RTLD_NOLOAD).
+        let lib = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        assert!(!lib.is_null(), "the test binary links libibverbs");
+        let range = |name: &std::ffi::CStr| {
+            // SAFETY: a symbol lookup in that handle.
+            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
+            assert!(!f.is_null(), "libibverbs has {name:?}");
+            // SAFETY: libibverbs' `int f(void *base, size_t size)`.
+            unsafe { std::mem::transmute::<*mut c_void, ForkRange>(f) }
+        };
+        let (dontfork, dofork) = (range(c"ibv_dontfork_range"), range(c"ibv_dofork_range"));
+        let page = page_size();
+        // SAFETY: a fresh private anonymous page (not a `Mapping`, which gets mralloc's advice).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: our page, whole; balanced by `dofork` below.
+        assert_eq!(unsafe { dontfork(p, page) }, 0);
+        let marked = crate::mmap::tests::vm_flags(p as usize).split_whitespace().any(|w| w == "dc");
+        // SAFETY: as above; then the page, referenced by nothing, is unmapped.
+        unsafe {
+            dofork(p, page);
+            libc::munmap(p, page);
+        }
+        // SAFETY: the handle dlopen returned (dropping its reference; the library stays).
+        unsafe { libc::dlclose(lib) };
+        marked
+    }
+
+    /// The process's decision equals rdma-core's answer, the kernel's release and what rdma-core
+    /// does to a registered page, each found independently of the code under test: rdma-core's
+    /// query through a `dlopen` handle of libibverbs (not `RTLD_DEFAULT`), the release from
+    /// `/proc/sys/kernel/osrelease` (not `uname`), the page's flags in `/proc/self/smaps` (not
+    /// `/proc/self/maps`), the rule written out again.
     #[test]
     fn the_decision_follows_rdma_core_and_the_kernel() {
         let copies = children_copy_pinned_pages();
@@ -197,6 +336,7 @@ mod tests {
         });
         // SAFETY: the handle dlopen returned (dropping its reference; the library stays).
         unsafe { libc::dlclose(lib) };
+        let marks = rdma_core_marks_a_page();
 
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
         let mut numbers = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap());
@@ -204,20 +344,57 @@ mod tests {
         let set = |name| std::env::var_os(name).is_some();
         let fork_safe = set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE");
         let expected = match status {
-            Some(2) => !(fork_safe && set("RDMAV_USE_MADVISE")),
             Some(1) => false,
-            _ => !fork_safe && (major, minor) >= (5, 13),
+            Some(2) => !marks,
+            _ => (major, minor) >= (5, 13) && !marks,
         };
         assert_eq!(
             lookup_is_fork_initialized().is_some(),
             status.is_some(),
             "the run-time lookup finds what dlopen does"
         );
-        println!("rdma-core: {status:?}, kernel {major}.{minor}, fork-safe environment: {fork_safe}");
-        assert_eq!(copies, expected, "rdma-core {status:?}, kernel {major}.{minor}");
+        println!(
+            "rdma-core: {status:?}, marks registrations MADV_DONTFORK: {marks}, kernel {major}.{minor}, fork-safe environment: {fork_safe}: copies {copies}"
+        );
+        assert_eq!(copies, expected, "rdma-core {status:?}, marking {marks}, kernel {major}.{minor}");
         if !fork_safe {
-            assert_ne!(status, Some(1), "nothing in these tests calls ibv_fork_init");
+            assert!(!marks && status != Some(1), "nothing in these tests calls ibv_fork_init");
         }
+    }
+
+    /// rdma-core's fork support as the decision tries it out (a scratch page's own mapping in
+    /// /proc/self/maps) agrees with the page's flags in /proc/self/smaps, in this process (where
+    /// it is off unless the environment turns it on) and in a run of this test and the
+    /// decision's with `RDMAV_FORK_SAFE=1` (on, with any rdma-core older than 2024 or on a kernel
+    /// that does not copy pinned pages: the decision is then "no copies").
+    #[test]
+    fn rdma_cores_fork_support_is_seen_as_it_is() {
+        let env = ForkEnv::read();
+        let seen = rdma_core_marks_registrations(env);
+        let marks = rdma_core_marks_a_page();
+        println!("fork-safe environment: {}; tried out: {seen:?}; a page's flags: marked {marks}", env.fork_safe);
+        assert_eq!(seen, Some(marks));
+        if env.fork_safe {
+            assert!(!marks || !children_copy_pinned_pages(), "rdma-core marks registrations: no copies");
+            println!("fork-safe run: OK");
+            return;
+        }
+        const TESTS: [&str; 2] = [
+            "fork::copies::tests::rdma_cores_fork_support_is_seen_as_it_is",
+            "fork::copies::tests::the_decision_follows_rdma_core_and_the_kernel",
+        ];
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "--nocapture", "--test-threads=1"])
+            .args(TESTS)
+            .env("RDMAV_FORK_SAFE", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        for line in text.lines() {
+            println!("  RDMAV_FORK_SAFE=1 run| {line}");
+        }
+        assert!(out.status.success(), "the RDMAV_FORK_SAFE=1 run failed");
+        assert!(text.contains("fork-safe run: OK") && text.contains("2 passed"), "both tests ran there");
     }
 
     /// rdma-core's answer for `decide`, injected.
@@ -232,13 +409,18 @@ mod tests {
     }
 
     /// Without `ibv_is_fork_initialized` (rdma-core before v35: the lookup finds nothing) the
-    /// kernel's rule decides; with it, rdma-core's answer does, the kernel being asked only for
-    /// `IBV_FORK_DISABLED`; the fork-safety environment means no copies unless rdma-core already
-    /// knows the kernel copies.
+    /// kernel's rule decides whether the kernel copies; with it, rdma-core's answer does, the
+    /// kernel being asked only for `IBV_FORK_DISABLED`. Where the kernel copies, rdma-core's
+    /// fork support is tried out, and marking registrations means no copies — also under
+    /// `IBV_FORK_UNNEEDED`, which rdma-core before 2024 answers with its fork support on (the
+    /// case that crashed children in jemalloc's fork handler); where it cannot be tried, the
+    /// fork-safety environment means no copies.
     #[test]
-    fn the_decision_falls_back_to_the_kernel_without_rdma_cores_query() {
+    fn the_decision_needs_a_copying_kernel_and_rdma_cores_fork_support_off() {
         let env = ForkEnv::default();
+        let fork_safe = ForkEnv { fork_safe: true };
         let asked = std::cell::Cell::new(0);
+        let tried = std::cell::Cell::new(0);
         let kernel = |copies: bool| {
             let asked = &asked;
             move || {
@@ -246,23 +428,41 @@ mod tests {
                 copies
             }
         };
-        assert!(decide(|| None, env, kernel(true)));
-        assert!(!decide(|| None, env, kernel(false)));
-        assert_eq!(asked.get(), 2, "absent: the kernel's rule decides");
+        let marks = |answer: Option<bool>| {
+            let tried = &tried;
+            move |_: ForkEnv| {
+                tried.set(tried.get() + 1);
+                answer
+            }
+        };
+        let disabled = || Some(says_disabled as IsForkInitialized);
+        let enabled = || Some(says_enabled as IsForkInitialized);
+        let unneeded = || Some(says_unneeded as IsForkInitialized);
+
+        assert!(decide(|| None, env, kernel(true), marks(Some(false))));
+        assert!(!decide(|| None, env, kernel(false), marks(Some(false))));
+        assert_eq!((asked.get(), tried.get()), (2, 1), "absent: the kernel's rule, then a try if it copies");
 
         asked.set(0);
-        assert!(decide(|| Some(says_disabled as IsForkInitialized), env, kernel(true)));
-        assert!(!decide(|| Some(says_disabled as IsForkInitialized), env, kernel(false)));
-        assert_eq!(asked.get(), 2);
-        assert!(decide(|| Some(says_unneeded as IsForkInitialized), env, kernel(false)));
-        assert!(!decide(|| Some(says_enabled as IsForkInitialized), env, kernel(true)));
+        tried.set(0);
+        assert!(decide(disabled, env, kernel(true), marks(Some(false))));
+        assert!(!decide(disabled, env, kernel(false), marks(Some(false))));
+        assert!(decide(unneeded, env, kernel(false), marks(Some(false))));
+        assert!(!decide(enabled, env, kernel(true), marks(Some(false))));
         assert_eq!(asked.get(), 2, "rdma-core's ENABLED and UNNEEDED need no kernel rule");
+        assert_eq!(tried.get(), 2, "nothing to try where the kernel does not copy or fork support is on");
 
-        let fork_safe = ForkEnv { fork_safe: true, use_madvise: false };
-        assert!(!decide(|| None, fork_safe, kernel(true)), "rdma-core will madvise once it initialises");
-        assert!(!decide(|| Some(says_disabled as IsForkInitialized), fork_safe, kernel(true)));
-        assert!(decide(|| Some(says_unneeded as IsForkInitialized), fork_safe, kernel(true)));
-        let madvise = ForkEnv { fork_safe: true, use_madvise: true };
-        assert!(!decide(|| Some(says_unneeded as IsForkInitialized), madvise, kernel(true)));
+        // rdma-core's fork support on where the kernel copies (rdma-core 44 under
+        // RDMAV_FORK_SAFE answers UNNEEDED): no copies.
+        assert!(!decide(unneeded, fork_safe, kernel(true), marks(Some(true))));
+        assert!(!decide(unneeded, env, kernel(true), marks(Some(true))), "an explicit ibv_fork_init");
+        assert!(!decide(disabled, fork_safe, kernel(true), marks(Some(true))));
+        assert!(!decide(|| None, env, kernel(true), marks(Some(true))));
+        // Off (a newer rdma-core ignores RDMAV_FORK_SAFE where the kernel copies): copies.
+        assert!(decide(unneeded, fork_safe, kernel(true), marks(Some(false))));
+        // Not to be tried: the environment decides.
+        assert!(!decide(unneeded, fork_safe, kernel(true), marks(None)));
+        assert!(!decide(|| None, fork_safe, kernel(true), marks(None)));
+        assert!(decide(unneeded, env, kernel(true), marks(None)));
     }
 }

@@ -10,7 +10,10 @@
 //!   reports `IBV_FORK_UNNEEDED`) get no fork advice at all: the child sees copies, and the
 //!   parent keeps its pinned pages (no copy-on-write between it and the NIC);
 //! - older kernels, or a process where rdma-core's fork support is enabled (`ibv_fork_init`,
-//!   `RDMAV_FORK_SAFE`), get `MADV_DONTFORK` (else the parent's first write after a fork would
+//!   `RDMAV_FORK_SAFE`; on any kernel, since rdma-core then marks every registration
+//!   `MADV_DONTFORK` itself — before 2024 it does so even where it reports
+//!   `IBV_FORK_UNNEEDED`, so the decision tries rdma-core out rather than trusting that answer),
+//!   get `MADV_DONTFORK` (else the parent's first write after a fork would
 //!   move its page away from the NIC's), so the child has no mapping there; every such range is
 //!   recorded ([`advise_fork`]) and the child's fork handler maps an inaccessible
 //!   `PROT_NONE` reservation over it, so that touching it faults and no later mapping of the
