@@ -269,12 +269,14 @@ fn device_a_forked_child_reads_its_copies_of_registered_values_or_faults() {
             let pid = unsafe { libc::fork() };
             assert!(pid >= 0, "fork failed");
             if pid == 0 {
-                let page = p as usize & !4095;
+                // SAFETY: sysconf has no preconditions.
+                let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+                let page = p as usize & !(size - 1);
                 // SAFETY: a mapping exactly there, refused if anything (a reservation) is there.
                 let q = unsafe {
                     libc::mmap(
                         page as *mut libc::c_void,
-                        4096,
+                        size,
                         libc::PROT_READ,
                         libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
                         -1,

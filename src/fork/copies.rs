@@ -20,11 +20,11 @@ const IBV_FORK_DISABLED: c_uint = 0;
 /// `IBV_FORK_ENABLED`: `ibv_fork_init` was called; rdma-core marks registrations `MADV_DONTFORK`.
 const IBV_FORK_ENABLED: c_uint = 1;
 /// `IBV_FORK_UNNEEDED`: the kernel copies pinned pages into fork children. Says nothing about
-/// rdma-core's own fork support, which it takes precedence over: rdma-core before 2024 (before
+/// rdma-core's own fork support, which it takes precedence over: rdma-core before v51.0 (before
 /// linux-rdma/rdma-core#1431; v44, Debian 12's, measured in the VM) enables that support for
 /// `RDMAV_FORK_SAFE` (or an explicit `ibv_fork_init`) all the same, and then marks every
-/// registration `MADV_DONTFORK` while answering `IBV_FORK_UNNEEDED`; later releases skip it
-/// where the kernel copies, unless `RDMAV_USE_MADVISE` is set.
+/// registration `MADV_DONTFORK` while answering `IBV_FORK_UNNEEDED`; v51.0 and later skip it
+/// where the kernel copies.
 const IBV_FORK_UNNEEDED: c_uint = 2;
 
 /// `enum ibv_fork_status ibv_is_fork_initialized(void)` (a C enum of these values is an
@@ -59,8 +59,9 @@ fn lookup_is_fork_initialized() -> Option<IsForkInitialized> {
     unsafe { lookup::<IsForkInitialized>(c"ibv_is_fork_initialized") }
 }
 
-/// What the environment tells about rdma-core's fork support: a variable set to anything counts
-/// (rdma-core reads them with a bare `getenv`).
+/// What the environment tells about rdma-core's fork support: a variable set to anything but
+/// `0` counts (rdma-core's `check_env` rule since v40; earlier releases took any value, `0`
+/// included, which only makes this answer err towards no copies there).
 #[derive(Debug, Clone, Copy, Default)]
 struct ForkEnv {
     /// `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE`: rdma-core calls `ibv_fork_init` when it
@@ -72,7 +73,7 @@ struct ForkEnv {
 impl ForkEnv {
     /// Reads the environment (allocates).
     fn read() -> ForkEnv {
-        let set = |name: &str| std::env::var_os(name).is_some();
+        let set = |name: &str| std::env::var_os(name).is_some_and(|v| v != "0");
         ForkEnv { fork_safe: set("RDMAV_FORK_SAFE") || set("IBV_FORK_SAFE") }
     }
 }
@@ -121,7 +122,9 @@ fn rdma_core_marks_registrations(env: ForkEnv) -> Option<bool> {
     let probe = p as usize + page;
     // SAFETY: our mapping's second page, whole; rdma-core counts it in its tree of ranges.
     let marked = match unsafe { dontfork(probe as *mut c_void, page) } {
-        // The madvise failed (rdma-core rolled its count back): fork support is on.
+        // A non-zero return means rdma-core tried to madvise, so its fork support is on (its
+        // rollback after a failed madvise can leave its range counts off; rare, and the answer,
+        // no copies, makes mralloc advise its own chunks itself).
         rc if rc != 0 => Some(true),
         _ => {
             let split = mapping_starts_at(probe);
@@ -170,8 +173,10 @@ fn decide(
     };
     // Even where the kernel copies, rdma-core's fork support, if on, marks every registration
     // MADV_DONTFORK (see IBV_FORK_UNNEEDED): then children get no copies. If that cannot be
-    // tried out, the environment's request for it is taken as granted (always safe).
-    kernel_copies && !rdma_core_marks(env).unwrap_or(env.fork_safe)
+    // tried out (no /proc, libibverbs not visible to dlsym), it is taken as on: no copies, the
+    // safe direction (children get holes where they would have had copies; an explicit
+    // `ibv_fork_init` by other code, with no environment variable, would otherwise crash them).
+    kernel_copies && !rdma_core_marks(env).unwrap_or(true)
 }
 
 /// Whether a fork()ed child gets copies of the parent's pinned (registered) anonymous pages
@@ -187,10 +192,10 @@ fn decide(
 ///   no copy-on-fork known) means no copies;
 /// - rdma-core's fork support off (`ibv_fork_init`, called by someone or by rdma-core itself
 ///   for `RDMAV_FORK_SAFE` / `IBV_FORK_SAFE`): when on, rdma-core marks every registration
-///   `MADV_DONTFORK` whatever the kernel does, and before 2024 it answers `IBV_FORK_UNNEEDED`
+///   `MADV_DONTFORK` whatever the kernel does, and before v51.0 it answers `IBV_FORK_UNNEEDED`
 ///   all the same. So it is tried out ([`rdma_core_marks_registrations`], which also makes it
-///   too late to turn on afterwards: the answer cannot go stale); if it cannot be, the
-///   environment's request is taken as granted.
+///   too late to turn on afterwards: the answer cannot go stale); if it cannot be, it is taken
+///   as on (no copies).
 ///
 /// The first call may allocate and take locks (the environment, `dlsym`, rdma-core's netlink
 /// query through libnl, its initialisation under `RDMAV_FORK_SAFE`, `/proc/self/maps`), so it
@@ -412,9 +417,9 @@ mod tests {
     /// kernel's rule decides whether the kernel copies; with it, rdma-core's answer does, the
     /// kernel being asked only for `IBV_FORK_DISABLED`. Where the kernel copies, rdma-core's
     /// fork support is tried out, and marking registrations means no copies — also under
-    /// `IBV_FORK_UNNEEDED`, which rdma-core before 2024 answers with its fork support on (the
-    /// case that crashed children in jemalloc's fork handler); where it cannot be tried, the
-    /// fork-safety environment means no copies.
+    /// `IBV_FORK_UNNEEDED`, which rdma-core before v51.0 answers with its fork support on (the
+    /// case that crashed children in jemalloc's fork handler); where it cannot be tried, no
+    /// copies.
     #[test]
     fn the_decision_needs_a_copying_kernel_and_rdma_cores_fork_support_off() {
         let env = ForkEnv::default();
@@ -460,9 +465,10 @@ mod tests {
         assert!(!decide(|| None, env, kernel(true), marks(Some(true))));
         // Off (a newer rdma-core ignores RDMAV_FORK_SAFE where the kernel copies): copies.
         assert!(decide(unneeded, fork_safe, kernel(true), marks(Some(false))));
-        // Not to be tried: the environment decides.
+        // Not to be tried (no /proc, libibverbs not visible to dlsym): taken as on, no copies,
+        // with or without the environment (an explicit ibv_fork_init sets none).
         assert!(!decide(unneeded, fork_safe, kernel(true), marks(None)));
         assert!(!decide(|| None, fork_safe, kernel(true), marks(None)));
-        assert!(decide(unneeded, env, kernel(true), marks(None)));
+        assert!(!decide(unneeded, env, kernel(true), marks(None)));
     }
 }

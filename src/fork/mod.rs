@@ -11,7 +11,7 @@
 //!   parent keeps its pinned pages (no copy-on-write between it and the NIC);
 //! - older kernels, or a process where rdma-core's fork support is enabled (`ibv_fork_init`,
 //!   `RDMAV_FORK_SAFE`; on any kernel, since rdma-core then marks every registration
-//!   `MADV_DONTFORK` itself — before 2024 it does so even where it reports
+//!   `MADV_DONTFORK` itself — before v51.0 it does so even where it reports
 //!   `IBV_FORK_UNNEEDED`, so the decision tries rdma-core out rather than trusting that answer),
 //!   get `MADV_DONTFORK` (else the parent's first write after a fork would
 //!   move its page away from the NIC's), so the child has no mapping there; every such range is
