@@ -146,12 +146,14 @@ fn device_shared_secret_admits_only_peers_that_hold_it() {
     ];
     for (what, opts, client_sees, server_sees) in cases {
         let client = connect(opts);
-        let server = listener.accept_with(&offer);
+        // The refused client is the listener's record, not an accept call's error.
+        let server = next_handshake_failure(&listener);
         let client = client.join().unwrap();
-        println!("{what}: client: {:?}; server: {:?}", client.as_ref().err(), server.as_ref().err());
+        println!("{what}: client: {:?}; server: {:?}", client.as_ref().err(), server.error);
         assert_eq!(auth_failure(client), client_sees, "{what}: the client's error");
-        assert_eq!(auth_failure(server), server_sees, "{what}: the server's error");
+        assert_eq!(auth_failure::<()>(Err(server.error)), server_sees, "{what}: the server's error");
     }
+    assert_eq!(listener.failed_handshakes(), 2);
 
     // The right secret: connected, and the client's write lands in the offered buffer.
     let client = std::thread::spawn(move || {
@@ -176,9 +178,9 @@ fn device_shared_secret_admits_only_peers_that_hold_it() {
         let opts = with_secret(Options::default(), "correct horse battery staple");
         Connection::connect(addr, &Pd::new(&open())?, opts)
     });
-    let server = open_listener.accept_with(&offer);
+    let server = next_handshake_failure(&open_listener);
     assert_eq!(auth_failure(client.join().unwrap()), AuthFailure::NoPeerSecret);
-    assert_eq!(auth_failure(server), AuthFailure::NoLocalSecret);
+    assert_eq!(auth_failure::<()>(Err(server.error)), AuthFailure::NoLocalSecret);
 }
 
 /// Two processes: the server (child) holds a secret; the client first tries a wrong one (both
@@ -193,10 +195,11 @@ fn device_two_processes_with_right_and_wrong_secrets() {
         let opts = with_secret(rights(Access::REMOTE_WRITE), SECRET);
         let l = Listener::bind(("127.0.0.1", port.parse::<u16>().unwrap()), &pd, opts).unwrap();
         let offer = inbox.remote().to_bytes();
-        let first = auth_failure(l.accept_with(&offer));
+        // One accept call: the refused first client does not end it; the listener records it.
+        let conn = l.accept_with(&offer).unwrap();
+        let first = auth_failure::<()>(Err(next_handshake_failure(&l).error));
         println!("secret server: first peer refused: {first:?}");
         assert_eq!(first, AuthFailure::WrongSecret);
-        let conn = l.accept_with(&offer).unwrap();
         let imm = conn.recv_imm().unwrap();
         let inbox = inbox.revoke().unwrap();
         assert_bytes_eq(&inbox, &pattern(43, 1 << 20), "secret server inbox");

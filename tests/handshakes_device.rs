@@ -276,3 +276,38 @@ fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing()
     assert_eq!(cm_ids_on(port), 0);
     drop(alive);
 }
+
+/// A server written like the docs (`loop { let conn = listener.accept()?; ... }`) survives
+/// clients that connect and close at once, send garbage, or say nothing: the accept call that is
+/// waiting meanwhile returns the next real client's connection, and the listener counts and keeps
+/// the failures.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_failed_clients_never_end_an_accept_call() {
+    let (pd, _heap) = setup();
+    let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
+    let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept_with(b"real"));
+        // Bare connect-and-close, garbage, and a silent client (cut by the 2 s timeout).
+        drop(TcpStream::connect(addr).unwrap());
+        TcpStream::connect(addr).unwrap().write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let silent = TcpStream::connect(addr).unwrap();
+        let start = Instant::now();
+        while listener.failed_handshakes() < 3 {
+            assert!(start.elapsed() < Duration::from_secs(30), "failures counted: {}", listener.failed_handshakes());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!server.is_finished(), "a failed client ended the accept call");
+        drop(silent);
+        let conn = Connection::connect(addr, &pd, opts.clone()).unwrap();
+        assert_eq!(conn.peer_blob(), b"real");
+        let got = server.join().unwrap().expect("the accept call returns the real client");
+        assert_eq!(got.peer_blob(), b"");
+        let failures = listener.take_handshake_failures();
+        println!("{} failed clients: {failures:?}", listener.failed_handshakes());
+        assert_eq!(failures.len(), 3);
+        assert!(failures.iter().all(|f| f.peer.ip().is_loopback()));
+    });
+}

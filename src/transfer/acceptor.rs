@@ -57,6 +57,26 @@ pub(crate) fn no_answer() -> Error {
     Error::Protocol("the handshake thread ended without an answer".into())
 }
 
+/// A client whose connection setup failed (garbage, silence, a wrong secret, a client that went
+/// away): that client's problem, never the listener's. Accept calls go on waiting for the next
+/// client; the listener keeps the most recent failures for whoever wants to look
+/// ([`crate::transfer::Listener::take_handshake_failures`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct HandshakeFailure {
+    /// The client's address.
+    pub peer: SocketAddr,
+    /// What went wrong: [`Error::Io`] (its TCP connection failed, timed out, or closed),
+    /// [`Error::Authentication`], [`Error::Protocol`] or [`Error::Timeout`].
+    pub error: Error,
+}
+
+/// Whether `e`, from one client's handshake, is that client's failure (else a failure of this
+/// side, such as creating the queue pair, which the accept call reports).
+fn clients_failure(e: &Error) -> bool {
+    matches!(e, Error::Io { .. } | Error::Authentication(_) | Error::Protocol(_) | Error::Timeout(..))
+}
+
 /// An accept call waiting for a handshake to serve.
 struct Offer {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
@@ -65,16 +85,17 @@ struct Offer {
     reply: Reply,
 }
 
-/// Accept calls waiting, and early failures no accept call was waiting for.
+/// Accept calls waiting, and the clients whose handshakes failed.
 #[derive(Default)]
 struct Queues {
     offers: VecDeque<Offer>,
-    /// Handshakes that failed before an accept call took them (garbage, silence, a refused
-    /// secret), for the next accept calls to report, oldest first; at most [`MAX_FAILED`].
-    failed: VecDeque<Error>,
+    /// The most recent failed handshakes, oldest first; at most [`MAX_FAILED`].
+    failed: VecDeque<HandshakeFailure>,
+    /// Every failed handshake since the listener was bound.
+    failed_total: u64,
 }
 
-/// Early failures kept for accept calls to report; older ones are only logged.
+/// Failed handshakes kept for [`Accepting::take_failures`]; older ones are only counted.
 const MAX_FAILED: usize = 64;
 
 /// A handshake stops waiting for an accept call this long before its deadline (at most), so
@@ -143,17 +164,12 @@ impl Accepting {
         self.in_flight.load(Ordering::Acquire)
     }
 
-    /// Queues an accept call's blob; the handshake that takes it answers on `reply`. An early
-    /// failure waiting to be reported answers at once instead. Returns the offer's id (for
+    /// Queues an accept call's blob; the handshake that takes it answers on `reply` with a
+    /// connection (or a failure of this side). Returns the offer's id (for
     /// [`Accepting::withdraw`]).
     pub(crate) fn offer(&self, blob: Vec<u8>, reply: Reply) -> u64 {
         let id = self.next_offer.fetch_add(1, Ordering::Relaxed);
         let mut q = self.offers.lock();
-        if let Some(e) = q.failed.pop_front() {
-            drop(q);
-            reply.send(Err(e));
-            return id;
-        }
         q.offers.push_back(Offer { id, blob, reply });
         self.offered.notify_one();
         id
@@ -163,6 +179,27 @@ impl Accepting {
     #[cfg(feature = "tokio")]
     pub(crate) fn withdraw(&self, id: u64) {
         self.offers.lock().offers.retain(|o| o.id != id);
+    }
+
+    /// Failed handshakes since the listener was bound.
+    pub(crate) fn failed_total(&self) -> u64 {
+        self.offers.lock().failed_total
+    }
+
+    /// The most recent failed handshakes (at most [`MAX_FAILED`]), oldest first, taken out.
+    pub(crate) fn take_failures(&self) -> Vec<HandshakeFailure> {
+        self.offers.lock().failed.drain(..).collect()
+    }
+
+    /// Records a client's failed handshake (logged, counted, kept among the recent ones).
+    fn record(&self, peer: SocketAddr, error: Error) {
+        tracing::debug!(%peer, "a client's connection setup failed: {error}");
+        let mut q = self.offers.lock();
+        q.failed_total += 1;
+        if q.failed.len() == MAX_FAILED {
+            q.failed.pop_front();
+        }
+        q.failed.push_back(HandshakeFailure { peer, error });
     }
 
     fn accept_loop(self: Arc<Self>, tcp: TcpListener) {
@@ -217,29 +254,37 @@ impl Accepting {
     fn handshake(&self, s: TcpStream, peer: SocketAddr) {
         let deadline = deadline_after(self.opts.connect_timeout);
         let fd = s.as_raw_fd();
-        let mut taken: Option<Reply> = None;
+        let mut taken: Option<Offer> = None;
         let r = serve(s, peer, deadline, &self.pd, &self.opts, self.control, || {
             let offer = self.take_offer(deadline, fd)?;
-            taken = Some(offer.reply);
-            Ok(offer.blob)
+            let blob = offer.blob.clone();
+            taken = Some(offer);
+            Ok(blob)
         });
         match (taken, r) {
-            (Some(reply), r) => reply.send(r),
-            // Failed early (garbage, silence, a refused secret): the next accept call reports
-            // it (one waiting now, else the next to come), as without background handshakes.
-            (None, Err(e)) => {
-                let mut q = self.offers.lock();
-                match q.offers.pop_front() {
-                    Some(offer) => {
-                        drop(q);
-                        offer.reply.send(Err(e));
-                    }
-                    None if q.failed.len() < MAX_FAILED => q.failed.push_back(e),
-                    None => tracing::debug!(%peer, "a handshake failed and too many failures wait to be reported: {e}"),
-                }
+            // The client failed after taking an accept call's blob: the call waits for the next
+            // client (its offer goes back to the front of the queue).
+            (Some(offer), Err(e)) if clients_failure(&e) => {
+                self.record(peer, e);
+                self.requeue(offer);
             }
+            (Some(offer), r) => offer.reply.send(r),
+            // Failed before (garbage, silence, a refused secret, no accept call in time).
+            (None, Err(e)) if clients_failure(&e) => self.record(peer, e),
+            (None, Err(e)) => tracing::debug!(%peer, "a handshake ended: {e}"),
             (None, Ok(_)) => unreachable!("a handshake completes only with an accept call's blob"),
         }
+    }
+
+    /// Puts an offer a failed client had taken back at the front of the queue (unless its accept
+    /// call was cancelled meanwhile).
+    fn requeue(&self, offer: Offer) {
+        if offer.reply.is_closed() {
+            return;
+        }
+        let mut q = self.offers.lock();
+        q.offers.push_front(offer);
+        self.offered.notify_one();
     }
 
     /// Waits for an accept call's offer, until a margin before `deadline` (the accept call

@@ -63,6 +63,7 @@ mod stats;
 mod tcp;
 mod watch;
 
+pub use acceptor::HandshakeFailure;
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::transfer::acceptor::{deadline_after, no_answer, Accepting, Reply};
+use crate::transfer::acceptor::{deadline_after, no_answer, Accepting, HandshakeFailure, Reply};
 use crate::transfer::auth::{self, expect};
 use crate::transfer::control::Prepared;
 use crate::transfer::exchange::{Kind, Message};
@@ -135,20 +135,20 @@ impl Listener {
     /// holds the same secret before a QP is created for it or `blob` is sent. Waits for a client
     /// whose exchange reached that point (handshakes run in the background: see [`Listener`]).
     ///
+    /// A client whose setup fails (garbage, silence, a wrong secret, a client that goes away:
+    /// [`Error::Io`], [`Error::Authentication`], [`Error::Protocol`], [`Error::Timeout`]) is that
+    /// client's problem: the call goes on waiting for the next client, and the failure is
+    /// counted and kept ([`Listener::failed_handshakes`], [`Listener::take_handshake_failures`]),
+    /// so that `loop { let conn = listener.accept()?; ... }` survives any client.
+    ///
     /// # Errors
-    /// The error of the one handshake this call took (the listener can accept the next):
-    /// - [`Error::Io`] if reading or writing its TCP connection fails, the whole exchange takes
-    ///   longer than [`Options::connect_timeout`], or the peer closes it.
-    /// - [`Error::Authentication`] if the secrets differ or only one side has one (the peer is
-    ///   told).
-    /// - [`Error::Protocol`] if the peer sends something other than the exchange expects.
+    /// Failures of this side only:
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB) (found only when it is sent, after
     ///   the QP was created).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
-    ///
-    /// A handshake that fails before reaching that point (garbage, silence, a refused secret)
-    /// returns its error from a call waiting at the time (and is only logged if none is).
+    /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake thread ended
+    ///   without an answer (a panic).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
         // A fork()ed child has no acceptor thread (and a parent thread may hold its locks).
         self.born.check("this listener")?;
@@ -157,6 +157,18 @@ impl Listener {
         // The handshake that takes the offer always answers (its thread catches nothing, but a
         // panic there drops the sender).
         rx.recv().unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    /// How many clients' setups failed since the listener was bound (see
+    /// [`Listener::accept_with`]).
+    pub fn failed_handshakes(&self) -> u64 {
+        self.accepting.failed_total()
+    }
+
+    /// The most recent failed client setups (at most 64; older ones are only counted), oldest
+    /// first, taken out of the listener: who, and the typed error.
+    pub fn take_handshake_failures(&self) -> Vec<HandshakeFailure> {
+        self.accepting.take_failures()
     }
 
     /// The PD connections are made in.

@@ -195,3 +195,16 @@ pub fn our_pdns() -> Vec<String> {
 pub fn resources(kind: &str, pdns: &[String]) -> usize {
     rdma_res(kind).lines().filter(|l| pdns.iter().any(|p| l.contains(&format!(" pdn {p} ")))).count()
 }
+
+/// The next failed client setup `listener` records (its own accept calls never return them):
+/// waits at most a minute.
+pub fn next_handshake_failure(listener: &mralloc::transfer::Listener) -> mralloc::transfer::HandshakeFailure {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(f) = listener.take_handshake_failures().into_iter().next() {
+            return f;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "no failed handshake recorded within a minute");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

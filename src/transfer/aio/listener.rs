@@ -63,6 +63,16 @@ impl AsyncListener {
         Ok(())
     }
 
+    /// How many clients' setups failed since the listener was bound.
+    pub fn failed_handshakes(&self) -> u64 {
+        self.listener.failed_handshakes()
+    }
+
+    /// The most recent failed client setups (at most 64), oldest first, taken out.
+    pub fn take_handshake_failures(&self) -> Vec<crate::transfer::HandshakeFailure> {
+        self.listener.take_handshake_failures()
+    }
+
     /// The address it listens on.
     ///
     /// # Errors
@@ -86,10 +96,13 @@ impl AsyncListener {
     /// handshake finishes, the finished connection is dropped (the peer sees it fail with
     /// [`Error::Disconnected`]).
     ///
+    /// A client whose setup fails is that client's problem, as for [`Listener::accept_with`]:
+    /// the future goes on waiting for the next one ([`AsyncListener::failed_handshakes`],
+    /// [`AsyncListener::take_handshake_failures`]).
+    ///
     /// # Errors
-    /// As [`Listener::accept_with`]; [`Error::Protocol`] if the handshake's thread ended without
-    /// an answer; [`Error::Io`] if the connection cannot be registered with the runtime's
-    /// reactor.
+    /// As [`Listener::accept_with`]; [`Error::Io`] if the connection cannot be registered with
+    /// the runtime's reactor.
     pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
         let accepting = self.listener.accepting();
         let (tx, rx) = tokio::sync::oneshot::channel();
