@@ -103,13 +103,8 @@ fn device_handshakes_beyond_the_bound_wait_their_turn() {
     std::thread::sleep(Duration::from_millis(500));
     println!("at the bound: {listener:?}");
     std::thread::scope(|s| {
-        let server = s.spawn(|| loop {
-            // The held handshakes' failures (their clients leave) may come first: skip them.
-            match listener.accept() {
-                Ok(c) => return c,
-                Err(e) => println!("  a held handshake's end: {e}"),
-            }
-        });
+        // The held clients' ends never end the accept call (the listener records them).
+        let server = s.spawn(|| listener.accept().expect("the waiting client's connection"));
         let t = Instant::now();
         let (pd, copts) = (&pd, opts.clone());
         let client = s.spawn(move || Connection::connect(addr, pd, copts).map(|_| t.elapsed()));
@@ -309,5 +304,37 @@ fn device_failed_clients_never_end_an_accept_call() {
         println!("{} failed clients: {failures:?}", listener.failed_handshakes());
         assert_eq!(failures.len(), 3);
         assert!(failures.iter().all(|f| f.peer.ip().is_loopback()));
+    });
+}
+
+/// A client that took an accept call's blob (its hello arrived, this side answered with its
+/// QP's endpoint and the blob) and then went away: the accept call goes on waiting, with the
+/// same blob, and returns the next real client.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
+    use mralloc::transfer::exchange::{Kind, Message};
+    use mralloc::verbs::{Endpoint, Gid, Mtu};
+    let (pd, _heap) = setup();
+    let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };
+    let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept_with(b"the blob"));
+        // A well-formed hello; read the welcome (it carries the blob); leave without Ready.
+        let ep = Endpoint { qpn: 5, psn: 1, gid: Gid::default(), lid: 0, mtu: Mtu::Mtu1024 };
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(&Message::new(Kind::Hello, Some(ep), vec![]).encode().unwrap()).unwrap();
+        let mut welcome = [0u8; 16];
+        c.read_exact(&mut welcome).unwrap();
+        drop(c);
+        let failure = common::next_handshake_failure(&listener);
+        println!("the leaving client: {:?}", failure.error);
+        assert!(matches!(failure.error, Error::Io { .. }), "{:?}", failure.error);
+        assert!(!server.is_finished(), "the leaving client ended the accept call");
+        let conn = Connection::connect(addr, &pd, opts.clone()).unwrap();
+        assert_eq!(conn.peer_blob(), b"the blob", "the accept call's blob, offered again");
+        server.join().unwrap().expect("the accept call returns the real client");
+        assert_eq!(listener.failed_handshakes(), 1);
     });
 }

@@ -6,9 +6,11 @@
 //! ([`Options::connect_timeout`]): a client that trickles its bytes is dropped when it expires,
 //! whatever the others do. A client whose hello arrived waits for an *offer* — an
 //! [`crate::transfer::Listener::accept_with`] call (or its async twin) with the blob to send —
-//! and only then gets a QP; the accept call gets that handshake's connection, or its error. A
-//! handshake that fails before that (garbage, silence, a refused secret) reports to an accept
-//! call waiting at that moment, if any.
+//! and only then gets a QP; the accept call gets that handshake's connection, or a failure of
+//! this side's own (creating the QP, say). A client's failure (garbage, silence, a refused
+//! secret, a client that goes away), before or after it took an offer, is counted and kept
+//! ([`HandshakeFailure`]) and never ends an accept call: a taken offer goes back to the front of
+//! the queue.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -20,7 +22,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::transfer::tcp::serve;
+use crate::transfer::tcp::{serve, Failed};
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 
@@ -67,14 +69,17 @@ pub struct HandshakeFailure {
     /// The client's address.
     pub peer: SocketAddr,
     /// What went wrong: [`Error::Io`] (its TCP connection failed, timed out, or closed),
-    /// [`Error::Authentication`], [`Error::Protocol`] or [`Error::Timeout`].
+    /// [`Error::Authentication`], [`Error::Protocol`], or [`Error::Timeout`] (no accept call
+    /// took the client within [`Options::connect_timeout`]: this side was not accepting).
     pub error: Error,
 }
 
-/// Whether `e`, from one client's handshake, is that client's failure (else a failure of this
-/// side, such as creating the queue pair, which the accept call reports).
-fn clients_failure(e: &Error) -> bool {
-    matches!(e, Error::Io { .. } | Error::Authentication(_) | Error::Protocol(_) | Error::Timeout(..))
+/// Whether a failed handshake is the client's failure: it came from the client's side of the
+/// exchange (not a step of this side's own, such as creating the queue pair, which the accept
+/// call reports) and is of a client's kind.
+fn clients_failure(f: &Failed) -> bool {
+    f.by_client
+        && matches!(f.error, Error::Io { .. } | Error::Authentication(_) | Error::Protocol(_) | Error::Timeout(..))
 }
 
 /// An accept call waiting for a handshake to serve.
@@ -264,14 +269,17 @@ impl Accepting {
         match (taken, r) {
             // The client failed after taking an accept call's blob: the call waits for the next
             // client (its offer goes back to the front of the queue).
-            (Some(offer), Err(e)) if clients_failure(&e) => {
-                self.record(peer, e);
+            (Some(offer), Err(f)) if clients_failure(&f) => {
+                self.record(peer, f.error);
                 self.requeue(offer);
             }
-            (Some(offer), r) => offer.reply.send(r),
+            (Some(offer), r) => offer.reply.send(r.map_err(|f| f.error)),
             // Failed before (garbage, silence, a refused secret, no accept call in time).
-            (None, Err(e)) if clients_failure(&e) => self.record(peer, e),
-            (None, Err(e)) => tracing::debug!(%peer, "a handshake ended: {e}"),
+            (None, Err(f)) if clients_failure(&f) => self.record(peer, f.error),
+            (None, Err(Failed { error: Error::Closed, .. })) => {
+                tracing::debug!(%peer, "a handshake ended: the listener closed")
+            }
+            (None, Err(f)) => tracing::warn!(%peer, "a handshake ended before an accept call took it: {}", f.error),
             (None, Ok(_)) => unreachable!("a handshake completes only with an accept call's blob"),
         }
     }

@@ -142,11 +142,14 @@ impl Listener {
     /// so that `loop { let conn = listener.accept()?; ... }` survives any client.
     ///
     /// # Errors
-    /// Failures of this side only:
+    /// Failures of this side's own steps (a client's messages, secret or going away never end
+    /// the call):
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB) (found only when it is sent, after
     ///   the QP was created).
-    /// - As [`Connection::pair`] if creating or connecting the QP fails.
+    /// - As [`Connection::pair`] if creating or connecting the QP, or setting up the
+    ///   connection's watcher, fails. Connecting the QP uses the client's endpoint, so a client
+    ///   whose endpoint the device refuses (an unroutable GID) ends the call this way too.
     /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake thread ended
     ///   without an answer (a panic).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
@@ -209,22 +212,39 @@ pub(crate) fn serve(
     opts: &Options,
     control: bool,
     blob: impl FnOnce() -> Result<Vec<u8>>,
-) -> Result<Connection> {
-    let mut s = Timed::new(s, deadline, opts.connect_timeout)?;
-    let x = auth::server(&mut s, opts.secret.as_ref(), || {
-        let blob = blob()?;
-        let prepared = Prepared::new(pd, opts, control)?;
-        let (me, control) = prepared.endpoints();
-        Ok(((prepared, me, control), blob))
-    })?;
-    // The client checked this side's Welcome (and MAC) before saying Ready: only then is the
-    // QP connected. The client posts nothing before this side's Ready, sent once it is.
-    expect(Message::recv(&mut s)?, Kind::Ready)?;
-    let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
-    Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
-    tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
-    keep_watched(&mut conn, s)?;
-    Ok(conn)
+) -> std::result::Result<Connection, Failed> {
+    // Set by a step of this side's own (queue pair, connection, watcher): its failure is not
+    // the client's, whatever its error type.
+    let local = std::cell::Cell::new(false);
+    let ours = |e: Error| {
+        local.set(true);
+        e
+    };
+    let r = (|| {
+        let mut s = Timed::new(s, deadline, opts.connect_timeout).map_err(ours)?;
+        let x = auth::server(&mut s, opts.secret.as_ref(), || {
+            let blob = blob()?;
+            let prepared = Prepared::new(pd, opts, control).map_err(ours)?;
+            let (me, control) = prepared.endpoints();
+            Ok(((prepared, me, control), blob))
+        })?;
+        // The client checked this side's Welcome (and MAC) before saying Ready: only then is
+        // the QP connected. The client posts nothing before this side's Ready, sent once it is.
+        expect(Message::recv(&mut s)?, Kind::Ready)?;
+        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(ours)?;
+        Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
+        tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+        keep_watched(&mut conn, s).map_err(ours)?;
+        Ok(conn)
+    })();
+    r.map_err(|error| Failed { by_client: !local.get(), error })
+}
+
+/// A failed [`serve`]: the error, and whether the client caused it (its TCP connection, its
+/// messages, its secret) rather than a step of this side's own.
+pub(crate) struct Failed {
+    pub(crate) error: Error,
+    pub(crate) by_client: bool,
 }
 
 /// The connection keeps its setup stream open for life, and the watcher reads it: its closing
@@ -249,8 +269,15 @@ impl Connection {
     /// created or `blob` is sent.
     ///
     /// # Errors
-    /// As [`Listener::accept_with`]; [`Error::Io`] if `addr` cannot be resolved or the TCP
-    /// connect fails (each address `addr` resolves to is tried in turn, within
+    /// - [`Error::Io`] if reading or writing the TCP connection fails, the whole exchange takes
+    ///   longer than [`Options::connect_timeout`], or the listener closes it.
+    /// - [`Error::Authentication`] if the secrets differ or only one side has one.
+    /// - [`Error::Protocol`] if the listener sends something other than the exchange expects.
+    /// - [`Error::InvalidArgument`] if `blob` is longer than
+    ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB).
+    /// - As [`Connection::pair`] if creating or connecting the QP fails.
+    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP
+    ///   connect fails (each address `addr` resolves to is tried in turn, within
     /// [`Options::connect_timeout`] for the whole setup: the last failure is reported);
     /// [`Error::Timeout`] if no address was tried before the deadline;
     /// [`Error::InvalidArgument`] if it resolves to nothing.
