@@ -276,11 +276,10 @@ impl Connection {
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
-    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP
-    ///   connect fails (each address `addr` resolves to is tried in turn, within
-    /// [`Options::connect_timeout`] for the whole setup: the last failure is reported);
-    /// [`Error::Timeout`] if no address was tried before the deadline;
-    /// [`Error::InvalidArgument`] if it resolves to nothing.
+    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address
+    ///   `addr` resolves to is tried in turn, within [`Options::connect_timeout`] for the whole
+    ///   setup: the last failure is reported); [`Error::Timeout`] if no address was tried
+    ///   before the deadline; [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false)
     }
