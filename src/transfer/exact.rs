@@ -239,9 +239,8 @@ impl<B> Keyed<B> {
             }
             Some(mr) => {
                 if let Err(e) = mr.deregister() {
-                    std::mem::forget(buf); // before the log (a logger may panic)
-                    crate::verbs::LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::error!("releasing a grant's exact registration: {e}; its buffer is leaked");
+                    let why = format_args!("releasing a grant's exact registration: {e}; its buffer is leaked");
+                    crate::verbs::keep_for_good(buf, why);
                     return Err(e);
                 }
             }

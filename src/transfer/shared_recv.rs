@@ -88,12 +88,11 @@ impl Drop for Inner {
         }
         match srq.destroy() {
             Ok(()) => drop(memory),
-            Err(e) => {
-                // The queue may still hold receives naming the memory: never release it.
-                std::mem::forget(memory); // before the log (a logger may panic)
-                crate::verbs::LEAKED_MAPPINGS.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("destroying a shared receive queue: {e}; leaking its receive memory");
-            }
+            // The queue may still hold receives naming the memory: never release it.
+            Err(e) => crate::verbs::keep_for_good(
+                memory,
+                format_args!("destroying a shared receive queue: {e}; leaking its receive memory"),
+            ),
         }
     }
 }

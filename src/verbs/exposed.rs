@@ -7,7 +7,7 @@ use std::mem::ManuallyDrop;
 use crate::error::{Error, Result};
 use crate::peer_bytes;
 use crate::remote::RemoteBuf;
-use crate::verbs::{Access, Mr, Pd, RegisteredBuf, LEAKED_MAPPINGS};
+use crate::verbs::{keep_for_good, Access, Mr, Pd, RegisteredBuf};
 
 pub(crate) mod sealed {
     use crate::verbs::Pd;
@@ -182,10 +182,10 @@ impl<T: Exposable> Drop for RemoteWritable<T> {
 /// reach the memory. A fork()ed child's copy (the registration is the parent's) is kept too,
 /// silently.
 fn leak<T>(inner: T, e: &Error) {
-    std::mem::forget(inner);
-    if !matches!(e, Error::Forked(_)) {
-        LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::error!("deregistering remotely writable memory failed: {e}; the memory is leaked");
+    if matches!(e, Error::Forked(_)) {
+        std::mem::forget(inner);
+    } else {
+        keep_for_good(inner, format_args!("deregistering remotely writable memory failed: {e}; the memory is leaked"));
     }
 }
 

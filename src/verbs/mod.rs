@@ -33,7 +33,7 @@ pub use device::{devices, numa_node_of, DeviceInfo, NUMA_OVERRIDE};
 pub use endpoint::{Endpoint, Gid, Mtu};
 pub(crate) use exposed::sealed;
 pub use exposed::{Exposable, ExposeFailed, RemoteWritable};
-pub(crate) use mr::{release as release_registered, LEAKED_MAPPINGS};
+pub(crate) use mr::{keep_for_good, release as release_registered, LEAKED_MAPPINGS};
 pub use mr::{Access, Mr, RegisteredBuf};
 pub use srq::Srq;
 

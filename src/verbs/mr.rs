@@ -267,12 +267,18 @@ pub(crate) fn release<M>(mr: Mr, map: M) {
     }
     match mr.deregister() {
         Ok(()) => drop(map),
-        Err(e) => {
-            std::mem::forget(map); // before the log (a logger may panic)
-            LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::error!("{e}: leaking the registered mapping");
-        }
+        Err(e) => keep_for_good(map, format_args!("{e}: leaking the registered mapping")),
     }
+}
+
+/// Keeps `value` for good: a registration (or queue) naming its memory could not be removed,
+/// so the NIC or a peer may still reach it. Leaked before anything else runs (a logger may
+/// panic), counted in [`leaked_mappings`](crate::verbs::leaked_mappings), logged as an error
+/// saying `why`.
+pub(crate) fn keep_for_good<T>(value: T, why: std::fmt::Arguments<'_>) {
+    std::mem::forget(value);
+    LEAKED_MAPPINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::error!("{why}");
 }
 
 /// Mappings kept because their registration could not be removed (process-wide).
