@@ -49,7 +49,36 @@ impl Completed {
     pub(crate) fn delivered(&self, posted: Posted) -> Result<Received> {
         Received::interpret(self.opcode, self.byte_len, self.imm, posted)
     }
+
+    /// [`Completed::delivered`], and the target `buf` (of a READ or a receive) learns through
+    /// `fill` how many bytes of it the NIC wrote: the one place a target's contents follow a
+    /// completion.
+    ///
+    /// # Safety
+    /// `self` is the successful completion of the request posted as `posted` into `buf`.
+    ///
+    /// # Errors
+    /// As [`Completed::delivered`] (nothing is recorded written then).
+    pub(crate) unsafe fn deliver_into<B>(
+        &self,
+        buf: &mut B,
+        posted: Posted,
+        fill: Option<Filled<B>>,
+    ) -> Result<Received> {
+        let got = self.delivered(posted)?;
+        if let Some(fill) = fill {
+            // SAFETY: the caller's contract, and `got.len` is what the request wrote from the
+            // start of the target, bounded by the posted length (a READ: all of it; a receive:
+            // what a SEND delivered, 0 for a WRITE with immediate).
+            unsafe { fill(buf, got.len) };
+        }
+        Ok(got)
+    }
 }
+
+/// [`IoTarget::filled`](crate::transfer::IoTarget::filled) of a target type, as a plain
+/// function pointer (so that holders such as `Pending` need no bound on the type).
+pub(crate) type Filled<B> = unsafe fn(&mut B, usize);
 
 /// The first failure of a connection; every later post reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

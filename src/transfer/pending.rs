@@ -10,7 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::completion::Ticket;
+use crate::transfer::completion::{Filled, Ticket};
 use crate::transfer::iobuf::{IoBuf, IoTarget};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::nonempty;
@@ -62,10 +62,6 @@ pub struct Pending<'c, B: Send + 'static> {
     fill: Option<Filled<B>>,
 }
 
-/// [`IoTarget::filled`] of a target type, kept as a plain function pointer so that `Pending`
-/// needs no bound on `B`.
-type Filled<B> = unsafe fn(&mut B, usize);
-
 impl<B: Send + 'static> std::fmt::Debug for Pending<'_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pending").field("wr_id", &self.ticket.wr_id).field("send", &self.ticket.send).finish()
@@ -102,16 +98,10 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
         let r = self.conn.wait(self.ticket);
         let mut buf = self.buf.take().expect("a Pending holds its buffer until waited");
-        match r.and_then(|c| c.delivered(self.posted)) {
-            Ok(got) => {
-                if let Some(filled) = self.fill {
-                    // SAFETY: the operation completed successfully, and `got.len` is what it
-                    // wrote from the start of the target, bounded by the posted length (a READ:
-                    // all of it; a receive: what a SEND delivered, 0 for a WRITE with immediate).
-                    unsafe { filled(&mut buf, got.len) };
-                }
-                Ok((buf, got))
-            }
+        // SAFETY: `c` is this request's successful completion, posted as `self.posted` into
+        // `buf` (which the Pending held since).
+        match r.and_then(|c| unsafe { c.deliver_into(&mut buf, self.posted, self.fill) }) {
+            Ok(got) => Ok((buf, got)),
             Err(error @ Error::FlushLost { .. }) => {
                 // The NIC may still own the memory: leak it rather than hand it back.
                 std::mem::forget(buf);

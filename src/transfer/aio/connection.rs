@@ -469,14 +469,10 @@ fn filled<B: IoTarget>(
     posted: Posted,
 ) -> std::result::Result<(B, Received), Rejected<B>> {
     let (mut b, c) = done?;
-    match c.delivered(posted) {
-        Ok(got) => {
-            // SAFETY: the operation completed successfully, and `got.len` is what it wrote from
-            // the start of the target, bounded by the posted length (a READ: all of it; a
-            // receive: what a SEND delivered, 0 for a WRITE with immediate).
-            unsafe { b.filled(got.len) };
-            Ok((b, got))
-        }
+    // SAFETY: `c` is the successful completion of the request the operation posted into `b`,
+    // as `posted`.
+    match unsafe { c.deliver_into(&mut b, posted, Some(B::filled)) } {
+        Ok(got) => Ok((b, got)),
         Err(error) => Err(Rejected { error, buf: Some(b) }),
     }
 }
