@@ -213,7 +213,8 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         let b2 = b.clone();
         let h2 = heap.clone();
         let task = tokio::spawn(async move { b2.recv(h2.alloc(4096).unwrap()).await.map(|(buf, _)| buf.addr()) });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Aborted once its receive is posted (the timed-out one above is the first).
+        until("the task's receive posted", || b.stats().recvs_in_flight == 2).await;
         task.abort();
         assert!(task.await.unwrap_err().is_cancelled());
 
@@ -234,13 +235,27 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         // dropped, the buffer stays the connection's until the peer posts a receive.
         let r = tokio::time::timeout(Duration::from_millis(50), a.send(filled(&heap, &pattern(5, 8192)))).await;
         assert!(r.is_err(), "no receive at the peer: the SEND cannot complete");
+        // A WRITE behind it (one queue executes in order) is certainly in flight when its
+        // future is dropped: its buffer stays the connection's too, and the data lands later.
+        let target = heap.alloc_zeroed(1 << 16).unwrap().expose().unwrap();
+        let live_held = heap.stats().live_bytes;
+        let w = filled(&heap, &pattern(6, 1 << 16));
+        let w_at = w.addr();
+        let r = tokio::time::timeout(Duration::from_millis(20), a.write(w, &target.remote(), 0)).await;
+        assert!(r.is_err(), "the WRITE waits behind the SEND");
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(heap.stats().live_bytes, live_before + 8192, "the in-flight SEND's buffer is not freed");
+        assert_eq!(heap.stats().live_bytes, live_held + (1 << 16), "the in-flight WRITE's buffer is not freed");
+        let again = heap.alloc(1 << 16).unwrap();
+        assert_ne!(again.addr(), w_at, "the in-flight WRITE's buffer is not handed out again");
+        drop(again);
+        assert!(target.to_vec().iter().all(|&x| x == 0), "the WRITE behind the held SEND has not run");
         let (inbox, got) = b.recv(heap.alloc(8192).unwrap()).await.unwrap();
         assert_eq!(got.len, 8192);
         assert_bytes_eq(&inbox, &pattern(5, 8192), "the cancelled SEND's data");
         drop(inbox);
-        until("in-flight SEND released", || heap.stats().live_bytes == live_before).await;
+        until("the held WRITE landed", || target.to_vec() == pattern(6, 1 << 16)).await;
+        drop(target);
+        until("in-flight SEND and WRITE released", || heap.stats().live_bytes == live_before).await;
 
         // A 16 MiB WRITE whose future is dropped right after the post: the data still lands,
         // and the buffer is freed once the completion is reaped.
@@ -357,4 +372,32 @@ async fn device_async_close_flushes_many_parked_requests() {
     let r = b.recv(heap.alloc(8).unwrap()).await.unwrap_err();
     assert!(matches!(r.error, Error::Closed), "{}", r.error);
     drop((a, r));
+}
+
+/// Async connections receive through their own queues: every async way to make one refuses
+/// `Options::shared_receive` with a typed error, before any connection is made (a listener
+/// that took it would hand out connections whose receives never complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run scripts/test"]
+async fn device_async_connections_refuse_a_shared_receive_queue() {
+    let (pd, _heap) = setup();
+    let shared = mralloc::transfer::SharedReceiver::new(&pd, 4, 256).unwrap();
+    let opts = Options { shared_receive: Some(shared), ..all_rights() };
+    let refused = |what: &str, e: mralloc::Error| {
+        println!("{what}: {e}");
+        assert!(matches!(&e, mralloc::Error::InvalidArgument(m) if m.contains("shared_receive")), "{what}: {e:?}");
+    };
+    refused("AsyncConnection::pair", AsyncConnection::pair(&pd, &opts).unwrap_err());
+    refused("AsyncListener::bind", AsyncListener::bind("127.0.0.1:0", &pd, opts.clone()).await.unwrap_err());
+    // A client: refused before it reaches the (plain) listener, which sees no handshake.
+    let listener = AsyncListener::bind("127.0.0.1:0", &pd, all_rights()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    refused("AsyncConnection::connect", AsyncConnection::connect(addr, &pd, opts.clone()).await.unwrap_err());
+    let cm = (std::env::var("MRALLOC_CM_ADDR").unwrap_or_else(|_| "127.0.0.1".into()), 0u16);
+    refused(
+        "AsyncCmListener::bind",
+        mralloc::transfer::AsyncCmListener::bind(cm.clone(), &pd, opts.clone()).unwrap_err(),
+    );
+    refused("AsyncConnection::connect_cm", AsyncConnection::connect_cm(cm, &pd, opts, Vec::new()).await.unwrap_err());
+    assert_eq!(listener.failed_handshakes(), 0, "no client reached the listener");
 }

@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{assert_bytes_eq, open, pattern};
+use common::{assert_bytes_eq, open, pattern, wait_for};
 use mralloc::heap::Heap;
 use mralloc::transfer::{CmListener, Connection, Listener, Options};
 use mralloc::verbs::Pd;
@@ -61,7 +61,8 @@ fn device_slow_handshakes_hold_up_nobody() {
             }
             slow
         });
-        std::thread::sleep(Duration::from_millis(1500)); // All 200 are in flight now.
+        // All 200 handshakes are running before the real client comes.
+        wait_for("200 handshakes in flight", Duration::from_secs(30), || listener.handshakes_in_flight() == 200);
         let server = s.spawn(|| {
             let conn = listener.accept_with(b"welcome").unwrap();
             let mut inbox = heap.alloc(4096).unwrap();
@@ -100,7 +101,7 @@ fn device_handshakes_beyond_the_bound_wait_their_turn() {
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     let held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for("4 handshakes in flight", Duration::from_secs(30), || listener.handshakes_in_flight() == 4);
     println!("at the bound: {listener:?}");
     std::thread::scope(|s| {
         // The held clients' ends never end the accept call (the listener records them).
@@ -108,8 +109,10 @@ fn device_handshakes_beyond_the_bound_wait_their_turn() {
         let t = Instant::now();
         let (pd, copts) = (&pd, opts.clone());
         let client = s.spawn(move || Connection::connect(addr, pd, copts).map(|_| t.elapsed()));
+        // An observation window, not a stand-in: nothing may change for 2 s.
         std::thread::sleep(Duration::from_secs(2));
         assert!(!client.is_finished(), "a fifth handshake ran while four held the slots");
+        assert_eq!(listener.handshakes_in_flight(), 4, "the bound held");
         drop(held); // The held clients leave; their slots free up.
         let took = client.join().unwrap().expect("the waiting client connects once a slot is free");
         println!("the fifth client connected after {took:?} (the slots were held for 2 s)");

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{assert_bytes_eq, open, pattern, spawn_self};
+use common::{assert_bytes_eq, open, pattern, spawn_self, wait_for, WAIT};
 use mralloc::heap::Heap;
 use mralloc::transfer::{CmListener, Connection, Listener, Options};
 use mralloc::verbs::{Pd, PortState};
@@ -195,21 +195,22 @@ fn device_port_down_fails_connections_through_the_async_event() {
     let ctx = pd.context().clone();
     let dev = netdev_of(ctx.name());
     let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
+    // `a` stays alive here: dropping it would tell `b` its peer closed, which may come before
+    // the watcher reaches `b` with the port's event.
+    let a = std::sync::Arc::new(a);
     let waiter = std::thread::spawn({
-        let heap = heap.clone();
+        let (heap, a) = (heap.clone(), a.clone());
         move || {
             let mut inbox = heap.alloc(64).unwrap();
             let r = a.recv(&mut inbox);
-            // `a` goes back alive: dropping it would tell `b` its peer closed, which may come
-            // before the watcher reaches `b` with the port's event.
-            (r.map(|g| g.len), Instant::now(), a)
+            (r.map(|g| g.len), Instant::now())
         }
     });
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for("the receive posted", WAIT, || a.stats().recvs_in_flight == 1);
     let down = Instant::now();
     let guard = LinkUp(dev.clone());
     assert!(ip_link(&dev, "down"), "ip link set dev {dev} down");
-    let (r, at, _a) = waiter.join().unwrap();
+    let (r, at) = waiter.join().unwrap();
     drop(guard);
     let after = at.saturating_duration_since(down);
     println!("port down ({dev}): {r:?} after {after:?}");
@@ -238,14 +239,15 @@ fn device_port_down_fails_connections_through_the_async_event() {
 fn device_dropping_one_end_of_a_pair_fails_the_other() {
     let (pd, heap) = setup();
     let (a, b) = Connection::pair(&pd, &bounded()).unwrap();
+    let a = std::sync::Arc::new(a);
     let waiter = std::thread::spawn({
-        let heap = heap.clone();
+        let (heap, a) = (heap.clone(), a.clone());
         move || {
             let mut inbox = heap.alloc(64).unwrap();
             a.recv(&mut inbox).map(|g| g.len)
         }
     });
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for("the receive posted", WAIT, || a.stats().recvs_in_flight == 1);
     let t = Instant::now();
     drop(b);
     let r = waiter.join().unwrap();

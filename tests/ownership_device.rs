@@ -175,6 +175,30 @@ fn device_dropped_operations_do_not_block_and_free_after_completion() {
     let dst = dst.revoke().unwrap();
     assert!(dst.iter().all(|&x| x == 0x99), "the dropped write completed");
 
+    // A write that is certainly still in flight when dropped: it queues behind a SEND the peer
+    // has no receive for (RNR retries for ever; one queue executes in order). Both buffers stay
+    // live and their addresses are not handed out again until the peer posts a receive.
+    let dst = dst.expose().unwrap();
+    let (s, w) = (filled(&heap, 4096, 0x11), filled(&heap, n, 0x77));
+    let (blocker_at, held_at) = (s.addr(), w.addr());
+    let blocker = a.post_send(s).unwrap();
+    let held = a.post_write(w, &dst.remote(), 0).unwrap();
+    drop((blocker, held));
+    std::thread::sleep(Duration::from_millis(200));
+    a.progress().unwrap();
+    assert_eq!(heap.stats().live_bytes, before + 4096 + n as u64, "the held SEND's and WRITE's buffers are live");
+    let (x, y) = (heap.alloc(4096).unwrap(), heap.alloc(n).unwrap());
+    assert!(x.addr() != blocker_at && y.addr() != held_at, "a held buffer's address was handed out again");
+    drop((x, y));
+    assert!(dst.to_vec().iter().all(|&x| x == 0x99), "the write behind the held SEND has not run");
+    let inbox = b.post_recv(heap.alloc(4096).unwrap()).unwrap();
+    let (inbox, got) = inbox.wait().unwrap();
+    assert_eq!((got.len, inbox[0]), (4096, 0x11));
+    drop(inbox);
+    until(&[&a], "the held SEND's and WRITE's buffers are freed", || heap.stats().live_bytes == before);
+    let dst = dst.revoke().unwrap();
+    assert!(dst.iter().all(|&x| x == 0x77), "the dropped write behind the SEND completed");
+
     // Closing a connection with a parked receive frees it (flushed).
     let p = b.post_recv(heap.alloc(8192).unwrap()).unwrap();
     drop(p);

@@ -12,7 +12,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{device_name, open, pattern};
+use common::{device_name, open, pattern, wait_for, WAIT};
 use mralloc::heap::Heap;
 use mralloc::transfer::{CmListener, Connection, Listener, Options, SharedReceiver};
 use mralloc::verbs::{Context, Pd, PortState};
@@ -232,11 +232,20 @@ fn device_removal_fails_waiters_unbinds_the_heap_and_the_device_comes_back() {
     };
     let tcp_waiter = recv_on(&a);
     let shared = SharedReceiver::new(&pd, 8, 1024).unwrap();
+    let calling = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let shared_waiter = {
-        let shared = shared.clone();
-        std::thread::spawn(move || shared.recv().map(|m| m.len()))
+        let (shared, calling) = (shared.clone(), calling.clone());
+        std::thread::spawn(move || {
+            calling.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            shared.recv().map(|m| m.len())
+        })
     };
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for("the receive posted", WAIT, || a.stats().recvs_in_flight == 1);
+    wait_for("the shared receive called", WAIT, || calling.load(std::sync::atomic::Ordering::SeqCst) == 1);
+    // From the call to its wait (no condition to see): a margin, checked below by the shared
+    // receive's still being blocked at the removal.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!shared_waiter.is_finished() && !tcp_waiter.is_finished(), "nothing ended the waits before the removal");
     // rxe finishes the removal only once this process closed the device: the application drops
     // its connections, listener, receive queue, PD and context — and keeps the heap.
     let live = (a, b, listener, shared, pd, ctx);
@@ -281,15 +290,22 @@ fn device_removal_fails_waiters_unbinds_the_heap_and_the_device_comes_back() {
     });
     let c = Arc::new(c);
     let cm_waiter = recv_on(&c);
+    let calling = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let accepts: Vec<_> = (0..2)
         .map(|_| {
-            let cl = cl.clone();
-            std::thread::spawn(move || cl.accept().map(|_| ()))
+            let (cl, calling) = (cl.clone(), calling.clone());
+            std::thread::spawn(move || {
+                calling.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                cl.accept().map(|_| ())
+            })
         })
         .collect();
     // A context opened before the removal that nothing watches until after it.
     let late = Context::open(&dev).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for("the receive posted", WAIT, || c.stats().recvs_in_flight == 1);
+    wait_for("both accepts called", WAIT, || calling.load(std::sync::atomic::Ordering::SeqCst) == 2);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!cm_waiter.is_finished() && accepts.iter().all(|h| !h.is_finished()), "nothing ended the waits early");
     let ctx = remove_and_readd(&dev, &netdev, (c, d, cl, pd, ctx, late), |removed, (_, d, _, _, _, late)| {
         let (r, t) = join_within(cm_waiter, removed, NOTICE, "the receive on the CM connection");
         println!("CM connection's waiting receive: {r:?} after {t:?}");

@@ -128,6 +128,8 @@ fn device_soak() {
         })
         .collect();
     let pdns = our_pdns();
+    // What the pairs hold; every operation's own buffers are dropped by the time it returns.
+    let live_before = heap.stats().live_bytes;
     let counts = Counts::default();
     let stop = AtomicBool::new(false);
     let start = Instant::now();
@@ -222,4 +224,9 @@ fn device_soak() {
     for p in &pairs {
         assert!(p.a.error().is_none() && p.b.error().is_none(), "a connection failed during the soak");
     }
+    // Every buffer an operation allocated came back: with the workers gone, live bytes are what
+    // the pairs held before (a leak of even one small buffer per thousand operations shows).
+    let live_after = heap.stats().live_bytes;
+    println!("soak: live bytes before {live_before}, after the workers stopped {live_after}");
+    assert_eq!(live_after, live_before, "buffers leaked during the soak ({} ops)", w + r + sd);
 }

@@ -162,6 +162,13 @@ impl Listener {
         rx.recv().unwrap_or_else(|_| Err(no_answer()))
     }
 
+    /// How many client setups are running now: TCP connections taken and not yet handed to an
+    /// accept call or failed (at most [`crate::transfer::Options::max_handshakes`]; further
+    /// clients wait in the kernel's backlog). A gauge for monitoring a server under load.
+    pub fn handshakes_in_flight(&self) -> usize {
+        self.accepting.in_flight()
+    }
+
     /// How many clients' setups failed since the listener was bound (see
     /// [`Listener::accept_with`]).
     pub fn failed_handshakes(&self) -> u64 {

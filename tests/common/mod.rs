@@ -208,3 +208,14 @@ pub fn next_handshake_failure(listener: &mralloc::transfer::Listener) -> mralloc
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Waits until `done()` holds, checking every millisecond; panics naming `what` after `limit`.
+/// For conditions a test must reach before its next step (instead of a sleep that passes
+/// vacuously when the machine is slow).
+pub fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

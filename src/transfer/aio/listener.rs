@@ -63,6 +63,11 @@ impl AsyncListener {
         Ok(())
     }
 
+    /// How many client setups are running now (see [`Listener::handshakes_in_flight`]).
+    pub fn handshakes_in_flight(&self) -> usize {
+        self.listener.handshakes_in_flight()
+    }
+
     /// How many clients' setups failed since the listener was bound.
     pub fn failed_handshakes(&self) -> u64 {
         self.listener.failed_handshakes()
