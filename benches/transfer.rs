@@ -11,12 +11,13 @@
 //! between consecutive posts of the timed side (everything the loop does is inside one), the two
 //! largest are dropped, typical is their median and ping-pong tests report half the round trip.
 //! `--inline` (default 0, what perftest uses on devices it does not recognize, rxe among them)
-//! is the most bytes a SEND or WRITE carries inline.
+//! is the most bytes a SEND or WRITE carries inline. Blocking waits busy-poll
+//! ([`WaitMode::BusyPoll`]), as perftest does.
 //!
 //! With the `tokio` feature, `async_write_bw` and `async_write_lat` run the same loops through
 //! `AsyncConnection` on a 2-worker tokio runtime: every post is an operation future, every
 //! completion is awaited. `--workers N` sets the runtime's worker threads (0: a current-thread
-//! runtime, bandwidth only) and `--spin-us N` the connection's `Options::async_spin`, to see what limits them.
+//! runtime, bandwidth only) and `--spin-us N` the connection's `Options::spin`, to see what limits them.
 //! `async_many --conns K` drives K connections from one task (one WRITE in flight on each per
 //! round) and prints `MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>`.
 //!
@@ -32,7 +33,7 @@ use common::{perftest_latency, Stamps};
 use std::collections::VecDeque;
 
 use mralloc::heap::{Buffer, Exposed, Heap};
-use mralloc::transfer::{Connection, Options, Pending};
+use mralloc::transfer::{Connection, Options, Pending, WaitMode};
 use mralloc::verbs::{Access, Pd};
 
 #[derive(Clone)]
@@ -44,7 +45,7 @@ struct Args {
     inline: u32,
     /// Async tests: tokio worker threads (0: a current-thread runtime).
     workers: usize,
-    /// Async tests: `Options::async_spin` in µs (None: the default).
+    /// Async tests: `Options::spin` in µs (None: the default).
     spin_us: Option<u64>,
     /// `async_many`: connections driven by one task.
     conns: usize,
@@ -70,7 +71,7 @@ options:
   --depth N       send queue depth: operations in flight (default 128)
   --inline BYTES  the most bytes a SEND or WRITE carries inline (default 0)
   --workers N     async tests: tokio worker threads, 0 for a current-thread runtime (default 2)
-  --spin-us N     async tests: Options::async_spin in µs (default: the crate's)
+  --spin-us N     async tests: Options::spin in µs (default: the crate's)
   --conns K       async_many: connections driven by one task (default 64)
   --bench         given by cargo bench: without MRALLOC_DEVICE or a test, nothing runs (an
                   unknown test name or further positional arguments are then not an error)
@@ -159,6 +160,8 @@ fn main() -> mralloc::Result<()> {
         recv_depth: a.depth.max(512),
         remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
         max_inline: a.inline,
+        // Blocking waits busy-poll, as perftest does (the default sleeps after a short spin).
+        wait: WaitMode::BusyPoll,
         ..Options::default()
     };
     let (x, y) = Connection::pair(&pd, &opts)?;
@@ -381,7 +384,7 @@ mod asynchronous {
             .map_err(|source| mralloc::Error::Io { what: "building the tokio runtime".into(), source })?;
         let mut opts = opts.clone();
         if let Some(us) = a.spin_us {
-            opts.async_spin = std::time::Duration::from_micros(us);
+            opts.spin = std::time::Duration::from_micros(us);
         }
         rt.block_on(async {
             if a.test == "async_many" {

@@ -14,7 +14,7 @@ mod common;
 use std::time::Instant;
 
 use common::{fail, Args, Opt, Spec};
-use mralloc::transfer::{Connection, Listener, Options, WaitMode};
+use mralloc::transfer::{Connection, Listener, Options};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
@@ -88,14 +88,10 @@ fn server(args: &Args) -> mralloc::Result<()> {
     // write and read key) until every client is done.
     let table = heap.alloc_zeroed(keys * VALUE)?.expose()?;
     let offer = table.remote().to_bytes();
-    // The server's threads mostly wait for notifications: let them sleep on the completion
-    // channel instead of spinning (clients keep busy polling for latency).
-    // Clients GET by READ and PUT by WRITE into this heap: the server's QPs allow both.
-    let opts = Options {
-        wait: WaitMode::Event,
-        remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
-        ..Options::default()
-    };
+    // The server's threads mostly wait for notifications: they sleep on the completion channel
+    // after a short spin (the default wait). Clients GET by READ and PUT by WRITE into this
+    // heap: the server's QPs allow both.
+    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Options::default() };
     let listener = Listener::bind(("0.0.0.0", args.num("port", 7491) as u16), &pd, opts)?;
     println!("serving {keys} keys x {VALUE} bytes ({} bytes of registered heap) to {clients} clients", keys * VALUE);
     let conns: Vec<Connection> = (0..clients).map(|_| listener.accept_with(&offer)).collect::<mralloc::Result<_>>()?;

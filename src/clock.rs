@@ -43,7 +43,6 @@ impl Stopwatch {
     }
 
     /// The time since the watch started, read from the clock now; `None` if it never started.
-    #[cfg(any(test, feature = "tokio"))]
     pub(crate) fn exact(&self) -> Option<Duration> {
         self.start.map(|s| s.elapsed())
     }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options};
+use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options, WaitMode};
 use mralloc::verbs::{Access, Pd, WcStatus};
 use mralloc::{Disconnect, Error, RemoteBuf};
 
@@ -545,5 +545,38 @@ fn device_uninit_buffers_become_the_bytes_that_arrived() {
     match pending.wait() {
         Err(r) => assert_eq!(r.buf.map(|u| u.init_len()), Some(0), "{}", r.error),
         Ok((u, _)) => panic!("a READ with a bad rkey succeeded: {u:?}"),
+    }
+}
+
+/// The default wait spins briefly, then sleeps: a receive waiting a second for a quiet peer
+/// costs little CPU (an idle server burns no core), where `WaitMode::BusyPoll` spins the whole
+/// second. Operations that complete fast still work in both modes.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_an_idle_wait_sleeps_by_default_and_spins_only_when_asked() {
+    let (pd, heap) = setup();
+    for (mode, name) in [(WaitMode::Event, "default (Event)"), (WaitMode::BusyPoll, "BusyPoll")] {
+        let opts = Options { wait: mode.clone(), recv_timeout: Some(Duration::from_secs(1)), ..Options::default() };
+        assert!(matches!(Options::default().wait, WaitMode::Event), "Event is the default");
+        let (a, b) = Connection::pair(&pd, &opts).unwrap();
+        // Fast operations first (the spin learns they complete quickly).
+        let mut msg = heap.alloc(64).unwrap();
+        msg.fill(7);
+        let mut inbox = heap.alloc(64).unwrap();
+        for _ in 0..50 {
+            let p = b.post_recv(heap.alloc(64).unwrap()).unwrap();
+            a.send(&msg).unwrap();
+            assert_eq!(p.wait().unwrap().0[..], msg[..]);
+        }
+        let (cpu, t) = (thread_cpu(), Instant::now());
+        let err = b.recv(&mut inbox).unwrap_err();
+        let (cpu, wall) = (thread_cpu() - cpu, t.elapsed());
+        println!("{name}: an idle receive of {wall:?} used {cpu:?} of CPU ({err})");
+        assert!(matches!(err, Error::Timeout(..)), "{err:?}");
+        if matches!(mode, WaitMode::Event) {
+            assert!(cpu < wall / 5, "{name}: an idle wait spun: {cpu:?} of CPU in {wall:?}");
+        } else {
+            assert!(cpu > wall / 2, "{name}: a busy-polling wait slept: {cpu:?} of CPU in {wall:?}");
+        }
     }
 }

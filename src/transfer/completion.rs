@@ -25,6 +25,7 @@ use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::keepalive::PROBE_OP;
 use crate::transfer::received::{Posted, Received};
+use crate::transfer::spin::Spin;
 use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
@@ -250,6 +251,8 @@ pub(crate) struct Core {
     /// looked: that one raises no event).
     reaps: AtomicU64,
     mode: Mode,
+    /// Event mode: how long a blocking wait polls before it sleeps (adaptive).
+    spin: Spin,
     channel: Option<CompChannel>,
     event_lock: Mutex<()>,
     wake: Condvar,
@@ -263,7 +266,7 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub(crate) fn new(send_cq: Cq, recv_cq: Cq, mode: Mode) -> Core {
+    pub(crate) fn new(send_cq: Cq, recv_cq: Cq, mode: Mode, spin: Duration) -> Core {
         let channel = send_cq.channel().cloned();
         Core {
             send_cq,
@@ -276,6 +279,7 @@ impl Core {
             has_deferred: AtomicBool::new(false),
             reaps: AtomicU64::new(0),
             mode,
+            spin: Spin::new(if mode == Mode::Event { spin } else { Duration::ZERO }),
             channel,
             event_lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -660,6 +664,30 @@ impl Core {
         all.append(&mut self.until_closed.lock());
         all.append(&mut self.deferred.lock());
         all
+    }
+
+    /// How long a blocking wait that found its request incomplete polls before it sleeps
+    /// (event mode's adaptive spin, see `spin.rs`; zero in the other modes).
+    pub(crate) fn spin_budget(&self, send: bool) -> Duration {
+        self.spin.budget(send)
+    }
+
+    /// A blocking wait's spin ran out without its completion (`spin.rs`).
+    pub(crate) fn spin_expired(&self, send: bool) {
+        self.spin.expire(send);
+    }
+
+    /// A blocking wait claimed its completion; `watch` started at its first miss (not started:
+    /// claimed at its first poll).
+    #[inline]
+    pub(crate) fn spin_claimed(&self, send: bool, watch: &Stopwatch) {
+        if self.mode != Mode::Event {
+            return;
+        }
+        if let Some(waited) = watch.exact() {
+            self.spin.observe(send, waited);
+        }
+        self.spin.claimed(send);
     }
 
     /// Waits a little for progress, the way the connection's mode says: spin, sleep on the

@@ -155,7 +155,7 @@ impl Connection {
             WaitMode::Event => Mode::Event,
             WaitMode::Poller(_) => Mode::Poller,
         };
-        let core = Arc::new(Core::new(send_cq, recv_cq, mode));
+        let core = Arc::new(Core::new(send_cq, recv_cq, mode, opts.spin));
         // What the device was told (an RDMA CM connection's ACK timeout comes from the path, not
         // the options), else what the options asked for.
         let keepalive =
@@ -590,6 +590,9 @@ impl Connection {
         // When this wait, which has no deadline, saw the connection failed by someone else.
         let mut orphaned: Option<Duration> = None;
         let mut spins = 0u32;
+        // Event mode: polls without sleeping until this much after the first miss (decided
+        // then), so a fast operation never pays a channel event.
+        let mut spin: Option<Duration> = None;
         #[cfg(test)]
         if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
             panic!("injected panic while work request {wr_id} is in flight");
@@ -598,6 +601,7 @@ impl Connection {
             let mark = self.core.mark();
             let claimed = self.core.try_claim(ticket);
             if let Ok(Some(o)) = claimed {
+                self.core.spin_claimed(send, &watch);
                 return self.settle(o, local.map(|(e, _)| e));
             }
             let now = watch.elapsed();
@@ -625,6 +629,15 @@ impl Connection {
                 // Without a limit, sleep in slices (a failure flushes the request and wakes it).
                 None => limit.map_or(Duration::from_secs(1), |l| l.saturating_sub(now)),
             };
+            let budget = *spin.get_or_insert_with(|| self.core.spin_budget(send));
+            if local.is_none() && orphaned.is_none() && now < budget {
+                std::hint::spin_loop();
+                continue;
+            }
+            if budget > Duration::ZERO {
+                self.core.spin_expired(send);
+                spin = Some(Duration::ZERO);
+            }
             if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1)), mark) {
                 self.fail_locally(&mut local, e, now);
                 std::thread::sleep(Duration::from_micros(50));

@@ -13,8 +13,10 @@
 //!   completion is reaped. Dropping it parks the buffer with the connection; forgetting it leaks
 //!   the buffer. References are not accepted, so safe code cannot free memory the NIC may touch.
 //! - [`Batch`]: many requests, few doorbells, selective signaling.
-//! - Completions: busy polling (default), sleeping on the completion channel
-//!   ([`WaitMode::Event`]), or a [`Poller`] thread serving many connections.
+//! - Completions: a short adaptive poll, then sleep on the completion channel
+//!   ([`WaitMode::Event`], the default: an idle wait costs no CPU), pure busy polling
+//!   ([`WaitMode::BusyPoll`], for latency on dedicated cores), or a [`Poller`] thread serving
+//!   many connections.
 //! - Async (feature `tokio`): `AsyncConnection`, `AsyncListener` and `AsyncCmListener`, the same operations as
 //!   futures over owned buffers, which give the buffer back with the result; cancelling a
 //!   future never frees memory the NIC may touch.
@@ -59,6 +61,7 @@ mod pending;
 mod poller;
 mod received;
 mod shared_recv;
+mod spin;
 mod stats;
 mod tcp;
 mod watch;

@@ -9,10 +9,14 @@ use crate::verbs::{Access, ConnectOptions, Context, QpCaps};
 /// How a thread waiting for a completion waits.
 #[derive(Debug, Clone, Default)]
 pub enum WaitMode {
-    /// Spin on the CQ: lowest latency, one busy core per waiting thread.
-    #[default]
+    /// Spin on the CQ for as long as the wait lasts: the lowest latency, and one busy core per
+    /// waiting thread even while nothing arrives (an idle server burns its cores). For latency
+    /// work on dedicated cores.
     BusyPoll,
-    /// Sleep on the connection's completion channel (no spinning).
+    /// Poll the CQ briefly — adaptively, up to [`Options::spin`] — then sleep on the
+    /// connection's completion channel until the NIC raises an event. The default: fast
+    /// operations complete within the spin, and an idle wait costs no CPU.
+    #[default]
     Event,
     /// Sleep until a [`Poller`] thread, which serves many connections, reports progress.
     Poller(Poller),
@@ -110,11 +114,13 @@ pub struct Options {
     /// only writes needs nothing. The memory itself must grant the right as well (its heap's
     /// access, or a [`crate::transfer::Connection::grant`]).
     pub remote_access: Access,
-    /// The longest an async operation (`AsyncConnection`, feature `tokio`)
-    /// polls its CQ before sleeping until the completion channel wakes it; the poll adapts
-    /// below this to how long the connection's recent operations took (default 200 µs; zero
-    /// never polls; at most 1 ms is honoured, since polling holds an executor thread).
-    pub async_spin: Duration,
+    /// The longest a wait polls its CQ before sleeping until the completion channel wakes it:
+    /// blocking waits in [`WaitMode::Event`] (the default) and async operations
+    /// (`AsyncConnection`, feature `tokio`). The poll adapts below this to how long the
+    /// connection's recent operations took, and stops for operations that take longer (a
+    /// receive from a quiet peer sleeps at once). Default 200 µs; zero never polls; at most
+    /// 1 ms is honoured, since polling holds a thread.
+    pub spin: Duration,
     /// A secret both ends of a TCP setup ([`crate::transfer::Listener`],
     /// [`crate::transfer::Connection::connect`]) must hold (default: none). With one, the
     /// exchange is a challenge-response (HMAC-SHA-256 over fresh nonces, endpoints and blobs;
@@ -143,7 +149,7 @@ impl Default for Options {
             device: None,
             port: None,
             gid_index: None,
-            wait: WaitMode::BusyPoll,
+            wait: WaitMode::Event,
             connect_timeout: Duration::from_secs(10),
             max_handshakes: 256,
             op_timeout: Duration::from_secs(30),
@@ -151,7 +157,7 @@ impl Default for Options {
             keepalive: None,
             remote_access: Access::NONE,
             secret: None,
-            async_spin: Duration::from_micros(200),
+            spin: Duration::from_micros(200),
             shared_receive: None,
         }
     }

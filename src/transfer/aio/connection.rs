@@ -12,10 +12,11 @@ use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::op::{NoBytes, Op, Request};
 use crate::transfer::aio::wire::Msg;
-use crate::transfer::aio::{control, driver, scratch, spin, Shared};
+use crate::transfer::aio::{control, driver, scratch, Shared};
 use crate::transfer::completion::Failure;
 use crate::transfer::ops::{atomic_target, immediate_of};
 use crate::transfer::received::Posted;
+use crate::transfer::spin::Spin;
 use crate::transfer::{Completed, Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
 use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Sge, Verb};
 
@@ -41,7 +42,7 @@ use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Sge, Verb};
 /// - **Posting** happens when the operation is called; a full send queue makes the future wait
 ///   (not the thread) for room.
 /// - **Waiting**: a future first polls the CQ for a short, adaptive time
-///   ([`Options::async_spin`]), then sleeps; a driver task per connection sleeps on the
+///   ([`Options::spin`]), then sleeps; a driver task per connection sleeps on the
 ///   completion channel through tokio's reactor and wakes it. Nothing blocks an executor
 ///   thread: setup runs on tokio's blocking pool.
 /// - **Cancel-safe**: dropping a future (a cancelled task, `tokio::time::timeout`, a `select!`
@@ -188,7 +189,7 @@ impl AsyncConnection {
         let stop = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             waiters: driver::Waiters::default(),
-            spin: spin::Spin::new(conn.options().async_spin),
+            spin: Spin::new(conn.options().spin),
             words: scratch::Words::new(conn.pd(), 8),
             stop: stop.clone(),
             driver_alive: std::sync::atomic::AtomicBool::new(false),

@@ -14,7 +14,6 @@ mod op;
 mod reactor;
 mod remote;
 mod scratch;
-mod spin;
 mod wire;
 
 use std::mem::ManuallyDrop;
@@ -38,7 +37,7 @@ pub(crate) struct Shared {
     /// Dropped in `Drop`, possibly on the blocking pool.
     conn: ManuallyDrop<Connection>,
     waiters: driver::Waiters,
-    spin: spin::Spin,
+    spin: crate::transfer::spin::Spin,
     words: Arc<scratch::Words>,
     /// Ends the driver task.
     stop: Arc<Notify>,

@@ -1,18 +1,19 @@
-//! The short, adaptive poll a future makes before it sleeps.
+//! The short, adaptive poll a wait makes before it sleeps: an async future's, and a blocking
+//! wait's in [`WaitMode::Event`](crate::transfer::WaitMode::Event).
 //!
-//! Sleeping costs a completion-channel event, a reactor wake-up and a task switch: several
-//! microseconds on real hardware, far more than a small RDMA operation takes. So a future whose
-//! request is not complete at its first poll polls the CQ for a while first. How long adapts per
-//! connection and per queue: an average of how long recent operations that had to wait took from
-//! that first poll to their completion, times 1.5,
-//! capped at [`Options::async_spin`](crate::transfer::Options::async_spin). Operations that
-//! take longer than the cap (a receive waiting for a quiet peer) stop spinning altogether, so
-//! an idle server sleeps instead of burning its executor thread.
+//! Sleeping costs a completion-channel event and a wake-up (for a future also a reactor turn
+//! and a task switch): several microseconds on real hardware, far more than a small RDMA
+//! operation takes. So a wait whose request is not complete at its first poll polls the CQ for
+//! a while first. How long adapts per connection and per queue: an average of how long recent
+//! operations that had to wait took from that first poll to their completion, times 1.5,
+//! capped at [`Options::spin`](crate::transfer::Options::spin). Operations that take longer
+//! than the cap (a receive waiting for a quiet peer) stop spinning altogether, so an idle
+//! server sleeps instead of burning a core.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The longest [`Options::async_spin`](crate::transfer::Options::async_spin) is honoured.
+/// The longest [`Options::spin`](crate::transfer::Options::spin) is honoured.
 pub(crate) const MAX_SPIN: Duration = Duration::from_millis(1);
 
 pub(crate) struct Spin {
@@ -29,7 +30,8 @@ pub(crate) struct Spin {
 
 impl Spin {
     pub(crate) fn new(cap: Duration) -> Spin {
-        // Spinning holds an executor thread: never longer than MAX_SPIN, whatever was asked.
+        // Spinning holds a thread (an executor's, for a future): never longer than MAX_SPIN,
+        // whatever was asked.
         let cap_ns = u64::try_from(cap.min(MAX_SPIN).as_nanos()).unwrap_or(u64::MAX);
         // Start in the middle: the first operations spin, and the average settles from there.
         Spin {
