@@ -344,6 +344,21 @@ impl From<Error> for std::io::Error {
     }
 }
 
+/// An I/O error of the caller's own (a file read, a socket), so `?` works on it in a function
+/// that returns [`crate::Result`]: [`Error::Io`], with `what` saying only that it was I/O.
+///
+/// ```
+/// fn load(path: &str) -> mralloc::Result<Vec<u8>> {
+///     Ok(std::fs::read(path)?)
+/// }
+/// assert!(matches!(load("/no/such/file"), Err(mralloc::Error::Io { .. })));
+/// ```
+impl From<std::io::Error> for Error {
+    fn from(source: std::io::Error) -> Error {
+        Error::Io { what: "I/O".into(), source }
+    }
+}
+
 /// Why a connection was found dead ([`Error::Disconnected`]). mralloc watches every connection
 /// from one background thread: its setup TCP stream (a peer process that exits or drops the
 /// connection closes it), its RDMA CM events, the device's asynchronous events and, if asked
