@@ -111,7 +111,10 @@ def api_of(json_path):
         return ""
 
     def path_of(p):
-        return p["path"] + generic_args(p.get("args"))
+        # The full path where rustdoc knows it (`Error` could be the crate's or std::io's).
+        known = paths.get(str(p.get("id")))
+        name = "::".join(known["path"]) if known else p["path"]
+        return name + generic_args(p.get("args"))
 
     def bounds(bs):
         r = []
@@ -207,14 +210,14 @@ def api_of(json_path):
             v = im["inner"]["impl"]
             if v["is_synthetic"] or v["blanket_impl"]:
                 if v["is_synthetic"] and v["trait"] and v["trait"]["path"] in ("Send", "Sync") and not v["is_negative"]:
-                    out.add(f"impl {path}: {v['trait']['path']} (auto)")
+                    out.add(f"impl {v['trait']['path']} for {ty(v['for'])} (auto)")
                 continue
             if v["trait"] is None:
                 impl_items(path, v, True)
             else:
                 neg = "!" if v["is_negative"] else ""
                 tr = path_of(v["trait"])
-                out.add(f"impl{generics(v['generics'])} {path}: {neg}{tr}")
+                out.add(f"impl{generics(v['generics'])} {neg}{tr} for {ty(v['for'])}")
                 # The crate's own traits: their items are part of the surface.
                 if str(v["trait"]["id"]) in index:
                     impl_items(f"<{path} as {v['trait']['path']}>", v, False)
