@@ -1,10 +1,14 @@
 //! Instructions per alloc+free pair, for `scripts/bench-alloc`'s profile (issue: the allocator's
 //! fast path at the floor). Not a criterion bench: `scripts/bench-alloc` runs it under valgrind's
 //! callgrind (`--toggle-collect` on the measured loop only) once per allocator and size, and
-//! divides the instruction count by the number of pairs. Instruction counts, unlike times, do
+//! divides the instruction count by the number of objects. Instruction counts, unlike times, do
 //! not depend on what else the machine is doing.
 //!
-//!     pair_insns <heap|jemalloc|glibc|mimalloc> <size> <pairs>
+//!     pair_insns <heap|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]
+//!
+//! `pair` (the default) allocates and frees one object at a time; `batch` allocates 1000
+//! objects, then frees them in the same order (as benches/alloc.rs's `batch1000`), `objects`
+//! / 1000 times.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -13,12 +17,15 @@ use allocator_api2::alloc::Allocator;
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
 
+/// Objects live at once in `batch` mode.
+const BATCH: usize = 1000;
+
 /// The measured loop (callgrind collects inside this function only; never inlined so that
 /// `--toggle-collect=pair_insns::measured*` finds it).
 #[inline(never)]
-fn measured(pairs: u64, mut pair: impl FnMut()) {
-    for _ in 0..pairs {
-        pair();
+fn measured(rounds: u64, mut round: impl FnMut()) {
+    for _ in 0..rounds {
+        round();
     }
 }
 
@@ -28,44 +35,65 @@ fn main() {
     if args.iter().any(|a| a == "--bench") || args.is_empty() {
         return;
     }
-    let (who, size, pairs) = match &args[..] {
-        [w, s, p] => (w.as_str(), s.parse::<usize>().expect("size"), p.parse::<u64>().expect("pairs")),
-        _ => {
-            eprintln!("usage: pair_insns <heap|jemalloc|glibc|mimalloc> <size> <pairs>");
-            std::process::exit(2);
-        }
+    let usage = || -> ! {
+        eprintln!("usage: pair_insns <heap|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]");
+        std::process::exit(2);
     };
+    let (who, size, objects, batch) = match &args[..] {
+        [w, s, p] => (w.as_str(), s, p, false),
+        [w, s, p, m] if m == "pair" || m == "batch" => (w.as_str(), s, p, m == "batch"),
+        _ => usage(),
+    };
+    let (size, objects) = (size.parse::<usize>().expect("size"), objects.parse::<u64>().expect("objects"));
     let layout = Layout::from_size_align(size, 8).expect("layout");
     let heap = Heap::builder().build().expect("a scoped heap");
-    // Warm-up outside the measured loop: thread caches, the first chunk, the front's magazines.
-    let warm = |f: &mut dyn FnMut()| (0..10_000).for_each(|_| f());
-    // SAFETY (all arms): each pair frees exactly the block it allocated, with its layout.
-    let mut heap_pair = || unsafe {
-        let p = heap.allocate(black_box(layout)).expect("heap allocation");
-        heap.deallocate(black_box(p).cast(), layout);
-    };
-    let mut je_pair = || unsafe {
-        let p = Jemalloc.alloc(black_box(layout));
-        Jemalloc.dealloc(black_box(p), layout);
-    };
-    let mut glibc_pair = || unsafe {
-        let p = System.alloc(black_box(layout));
-        System.dealloc(black_box(p), layout);
-    };
-    let mut mi_pair = || unsafe {
-        let p = mimalloc::MiMalloc.alloc(black_box(layout));
-        mimalloc::MiMalloc.dealloc(black_box(p), layout);
-    };
-    let pair: &mut dyn FnMut() = match who {
-        "heap" => &mut heap_pair,
-        "jemalloc" => &mut je_pair,
-        "glibc" => &mut glibc_pair,
-        "mimalloc" => &mut mi_pair,
-        other => {
-            eprintln!("pair_insns: unknown allocator {other}");
-            std::process::exit(2);
+    // SAFETY (every arm): `free` gets a block `alloc` returned, with its layout, once; the
+    // layouts have a non-zero size.
+    unsafe {
+        match who {
+            "heap" => run(
+                || heap.allocate(black_box(layout)).expect("heap allocation").as_ptr().cast(),
+                |p| heap.deallocate(std::ptr::NonNull::new_unchecked(p), layout),
+                objects,
+                batch,
+            ),
+            "jemalloc" => run(|| Jemalloc.alloc(black_box(layout)), |p| Jemalloc.dealloc(p, layout), objects, batch),
+            "glibc" => run(|| System.alloc(black_box(layout)), |p| System.dealloc(p, layout), objects, batch),
+            "mimalloc" => run(
+                || mimalloc::MiMalloc.alloc(black_box(layout)),
+                |p| mimalloc::MiMalloc.dealloc(p, layout),
+                objects,
+                batch,
+            ),
+            other => {
+                eprintln!("pair_insns: unknown allocator {other}");
+                std::process::exit(2);
+            }
         }
-    };
-    warm(pair);
-    measured(pairs, pair);
+    }
+}
+
+/// Warms up, then runs the measured loop: `objects` pairs, or `objects / BATCH` batches.
+///
+/// # Safety
+/// `free` takes any block `alloc` returned (once).
+unsafe fn run(alloc: impl Fn() -> *mut u8, free: impl Fn(*mut u8), objects: u64, batch: bool) {
+    // Warm-up outside the measured loop: thread caches, the first chunk, the front's magazines.
+    if batch {
+        let mut live = Vec::with_capacity(BATCH);
+        let mut round = || {
+            for _ in 0..BATCH {
+                live.push(black_box(alloc()));
+            }
+            for p in live.drain(..) {
+                free(p);
+            }
+        };
+        (0..10).for_each(|_| round());
+        measured(objects / BATCH as u64, round);
+    } else {
+        let pair = || free(black_box(alloc()));
+        (0..10_000).for_each(|_| pair());
+        measured(objects, pair);
+    }
 }
