@@ -326,6 +326,12 @@ fn fork_with_a_live_heap_leaves_the_child_working() {
     let heap = Heap::builder().build().unwrap();
     let mut b = heap.alloc(1 << 20).unwrap();
     b.fill(0x11);
+    // This thread's front cache for the heap, the last it used, keeps a u64's block: the
+    // child's first allocation must still be refused (check 10).
+    let word = std::alloc::Layout::new::<u64>();
+    let p = heap.allocate(word).unwrap();
+    // SAFETY: allocated just above with this layout, freed once.
+    unsafe { heap.deallocate(p.cast(), word) };
     let live = heap.stats().live_bytes;
     // SAFETY: this process runs one test thread (the main thread only waits for it); the child
     // runs Rust code in the only thread it has, then _exits without unwinding into libtest.
@@ -363,6 +369,11 @@ fn children_get_copies() -> bool {
 
 /// What the forked child checks; 0 when all held, else the number of the check that failed.
 fn child_after_fork(heap: &Heap, buf: &mralloc::Buffer, live: u64) -> i32 {
+    // 10. The parent's heap refuses the child's first allocation, though the thread cache the
+    // child copied holds a block of that size and was the last one used.
+    if heap.allocate(std::alloc::Layout::new::<u64>()).is_ok() {
+        return 10;
+    }
     let data = buf.as_ptr();
     // 1. The heap's metadata came along: its statistics answer, unchanged.
     if heap.stats().live_bytes != live {
@@ -479,6 +490,12 @@ fn fork_child_reads_the_parents_typed_values() {
     ] {
         assert!(chunk_of(p).is_some(), "{p:?} is outside the heap's chunks");
     }
+    // This thread's front cache for the heap, the last it used, keeps a u64's block: the
+    // child's first allocation must still be refused (check 10).
+    let word = std::alloc::Layout::new::<u64>();
+    let p = heap.allocate(word).unwrap();
+    // SAFETY: allocated just above with this layout, freed once.
+    unsafe { heap.deallocate(p.cast(), word) };
     let live = heap.stats().live_bytes;
     // SAFETY: this process runs one test thread (the main thread only waits for it); the child
     // runs Rust code in the only thread it has, then _exits without unwinding into libtest.
@@ -601,20 +618,37 @@ fn the_thread_cache_keeps_at_most_its_bound() {
     assert!(s.thread_cached_bytes <= 256 << 10, "{}", s.thread_cached_bytes);
     assert_eq!(s.live_bytes, 0);
 
-    // Within it, a small class's magazine (64 objects of 64 B) overflows: each time it is full,
-    // its older half goes back to jemalloc and the freed object is kept. After 1000 frees it
-    // holds some, never a full magazine's worth (which is what keeping the first 64 and handing
-    // every later one straight back would leave).
+    // Within it, a small class's magazine (at most 2048 objects of 64 B) overflows: each time
+    // it is full, its older half goes back to jemalloc and the freed object is kept. After 5000
+    // frees it holds some, never a full magazine's worth (which is what keeping the first 2048
+    // and handing every later one straight back would leave).
     let fresh = Heap::builder().thread_cache(256 << 10).build().unwrap();
-    let small: Vec<_> = (0..1000).map(|_| fresh.alloc(64).unwrap()).collect();
+    let small: Vec<_> = (0..5000).map(|_| fresh.alloc(64).unwrap()).collect();
     let live = fresh.stats().jemalloc_allocated;
     drop(small);
     let s = fresh.stats();
-    assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes < 64 * 64, "{}", s.thread_cached_bytes);
+    assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes < 2048 * 64, "{}", s.thread_cached_bytes);
     // What left the magazine went back to jemalloc (its own thread cache counts as allocated).
     if let (Some(live), Some(now)) = (live, s.jemalloc_allocated) {
         assert!(now < live, "jemalloc counts {now} bytes after the frees, {live} before");
     }
+
+    // The budget is room the size classes reserve as they fill: room a class reserved and no
+    // longer uses goes to a class that needs it. 16 objects of 16 KiB reserve all 256 KiB;
+    // once they are allocated again, 1 KiB objects are kept in their place.
+    let moving = Heap::builder().thread_cache(256 << 10).build().unwrap();
+    let big: Vec<_> = (0..16).map(|_| moving.alloc(16 << 10).unwrap()).collect();
+    drop(big);
+    assert_eq!(moving.stats().thread_cached_bytes, 256 << 10);
+    let big: Vec<_> = (0..16).map(|_| moving.alloc(16 << 10).unwrap()).collect();
+    assert_eq!(moving.stats().thread_cached_bytes, 0);
+    let small: Vec<_> = (0..64).map(|_| moving.alloc(1024).unwrap()).collect();
+    drop(small);
+    assert_eq!(moving.stats().thread_cached_bytes, 64 << 10, "the 16 KiB class's unused room went to 1 KiB");
+    // The budget is full again (64 KiB kept, the 16 KiB class holds room for 12): 16 more
+    // frees of 16 KiB keep 12 and send 4 to jemalloc.
+    drop(big);
+    assert_eq!(moving.stats().thread_cached_bytes, 256 << 10);
 
     let off = Heap::builder().thread_cache(0).build().unwrap();
     let b = off.alloc(64).unwrap();

@@ -146,6 +146,8 @@ static INSTALL_AT_LOAD: extern "C" fn() = {
 
 extern "C" fn child() {
     GENERATION.fetch_add(1, Ordering::Relaxed);
+    // The scoped heaps' fast path finds the last front cache used without a generation check.
+    crate::heap::forget_fronts_in_child();
     // Only where the parent's registered memory is not in the child (older kernels): holds
     // its place with inaccessible reservations. No allocation, no lock.
     holes::reserve_fork_holes();

@@ -6,19 +6,44 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use crate::heap::scoped::{free_in, Heap};
+use crate::heap::scoped::{free_any, free_small, Heap};
 
 use allocator_api2::alloc::AllocError;
 
-/// `Allocator::allocate` past the front cache (kept out of line: it is the slow path).
+/// `Allocator::allocate` past the front cache's fast path (kept out of line: it is the slow
+/// path): a fork()ed child's refusal, zero sizes, the front for any layout, the arena.
 #[inline(never)]
-fn allocate_arena(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+    if !heap.born.here() {
+        return Err(AllocError); // a parent's heap in a fork()ed child
+    }
+    if layout.size() == 0 {
+        // Zero-sized: a dangling, well-aligned pointer (never passed to jemalloc).
+        let p = NonNull::new(layout.align() as *mut u8).ok_or(AllocError)?;
+        return Ok(NonNull::slice_from_raw_parts(p, 0));
+    }
+    if let Some(p) = heap.take_any(layout) {
+        return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
+    }
     match heap.raw_alloc_arena(layout, false) {
         Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
         Err(e) => {
             tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());
             Err(AllocError)
         }
+    }
+}
+
+/// `Allocator::deallocate` past the front cache's fast path.
+///
+/// # Safety
+/// As `Allocator::deallocate`.
+#[inline(never)]
+unsafe fn deallocate_any(heap: &Heap, ptr: NonNull<u8>, layout: Layout) {
+    if layout.size() != 0 && heap.born.here() {
+        // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
+        // is this handle's copy of the record's; the generation was checked.
+        unsafe { free_any(heap.id, heap.shared, ptr, layout) };
     }
 }
 
@@ -29,27 +54,19 @@ fn allocate_arena(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocErr
 unsafe impl allocator_api2::alloc::Allocator for Heap {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if !self.born.here() {
-            return Err(AllocError); // a parent's heap in a fork()ed child
+        match self.take_small(layout) {
+            Some(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
+            None => allocate_any(self, layout),
         }
-        if layout.size() != 0 {
-            if let Some(p) = self.take_cached(layout, false) {
-                return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
-            }
-        } else {
-            // Zero-sized: a dangling, well-aligned pointer (never passed to jemalloc).
-            let p = NonNull::new(layout.align() as *mut u8).ok_or(AllocError)?;
-            return Ok(NonNull::slice_from_raw_parts(p, 0));
-        }
-        allocate_arena(self, layout)
     }
 
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() != 0 && self.born.here() {
-            // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
-            // is this handle's copy of the record's.
-            unsafe { free_in(self.id, self.shared, ptr, layout) };
+        // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id is
+        // this handle's copy of the record's.
+        if !unsafe { free_small(self.id, self.shared, ptr, layout) } {
+            // SAFETY: as above.
+            unsafe { deallocate_any(self, ptr, layout) }
         }
     }
 }

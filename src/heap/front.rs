@@ -1,5 +1,5 @@
 //! The front cache of a scoped heap: per thread, per heap, one magazine of free objects per
-//! size class, in front of jemalloc.
+//! size class ([`crate::heap::classes`]), in front of jemalloc.
 //!
 //! jemalloc's path for an explicit arena and thread cache (`mallocx` with flags) costs several
 //! times its plain `malloc`. A freed object therefore goes into the freeing thread's magazine
@@ -8,95 +8,39 @@
 //! on another thread than the one that allocated them go into the freeing thread's magazine, as
 //! jemalloc's own thread caches do: no lock on either path.
 //!
-//! Bounds: each class keeps at most [`cap_of`] objects; a full magazine hands half of them back
-//! to jemalloc at once. Over all classes a thread keeps at most the heap's
-//! [`crate::heap::HeapBuilder::thread_cache`] bytes; a free beyond that goes to jemalloc. What
-//! is kept shows in [`crate::heap::HeapStats::thread_cached_bytes`]. Thread exit and the heap's
-//! teardown return everything to jemalloc.
-//!
-//! The classes are jemalloc's (a quantum of 16 bytes, four classes per doubling, as upstream
-//! jemalloc sizes small and large blocks alike). Every request the front could keep — up to
-//! [`MAX_CACHED`] bytes, no alignment flag — is allocated from jemalloc as its class size and
-//! freed with that size ([`alloc_size`]), whether or not a front cache exists on the thread and
-//! whatever jemalloc's own size classes are: an object kept under a class is exactly what
-//! `mallocx(class size)` returned and serves any request of that class. (This jemalloc build
-//! sizes large blocks by the page unless its `malloc_conf` says `disable_large_size_classes:false`;
-//! rounding here keeps the front correct either way. It does not change how this build grows
-//! an arena under page sizing: each large block cut from fresh memory is taken at the next
-//! class of its size plus a page, the rest parked; see `conf.rs`.)
+//! The fast path is one store per operation on the magazine (its length), plus the thread's
+//! live-byte counter: the byte budget is kept in counts. Each magazine has room for `cap`
+//! objects; its room grows (doubling, up to [`cap_of`] objects: 256 KiB worth, at most
+//! [`MAX_CAP`]) only on the slow path, where the room every class holds is charged against the
+//! thread's budget ([`crate::heap::HeapBuilder::thread_cache`]): the bytes kept never exceed
+//! the room reserved, which never exceeds the budget. Once the budget is used up, a class that
+//! needs room takes back what other classes reserve but do not hold; if none is left, the free
+//! goes to jemalloc. A magazine at its class's most hands its older half back to jemalloc when
+//! it is full, and keeps the freed object. The bytes kept are derived when statistics ask
+//! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
+//! everything to jemalloc.
 
 use std::cell::Cell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 
 use tikv_jemalloc_sys as je;
 
-/// The largest size the front caches.
-pub(crate) const MAX_CACHED: usize = 1 << 20;
-/// Size classes up to [`MAX_CACHED`]: 8, 16, 32, 48, 64, then four per doubling up to 1 MiB.
-pub(crate) const NCLASSES: usize = class_of(MAX_CACHED).0 + 1;
+use crate::heap::classes::{Class, NCLASSES};
+
 /// Default of [`crate::heap::HeapBuilder::thread_cache`]: bytes a thread may keep per heap.
 pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
 
-/// The size class of `size` (1..=[`MAX_CACHED`]): its index and size. A quantum of 16 bytes and
-/// four classes per doubling, small and large alike (upstream jemalloc's classes).
-#[inline]
-pub(crate) const fn class_of(size: usize) -> (usize, usize) {
-    if size <= 16 {
-        return if size <= 8 { (0, 8) } else { (1, 16) };
-    }
-    // 2^lg < size <= 2^(lg + 1).
-    let lg = (usize::BITS - 1 - (size - 1).leading_zeros()) as usize;
-    if lg < 6 {
-        // (16, 64]: one class per quantum (32, 48, 64).
-        let c = (size + 15) & !15;
-        return (c / 16, c);
-    }
-    // Four classes per doubling: 5/4, 6/4, 7/4 and 8/4 of 2^lg.
-    let shift = lg - 2;
-    let quarters = ((size - 1) >> shift) + 1;
-    (5 + (lg - 6) * 4 + (quarters - 5), quarters << shift)
-}
-
-/// The size a scoped heap asks jemalloc for, and frees with, for a request of `size` bytes
-/// (> 0) with alignment flag `align_flag`: the class size for what a front cache could keep, the
-/// size itself otherwise. Independent of the thread's front (or its absence), so memory
-/// allocated on one thread is freed with the same size on any other.
-#[inline(always)]
-pub(crate) fn alloc_size(size: usize, align_flag: libc::c_int) -> usize {
-    cacheable_class(size, align_flag).map_or(size, |(_, class)| class)
-}
-
-/// The class (index, size) of a request a front cache could keep (up to [`MAX_CACHED`] bytes,
-/// no alignment flag); `None` for any other. The one rule both [`alloc_size`] and
-/// [`Front::class_for`] follow.
-#[inline(always)]
-fn cacheable_class(size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
-    (align_flag == 0 && size <= MAX_CACHED).then(|| class_fast(size))
-}
-
-/// Whether jemalloc hands out exactly [`class_of`]'s sizes for every class (`nallocx`): not
-/// needed for correctness (see [`alloc_size`]), but if jemalloc rounds a class up (another page
-/// size, another build), the difference is memory no request uses; logged once as a warning.
-pub(crate) fn check_classes_once() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        // SAFETY: nallocx only computes a size.
-        let odd = (0..NCLASSES).map(class_size).find(|&c| unsafe { je::nallocx(c, 0) } != c);
-        if let Some(c) = odd {
-            tracing::warn!(
-                "jemalloc rounds the {c}-byte size class up to {} bytes: scoped heaps waste the difference",
-                // SAFETY: as above.
-                unsafe { je::nallocx(c, 0) }
-            );
-        }
-    });
-}
-
 /// The most objects a magazine keeps.
-const MAX_CAP: usize = 64;
+const MAX_CAP: usize = 2048;
+/// The room a magazine starts with (or its class's most, if smaller).
+const FIRST_CAP: usize = 8;
+/// After taking room back from other classes found none, this many frees that need room skip
+/// the search (they go to jemalloc) before it is tried again.
+const RECLAIM_BACKOFF: u32 = 64;
 
-/// How many objects of `class_size` a magazine keeps: 256 KiB worth, between 1 and [`MAX_CAP`].
+/// How many objects of `class_size` a magazine keeps at most: 256 KiB worth, between 1 and
+/// [`MAX_CAP`].
 pub(crate) const fn cap_of(class_size: usize) -> usize {
     let n = (256 << 10) / class_size;
     if n > MAX_CAP {
@@ -108,116 +52,75 @@ pub(crate) const fn cap_of(class_size: usize) -> usize {
     }
 }
 
-/// Size of each class, by index.
-static CLASS_SIZE: [usize; NCLASSES] = {
-    let mut t = [0; NCLASSES];
-    let mut i = 0;
-    while i < NCLASSES {
-        t[i] = class_size(i);
-        i += 1;
-    }
-    t
-};
-
-/// Class index of the sizes up to [`SMALL_MAX`], in steps of 8 bytes: `SMALL_INDEX[(size + 7) / 8]`.
-/// One load instead of [`class_of`]'s arithmetic for the sizes allocated most often.
-static SMALL_INDEX: [u8; SMALL_MAX / 8 + 1] = {
-    let mut t = [0u8; SMALL_MAX / 8 + 1];
-    let mut i = 1;
-    while i <= SMALL_MAX / 8 {
-        t[i] = class_of(i * 8).0 as u8;
-        i += 1;
-    }
-    t
-};
-const SMALL_MAX: usize = 4096;
-
-/// [`class_of`], through [`SMALL_INDEX`] up to 4 KiB.
-#[inline(always)]
-fn class_fast(size: usize) -> (usize, usize) {
-    if size <= SMALL_MAX {
-        let idx = SMALL_INDEX[(size + 7) >> 3] as usize;
-        (idx, CLASS_SIZE[idx])
-    } else {
-        class_of(size)
-    }
-}
-
 /// One class's stack of free objects: `items[..len]`, at most `cap`.
 struct Magazine {
-    items: *mut NonNull<u8>,
-    len: Cell<u32>,
-    cap: u32,
+    /// `room` slots (from a `Vec`'s raw parts), or dangling while `room` is 0.
+    items: Cell<*mut NonNull<u8>>,
+    /// Objects kept. Written by the front's thread only; read by others for statistics.
+    len: AtomicU32,
+    /// Objects the magazine may hold: its share of the thread's budget (`cap <= room`).
+    cap: Cell<u32>,
 }
 
 /// One thread's front cache for one heap. Only its thread changes it (through `&Front`: the
-/// magazines are `Cell`s); other threads read the two atomic counters, only under the heap's
-/// registry lock (which this front is freed under), and flush it at teardown
-/// ([`Front::flush_all`]) when its thread is gone or can no longer use the heap.
+/// magazines are `Cell`s); other threads read the atomic counters (the live bytes and each
+/// magazine's length), only under the heap's registry lock (which this front is freed under),
+/// and flush it at teardown ([`Front::flush_all`]) when its thread is gone or can no longer use
+/// the heap.
 #[repr(align(128))] // the counters of two threads' fronts never share a cache line
 pub(crate) struct Front {
     /// Bytes this thread handed out minus bytes it freed, for this heap. One writer (the thread,
     /// load + store); the registry sums it under its lock.
     live: AtomicI64,
-    /// Bytes kept in the magazines (one writer, read for statistics).
-    bytes: AtomicUsize,
-    /// The bound on `bytes`; 0 turns the cache off.
+    mags: [Magazine; NCLASSES],
+    /// Slots allocated for each magazine's `items`.
+    room: [Cell<u32>; NCLASSES],
+    /// Bytes the magazines' `cap`s add up to (at most `limit`).
+    reserved: Cell<usize>,
+    /// The thread's budget in bytes; 0 turns the cache off.
     limit: usize,
+    /// Frees left to send past the magazines before searching for room again.
+    backoff: Cell<u32>,
     /// The thread's jemalloc tcache for the heap (`MALLOCX_TCACHE` flag ready to use).
     pub(crate) tcache_flag: libc::c_int,
     /// Its index (for `tcache.flush`, and `tcache.destroy` when the slot dies).
     pub(crate) tcache: u32,
-    mags: Box<[Magazine]>,
-    /// The storage every magazine's `items` points into: owned through this raw pointer (from
-    /// `Box::into_raw`, freed in `Drop`), so that moving the front does not retag it.
-    slots: NonNull<[NonNull<u8>]>,
 }
 
 impl Drop for Front {
     fn drop(&mut self) {
-        // SAFETY: `slots` came from Box::into_raw in `new` and is freed only here.
-        drop(unsafe { Box::from_raw(self.slots.as_ptr()) });
+        for (m, room) in self.mags.iter().zip(&self.room) {
+            if room.get() > 0 {
+                // SAFETY: `items` and `room` are a Vec's pointer and capacity (see `resize`),
+                // freed only here; the objects they point to are not owned by the slots.
+                drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, room.get() as usize) });
+            }
+        }
     }
 }
 
 impl Front {
     pub(crate) fn new(tcache: u32, limit: usize) -> Front {
-        // A disabled cache (bound 0) has no magazines: `class_for` sends everything past it.
-        let n = if limit == 0 { 0 } else { NCLASSES };
-        let total: usize = (0..n).map(|i| cap_of(class_size(i))).sum();
-        let slots = NonNull::from(Box::leak(vec![NonNull::<u8>::dangling(); total].into_boxed_slice()));
-        let base = slots.as_ptr().cast::<NonNull<u8>>();
-        let mut at = 0;
-        let mags = (0..n)
-            .map(|i| {
-                let cap = cap_of(class_size(i));
-                // SAFETY: at + cap <= total: the caps are summed in the same order.
-                let items = unsafe { base.add(at) };
-                at += cap;
-                Magazine { items, len: Cell::new(0), cap: cap as u32 }
-            })
-            .collect();
         Front {
             live: AtomicI64::new(0),
-            bytes: AtomicUsize::new(0),
+            mags: std::array::from_fn(|_| Magazine {
+                items: Cell::new(NonNull::dangling().as_ptr()),
+                len: AtomicU32::new(0),
+                cap: Cell::new(0),
+            }),
+            room: std::array::from_fn(|_| Cell::new(0)),
+            reserved: Cell::new(0),
             limit,
+            backoff: Cell::new(0),
             tcache_flag: je::MALLOCX_TCACHE(tcache as usize),
             tcache,
-            mags,
-            slots,
         }
     }
 
-    /// The class (index, size) under which this cache serves a request of `size` bytes whose
-    /// jemalloc alignment flag is `align_flag`; `None`: not cached, the request takes the plain
-    /// path (where it is still allocated as [`alloc_size`]). A disabled cache (bound 0) serves
-    /// nothing.
     #[inline(always)]
-    pub(crate) fn class_for(&self, size: usize, align_flag: libc::c_int) -> Option<(usize, usize)> {
-        if self.limit == 0 {
-            return None;
-        }
-        cacheable_class(size, align_flag)
+    fn mag(&self, class: Class) -> &Magazine {
+        // SAFETY: a Class's index is below NCLASSES (classes.rs makes no other).
+        unsafe { self.mags.get_unchecked(class.index()) }
     }
 
     /// This thread's live-byte counter, for [`add_live`].
@@ -231,63 +134,121 @@ impl Front {
         self.live.load(Ordering::Acquire)
     }
 
-    /// Bytes kept (read under the registry lock).
+    /// Bytes kept (read under the registry lock): each magazine's length times its class size.
     pub(crate) fn cached(&self) -> usize {
-        self.bytes.load(Ordering::Relaxed)
+        Class::all().map(|c| self.mag(c).len.load(Ordering::Relaxed) as usize * c.size()).sum()
     }
 
+    /// A kept object of `class`, if any.
     #[inline(always)]
-    fn add_bytes(&self, delta: isize) {
-        self.bytes.store(self.bytes.load(Ordering::Relaxed).wrapping_add_signed(delta), Ordering::Relaxed);
+    pub(crate) fn take(&self, class: Class) -> Option<NonNull<u8>> {
+        let m = self.mag(class);
+        let len = m.len.load(Ordering::Relaxed).checked_sub(1)?;
+        m.len.store(len, Ordering::Relaxed);
+        // SAFETY: len < the old length <= room, and items[..old length] were written by `keep`.
+        Some(unsafe { *m.items.get().add(len as usize) })
     }
 
-    /// A kept object of class `idx` (of `class_size` bytes), if any.
+    /// Keeps `p`, an object of `class`; `false`: not kept (the caller frees it to jemalloc).
     #[inline(always)]
-    pub(crate) fn take(&self, idx: usize, class_size: usize) -> Option<NonNull<u8>> {
-        let m = &self.mags[idx];
-        let len = m.len.get().checked_sub(1)?;
-        m.len.set(len);
-        // SAFETY: len < cap, and items[..=len] were written by `keep`.
-        let p = unsafe { *m.items.add(len as usize) };
-        self.add_bytes(-(class_size as isize));
-        Some(p)
-    }
-
-    /// Keeps `p`, an object of class `idx`; gives it back if the cache is full (the caller frees
-    /// it to jemalloc). A full magazine first hands half of its objects back to jemalloc.
-    #[inline(always)]
-    pub(crate) fn keep(&self, idx: usize, class_size: usize, p: NonNull<u8>) -> Option<NonNull<u8>> {
-        if self.bytes.load(Ordering::Relaxed) + class_size > self.limit {
-            return Some(p);
+    pub(crate) fn keep(&self, class: Class, p: NonNull<u8>) -> bool {
+        let m = self.mag(class);
+        let len = m.len.load(Ordering::Relaxed);
+        if len >= m.cap.get() {
+            return self.keep_slow(class, p);
         }
-        let m = &self.mags[idx];
-        if m.len.get() >= m.cap {
-            self.halve(m, class_size);
+        // SAFETY: len < cap <= room slots.
+        unsafe { m.items.get().add(len as usize).write(p) };
+        m.len.store(len + 1, Ordering::Relaxed);
+        true
+    }
+
+    /// [`Front::keep`] for a full magazine (`len == cap`): more room from the budget, else room
+    /// other classes do not use, else `false`; a magazine at its class's most ([`cap_of`])
+    /// hands its older half back to jemalloc instead.
+    #[cold]
+    #[inline(never)]
+    fn keep_slow(&self, class: Class, p: NonNull<u8>) -> bool {
+        if self.limit == 0 {
+            return false;
         }
-        let len = m.len.get();
-        // SAFETY: len < cap after `halve`, and items has cap slots.
-        unsafe { m.items.add(len as usize).write(p) };
-        m.len.set(len + 1);
-        self.add_bytes(class_size as isize);
-        None
+        let (m, size) = (self.mag(class), class.size());
+        let (len, cap) = (m.len.load(Ordering::Relaxed) as usize, m.cap.get() as usize);
+        debug_assert_eq!(len, cap);
+        let most = cap_of(size);
+        if cap < most {
+            let mut spare = (self.limit - self.reserved.get()) / size;
+            if spare == 0 && self.backoff.get() == 0 {
+                spare = self.reclaim() / size;
+                if spare == 0 {
+                    self.backoff.set(RECLAIM_BACKOFF);
+                }
+            } else if spare == 0 {
+                self.backoff.set(self.backoff.get() - 1);
+            }
+            let new_cap = (cap * 2).max(FIRST_CAP).min(most).min(cap + spare);
+            if new_cap > cap && self.resize(class, new_cap) {
+                self.reserved.set(self.reserved.get() + (new_cap - cap) * size);
+                m.cap.set(new_cap as u32);
+                return self.keep(class, p);
+            }
+            // The budget is used up: this free goes to jemalloc.
+            return false;
+        }
+        self.halve(m, len, size);
+        self.keep(class, p)
+    }
+
+    /// Lowers every magazine's room to what it holds, giving the rest back to the budget;
+    /// returns the bytes of budget now unreserved.
+    fn reclaim(&self) -> usize {
+        for c in Class::all() {
+            let m = self.mag(c);
+            let len = m.len.load(Ordering::Relaxed);
+            if m.cap.get() > len {
+                self.reserved.set(self.reserved.get() - (m.cap.get() - len) as usize * c.size());
+                m.cap.set(len);
+            }
+        }
+        self.limit - self.reserved.get()
+    }
+
+    /// Gives `class`'s magazine `cap` slots at least; `false` if the memory for them cannot be
+    /// had (the caller then goes without).
+    fn resize(&self, class: Class, cap: usize) -> bool {
+        let (m, room) = (self.mag(class), &self.room[class.index()]);
+        if room.get() as usize >= cap {
+            return true;
+        }
+        let mut slots = Vec::<NonNull<u8>>::new();
+        if slots.try_reserve_exact(cap).is_err() {
+            return false;
+        }
+        let len = m.len.load(Ordering::Relaxed) as usize;
+        // SAFETY: items[..len] are initialised (by `keep`); the new storage has room for cap >= len.
+        unsafe { std::ptr::copy_nonoverlapping(m.items.get(), slots.as_mut_ptr(), len) };
+        if room.get() > 0 {
+            // SAFETY: the old storage's Vec parts (as in Drop); its slots were copied above.
+            drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, room.get() as usize) });
+        }
+        let mut slots = std::mem::ManuallyDrop::new(slots);
+        m.items.set(slots.as_mut_ptr());
+        room.set(slots.capacity() as u32);
+        true
     }
 
     /// Hands the older half of a full magazine (the bottom of the stack) back to jemalloc, and
     /// keeps the recently freed.
-    #[cold]
-    #[inline(never)]
-    fn halve(&self, m: &Magazine, class_size: usize) {
-        let (len, out) = (m.len.get() as usize, m.cap.div_ceil(2) as usize);
-        let mut victims = [NonNull::<u8>::dangling(); MAX_CAP];
-        // The magazine is settled before jemalloc runs (nothing it calls may see a stale one).
-        // SAFETY: out <= len <= cap <= MAX_CAP; both ranges lie in items[..len].
-        unsafe {
-            std::ptr::copy_nonoverlapping(m.items, victims.as_mut_ptr(), out);
-            std::ptr::copy(m.items.add(out), m.items, len - out);
-        }
-        m.len.set((len - out) as u32);
-        self.add_bytes(-((out * class_size) as isize));
-        self.free_all(&victims[..out], class_size);
+    fn halve(&self, m: &Magazine, len: usize, class_size: usize) {
+        let (out, keep) = (len.div_ceil(2), len / 2);
+        // SAFETY: items[..len] are initialised objects of the magazine, and no other reference
+        // to its slots exists (only this thread touches them).
+        let slots = unsafe { std::slice::from_raw_parts_mut(m.items.get(), len) };
+        // The newer `keep` objects to the bottom, the older `out` above them.
+        slots.rotate_left(out);
+        // The magazine is settled before jemalloc runs: the victims lie above its length.
+        m.len.store(keep as u32, Ordering::Relaxed);
+        self.free_all(&slots[keep..], class_size);
     }
 
     /// Frees objects of `class_size` bytes that left their magazine.
@@ -302,16 +263,16 @@ impl Front {
 
     /// Hands every kept object back to jemalloc (through the thread's tcache, which the caller
     /// destroys next). Called at thread exit or heap teardown, when no thread can reach this
-    /// cache otherwise, and when jemalloc cannot serve a request (the limit or the device).
+    /// cache otherwise, and when jemalloc cannot serve a request (the limit or the device). The
+    /// magazines keep their room.
     pub(crate) fn flush_all(&self) {
-        let mut victims = [NonNull::<u8>::dangling(); MAX_CAP];
-        for (i, m) in self.mags.iter().enumerate() {
+        for c in Class::all() {
+            let m = self.mag(c);
             // Emptied before jemalloc runs, as in `halve`.
-            let len = m.len.replace(0) as usize;
-            // SAFETY: len <= cap <= MAX_CAP, items[..len] were written by `keep`.
-            unsafe { std::ptr::copy_nonoverlapping(m.items, victims.as_mut_ptr(), len) };
-            self.add_bytes(-((len * class_size(i)) as isize));
-            self.free_all(&victims[..len], class_size(i));
+            let len = m.len.swap(0, Ordering::Relaxed) as usize;
+            // SAFETY: items[..len] were written by `keep`; the magazine no longer counts them.
+            let kept = unsafe { std::slice::from_raw_parts(m.items.get(), len) };
+            self.free_all(kept, c.size());
         }
     }
 
@@ -340,44 +301,16 @@ pub(crate) unsafe fn add_live(live: *const AtomicI64, delta: i64) {
     live.store(live.load(Ordering::Relaxed) + delta, Ordering::Release);
 }
 
-/// The size of class `idx`.
-const fn class_size(idx: usize) -> usize {
-    match idx {
-        0 => 8,
-        1..=4 => idx * 16,
-        _ => {
-            let (lg, q) = (6 + (idx - 5) / 4, 5 + (idx - 5) % 4);
-            q << (lg - 2)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn classes_are_jemallocs() {
-        let mut last = (usize::MAX, 0);
-        for size in 1..=MAX_CACHED {
-            let (idx, c) = class_of(size);
-            assert_eq!(class_fast(size), (idx, c), "lookup table at {size}");
-            assert_eq!(alloc_size(size, 0), c, "allocation size of {size}");
-            assert_eq!(class_size(idx), c, "size of class {idx}");
-            // jemalloc hands out exactly the class (its own classes are the same for small
-            // sizes, and large classes are page multiples).
-            // SAFETY: nallocx only computes a size.
-            assert_eq!(unsafe { je::nallocx(c, 0) }, c, "jemalloc's size for class {idx}");
-            if idx != last.0 {
-                assert!(idx == last.0.wrapping_add(1), "classes are numbered densely ({size})");
-                last = (idx, c);
-            }
-        }
-        assert_eq!(last.0, NCLASSES - 1);
-        assert_eq!(alloc_size(MAX_CACHED + 1, 0), MAX_CACHED + 1, "past the front: as asked");
-        assert_eq!(alloc_size(100, 4), 100, "an alignment flag: as asked");
-        assert_eq!(cap_of(64), 64);
+    fn caps() {
+        assert_eq!(cap_of(8), MAX_CAP);
+        assert_eq!(cap_of(64), 2048);
+        assert_eq!(cap_of(4096), 64);
         assert_eq!(cap_of(64 << 10), 4);
-        assert_eq!(cap_of(MAX_CACHED), 1);
+        assert_eq!(cap_of(crate::heap::classes::MAX_CACHED), 1);
     }
 }

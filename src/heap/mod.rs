@@ -16,6 +16,7 @@ mod allocator;
 mod binding;
 mod buffer;
 mod chunk;
+mod classes;
 mod conf;
 #[cfg(test)]
 mod device_tests;
@@ -52,4 +53,5 @@ pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
 pub use scoped::{draining_heaps, Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
 pub use stats::HeapStats;
+pub(crate) use tcache::forget_in_child as forget_fronts_in_child;
 pub use uninit::UninitBuffer;

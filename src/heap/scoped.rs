@@ -10,7 +10,8 @@ use tikv_jemalloc_sys as je;
 use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::heap::buffer::Buffer;
-use crate::heap::front::{add_live, alloc_size, Front, DEFAULT_THREAD_CACHE};
+use crate::heap::classes::{alloc_size, cacheable_class, small_class};
+use crate::heap::front::{add_live, Front, DEFAULT_THREAD_CACHE};
 use crate::heap::keys::{keys_in_slot, Keys};
 use crate::heap::numa::{self, NumaPolicy};
 use crate::heap::owner::{take_hook_error, HookError, Owner};
@@ -117,6 +118,12 @@ impl HeapBuilder {
     /// buffers of the same sizes. Sizes up to 1 MiB with alignment up to 16 are cached. The
     /// memory stays registered and counts in [`HeapStats::thread_cached_bytes`]; it returns to
     /// the heap when the thread exits or the heap is dropped.
+    ///
+    /// A thread never keeps more than `bytes` for the heap. Each size class keeps at most
+    /// 256 KiB worth of objects (and at most 2048), and takes its room from this budget as it
+    /// fills; room a class reserved and no longer uses moves to a class that needs it. A free
+    /// that finds no room left goes to jemalloc; a class at its most hands its older half back
+    /// to jemalloc when it fills up again.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         self.thread_cache = bytes;
         self
@@ -428,15 +435,40 @@ impl Heap {
     /// An object for `layout` (size > 0) from this thread's front cache, if it keeps one.
     #[inline(always)]
     pub(crate) fn take_cached(&self, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
+        let p = match self.take_small(layout) {
+            Some(p) => p,
+            None => self.take_any(layout)?,
+        };
+        if zeroed {
+            // SAFETY: a kept object of a class of at least layout.size() bytes, ours now.
+            unsafe { p.as_ptr().write_bytes(0, layout.size()) };
+        }
+        Some(p)
+    }
+
+    /// The fast path of [`Heap::take_cached`]: a layout [`small_class`] knows, on a thread whose
+    /// last front is this heap's. `None` does not mean the front has nothing: ask
+    /// [`Heap::take_any`]. (No fork-generation check: a fork()ed child's fast path finds no
+    /// front.)
+    #[inline(always)]
+    pub(crate) fn take_small(&self, layout: Layout) -> Option<NonNull<u8>> {
+        let class = small_class(layout)?;
+        // SAFETY: this thread's front for this heap, which lives while we hold a handle.
+        let f = unsafe { tcache::last(self.id)?.as_ref() };
+        let p = f.take(class)?;
+        // SAFETY: this thread's counter for the heap, which our handle keeps alive.
+        unsafe { add_live(f.live_counter(), layout.size() as i64) };
+        Some(p)
+    }
+
+    /// [`Heap::take_cached`] for any layout (size > 0), creating the thread's front if needed.
+    /// The caller has checked the fork generation.
+    #[inline(never)]
+    pub(crate) fn take_any(&self, layout: Layout) -> Option<NonNull<u8>> {
         let size = layout.size();
         // SAFETY: this thread's front for this heap, which lives while we hold a handle.
         let f = unsafe { front(self.id, self.shared)?.as_ref() };
-        let (idx, class) = f.class_for(size, jemalloc::align_flags(layout))?;
-        let p = f.take(idx, class)?;
-        if zeroed {
-            // SAFETY: a kept object of `class` >= size bytes, ours now.
-            unsafe { p.as_ptr().write_bytes(0, size) };
-        }
+        let p = f.take(cacheable_class(size, jemalloc::align_flags(layout))?)?;
         // SAFETY: this thread's counter for the heap, which our handle keeps alive.
         unsafe { add_live(f.live_counter(), size as i64) };
         Some(p)
@@ -627,18 +659,55 @@ pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout:
 /// # Safety
 /// As [`free_raw`], and `id` is the id of the record behind `shared`.
 #[inline(always)]
-pub(crate) unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+unsafe fn free_in(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+    // SAFETY: forwarded.
+    if !unsafe { free_small(id, shared, ptr, layout) } {
+        // SAFETY: forwarded.
+        unsafe { free_any(id, shared, ptr, layout) }
+    }
+}
+
+/// The fast path of [`free_in`]: a layout [`small_class`] knows, on a thread whose last front
+/// is this heap's; `false` (nothing done) for any other. (No fork-generation check: a fork()ed
+/// child's fast path finds no front.)
+///
+/// # Safety
+/// As [`free_in`].
+#[inline(always)]
+pub(crate) unsafe fn free_small(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) -> bool {
+    let Some(class) = small_class(layout) else { return false };
+    let Some(fp) = tcache::last(id) else { return false };
+    // SAFETY: this thread's front for this heap, alive while the allocation being freed is;
+    // the reference is not used after the counter store (after which the heap may be torn
+    // down).
+    let f = unsafe { fp.as_ref() };
+    if f.keep(class, ptr) {
+        let live = f.live_counter();
+        // SAFETY: this thread's counter, alive until this store (the allocation being freed
+        // keeps the heap); no reference to the front is used after it.
+        unsafe { add_live(live, -(layout.size() as i64)) };
+    } else {
+        // SAFETY: forwarded.
+        unsafe { free_arena(id, shared, ptr, layout) };
+    }
+    true
+}
+
+/// [`free_in`] for any layout: the thread's front (created if needed) keeps it if it can, the
+/// arena takes it otherwise. The caller has checked the fork generation.
+///
+/// # Safety
+/// As [`free_in`].
+#[inline(never)]
+pub(crate) unsafe fn free_any(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let size = layout.size();
     if let Some(fp) = front(id, shared) {
-        // SAFETY: this thread's front for this heap, alive while the allocation being freed is;
-        // the reference is not used after the counter store (after which the heap may be torn
-        // down).
+        // SAFETY: as in free_small.
         let f = unsafe { fp.as_ref() };
-        if let Some((idx, class)) = f.class_for(size, jemalloc::align_flags(layout)) {
-            if f.keep(idx, class, ptr).is_none() {
+        if let Some(class) = cacheable_class(size, jemalloc::align_flags(layout)) {
+            if f.keep(class, ptr) {
                 let live = f.live_counter();
-                // SAFETY: this thread's counter, alive until this store (the allocation being
-                // freed keeps the heap); no reference to the front is used after it.
+                // SAFETY: as in free_small.
                 unsafe { add_live(live, -(size as i64)) };
                 return;
             }

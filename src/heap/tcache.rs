@@ -72,7 +72,7 @@ pub(crate) struct Registry {
 
 impl Registry {
     pub(crate) fn new(limit: usize) -> Registry {
-        crate::heap::front::check_classes_once();
+        crate::heap::classes::check_classes_once();
         Registry {
             slots: Mutex::new(Vec::new()),
             closed: Default::default(),
@@ -161,22 +161,39 @@ thread_local! {
 }
 
 /// This thread's front cache for heap `heap` (which holds its tcache and counters), created on
-/// first use. `None` while the thread is exiting (its thread-locals are gone) or if the caches
-/// could not be made (the heap is being dropped, or jemalloc has no tcache left): the caller then
-/// goes without. The front is valid until this thread exits or the heap is torn down.
+/// first use. `None` while the thread is exiting (its thread-locals are gone), in a fork()ed
+/// child of the process that made the heap, or if the caches could not be made (the heap is
+/// being dropped, or jemalloc has no tcache left): the caller then goes without. The front is
+/// valid until this thread exits or the heap is torn down.
 #[inline(always)]
 pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
-    if let Ok((h, front)) = LAST.try_with(Cell::get) {
-        if let Some(f) = NonNull::new(front).filter(|_| h == heap) {
-            return Some(f);
-        }
-    }
-    get_slow(heap, registry)
+    last(heap).or_else(|| get_slow(heap, registry))
+}
+
+/// This thread's front cache for heap `heap` if it is the one this thread used last (one
+/// thread-local read): the fast path's lookup. `None` does not mean there is none: ask [`get`].
+/// Never a front of the parent's in a fork()ed child (see [`forget_in_child`]).
+#[inline(always)]
+pub(crate) fn last(heap: u64) -> Option<NonNull<Front>> {
+    let (h, front) = LAST.try_with(Cell::get).ok()?;
+    // SAFETY: LAST holds either (0, null) or a heap's id (ids start at 1) with a front of this
+    // thread's for it, never null (see `get_slow`, `ThreadCaches::drop`, `forget_in_child`).
+    (h == heap).then(|| unsafe { NonNull::new_unchecked(front) })
+}
+
+/// In a fork()ed child (its only thread is the one that forked): the fast path must not find
+/// the parent's fronts, which serve the parent's heaps; every later lookup takes the slow path,
+/// which refuses them. Called by the fork handler: no allocation, no lock.
+pub(crate) fn forget_in_child() {
+    let _ = LAST.try_with(|c| c.set((0, std::ptr::null_mut())));
 }
 
 #[cold]
 #[inline(never)]
 fn get_slow(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
+    if !registry.born.here() {
+        return None; // a parent's heap in a fork()ed child: its fronts are the parent's
+    }
     let f = CACHES
         .try_with(|c| {
             let mut c = c.try_borrow_mut().ok()?;
