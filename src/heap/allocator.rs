@@ -6,7 +6,8 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use crate::heap::scoped::{free_any, free_small, Heap};
+use crate::heap::paths::{free_any, free_small, raw_alloc_arena, take_any, take_small};
+use crate::heap::scoped::Heap;
 
 use allocator_api2::alloc::AllocError;
 
@@ -14,7 +15,7 @@ use allocator_api2::alloc::AllocError;
 /// path): a fork()ed child's refusal, zero sizes, the front for any layout, the arena.
 #[inline(never)]
 fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-    if !heap.born.here() {
+    if !heap.born().here() {
         return Err(AllocError); // a parent's heap in a fork()ed child
     }
     if layout.size() == 0 {
@@ -22,10 +23,10 @@ fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError
         let p = NonNull::new(layout.align() as *mut u8).ok_or(AllocError)?;
         return Ok(NonNull::slice_from_raw_parts(p, 0));
     }
-    if let Some(p) = heap.take_any(layout) {
+    if let Some(p) = take_any(heap, layout) {
         return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
     }
-    match heap.raw_alloc_arena(layout, false) {
+    match raw_alloc_arena(heap, layout, false) {
         Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
         Err(e) => {
             tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());
@@ -40,10 +41,10 @@ fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError
 /// As `Allocator::deallocate`.
 #[inline(never)]
 unsafe fn deallocate_any(heap: &Heap, ptr: NonNull<u8>, layout: Layout) {
-    if layout.size() != 0 && heap.born.here() {
+    if layout.size() != 0 && heap.born().here() {
         // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id
         // is this handle's copy of the record's; the generation was checked.
-        unsafe { free_any(heap.id, heap.shared, ptr, layout) };
+        unsafe { free_any(heap.id(), heap.shared_ptr(), ptr, layout) };
     }
 }
 
@@ -54,7 +55,7 @@ unsafe fn deallocate_any(heap: &Heap, ptr: NonNull<u8>, layout: Layout) {
 unsafe impl allocator_api2::alloc::Allocator for Heap {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        match self.take_small(layout) {
+        match take_small(self, layout) {
             Some(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
             None => allocate_any(self, layout),
         }
@@ -64,7 +65,7 @@ unsafe impl allocator_api2::alloc::Allocator for Heap {
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the Allocator contract: ptr was allocated by this heap with layout; the id is
         // this handle's copy of the record's.
-        if !unsafe { free_small(self.id, self.shared, ptr, layout) } {
+        if !unsafe { free_small(self.id(), self.shared_ptr(), ptr, layout) } {
             // SAFETY: as above.
             unsafe { deallocate_any(self, ptr, layout) }
         }

@@ -32,6 +32,7 @@ mod keys;
 mod numa;
 mod owner;
 mod pagemap;
+mod paths;
 mod reserve;
 mod scoped;
 mod shared;

@@ -8,7 +8,8 @@ use tikv_jemalloc_sys as je;
 use crate::error::{Error, Result};
 use crate::heap::owner::HookError;
 use crate::heap::pagemap::SLOT;
-use crate::heap::scoped::{mallocx_or_flush, Heap};
+use crate::heap::paths::mallocx_or_flush;
+use crate::heap::scoped::Heap;
 
 impl Heap {
     /// Maps and registers at least `bytes` more memory now, so that allocations it can serve

@@ -85,6 +85,30 @@ impl Shared {
         self.tcaches.live() + self.owner.counters.orphan_live.load(Ordering::Acquire)
     }
 
+    /// The heap's id.
+    #[inline(always)]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The fork generation the heap was made in.
+    #[inline(always)]
+    pub(crate) fn born(&self) -> Born {
+        self.born
+    }
+
+    /// The heap's per-thread caches.
+    #[inline(always)]
+    pub(crate) fn registry(&self) -> &Arc<Registry> {
+        &self.tcaches
+    }
+
+    /// Live bytes of the threads that have no front cache (several writers).
+    #[inline(always)]
+    pub(crate) fn orphan_live(&self) -> &std::sync::atomic::AtomicI64 {
+        &self.owner.counters.orphan_live
+    }
+
     /// A new handle (the caller holds one, so the count is above zero).
     pub(crate) fn acquire(&self) {
         self.handles.fetch_add(1, Ordering::Relaxed);
