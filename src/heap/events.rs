@@ -25,28 +25,35 @@ pub(crate) struct ChunkEvent {
 const KEPT: usize = 4;
 
 thread_local! {
-    static PENDING: Cell<([Option<ChunkEvent>; KEPT], usize)> = const { Cell::new(([None; KEPT], 0)) };
+    /// How many chunks the hooks made on this thread since the last [`emit_pending`]: read on
+    /// every slow-path allocation, so kept apart from the events themselves (a few hundred
+    /// bytes, copied only when there is something to emit).
+    static NOTED: Cell<usize> = const { Cell::new(0) };
+    static PENDING: Cell<[Option<ChunkEvent>; KEPT]> = const { Cell::new([None; KEPT]) };
 }
 
 /// Notes `e` for [`emit_pending`] (inside the hook: no allocation, no lock, no panic; nothing
 /// if the thread is exiting).
 pub(crate) fn note(e: ChunkEvent) {
-    let _ = PENDING.try_with(|p| {
-        let (mut kept, n) = p.get();
-        if n < KEPT {
+    let Ok(n) = NOTED.try_with(Cell::get) else { return };
+    if n < KEPT {
+        let _ = PENDING.try_with(|p| {
+            let mut kept = p.get();
             kept[n] = Some(e);
-        }
-        p.set((kept, n + 1));
-    });
+            p.set(kept);
+        });
+    }
+    let _ = NOTED.try_with(|c| c.set(n + 1));
 }
 
 /// Emits the events the hooks noted on this thread (outside jemalloc).
 #[inline]
 pub(crate) fn emit_pending() {
-    let Ok((kept, n)) = PENDING.try_with(|p| p.replace(([None; KEPT], 0))) else { return };
+    let Ok(n) = NOTED.try_with(|c| c.replace(0)) else { return };
     if n == 0 {
         return;
     }
+    let Ok(kept) = PENDING.try_with(|p| p.replace([None; KEPT])) else { return };
     // New chunks may have been kept out of fork children without a record.
     crate::fork::report_unrecorded_holes();
     for e in kept.iter().flatten() {
