@@ -781,7 +781,7 @@ fn dropping_a_heap_returns_every_threads_cache() {
 fn kept_buffers_do_not_make_the_limit_fail_early() {
     let heap = Heap::builder().limit(8 << 20).thread_cache(64 << 20).build().unwrap();
     // Buffers of many large classes (36 KiB .. 864 KiB, whose classes end at 896 KiB; each class
-    // keeps at most 256 KiB) until the limit refuses one.
+    // keeps at most 1 MiB) until the limit refuses one.
     let mut held = Vec::new();
     let mut size = 36 << 10;
     loop {

@@ -10,7 +10,7 @@
 //!
 //! The fast path is one store per operation on the magazine (its length), plus the thread's
 //! live-byte counter: the byte budget is kept in counts. Each magazine has room for `cap`
-//! objects; its room grows (doubling, up to [`cap_of`] objects: 256 KiB worth, at most
+//! objects; its room grows (doubling, up to [`cap_of`] objects: 1 MiB worth, at most
 //! [`MAX_CAP`]) only on the slow path, where the room every class holds is charged against the
 //! thread's budget ([`crate::heap::HeapBuilder::thread_cache`]): the bytes kept never exceed
 //! the room reserved, which never exceeds the budget. Once the budget is used up, a class that
@@ -33,16 +33,19 @@ pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
 
 /// The most objects a magazine keeps.
 const MAX_CAP: usize = 2048;
+/// The most bytes a magazine keeps (if the thread's budget has that much room): enough for a
+/// thousand 512-byte buffers freed in a row to come back without reaching jemalloc.
+const CLASS_BYTES: usize = 1 << 20;
 /// The room a magazine starts with (or its class's most, if smaller).
 const FIRST_CAP: usize = 8;
 /// After taking room back from other classes found none, this many frees that need room skip
 /// the search (they go to jemalloc) before it is tried again.
 const RECLAIM_BACKOFF: u32 = 64;
 
-/// How many objects of `class_size` a magazine keeps at most: 256 KiB worth, between 1 and
-/// [`MAX_CAP`].
+/// How many objects of `class_size` a magazine keeps at most: [`CLASS_BYTES`] worth, between 1
+/// and [`MAX_CAP`].
 pub(crate) const fn cap_of(class_size: usize) -> usize {
-    let n = (256 << 10) / class_size;
+    let n = CLASS_BYTES / class_size;
     if n > MAX_CAP {
         MAX_CAP
     } else if n < 1 {
@@ -309,8 +312,9 @@ mod tests {
     fn caps() {
         assert_eq!(cap_of(8), MAX_CAP);
         assert_eq!(cap_of(64), 2048);
-        assert_eq!(cap_of(4096), 64);
-        assert_eq!(cap_of(64 << 10), 4);
+        assert_eq!(cap_of(512), 2048);
+        assert_eq!(cap_of(4096), 256);
+        assert_eq!(cap_of(64 << 10), 16);
         assert_eq!(cap_of(crate::heap::classes::MAX_CACHED), 1);
     }
 }

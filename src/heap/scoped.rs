@@ -117,7 +117,7 @@ impl HeapBuilder {
     /// the heap when the thread exits or the heap is dropped.
     ///
     /// A thread never keeps more than `bytes` for the heap. Each size class keeps at most
-    /// 256 KiB worth of objects (and at most 2048), and takes its room from this budget as it
+    /// 1 MiB worth of objects (and at most 2048), and takes its room from this budget as it
     /// fills; room a class reserved and no longer uses moves to a class that needs it. A free
     /// that finds no room left goes to jemalloc; a class at its most hands its older half back
     /// to jemalloc when it fills up again.
