@@ -112,7 +112,8 @@ impl HeapBuilder {
     /// [`DEFAULT_THREAD_CACHE`], 4 MiB; 0 turns the cache off). A thread that frees a buffer
     /// keeps it in a per-size-class cache, and its next allocation of that size class takes it
     /// back without reaching jemalloc: the fast path for code that allocates and frees
-    /// buffers of the same sizes. Sizes up to 1 MiB with alignment up to 16 are cached. The
+    /// buffers of the same sizes. Sizes up to 1 MiB are cached when their alignment is no
+    /// more than jemalloc gives them unasked (8 below 16 bytes, 16 from 16 bytes on). The
     /// memory stays registered and counts in [`HeapStats::thread_cached_bytes`]; it returns to
     /// the heap when the thread exits or the heap is dropped.
     ///

@@ -176,8 +176,11 @@ pub(crate) fn get(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>>
 #[inline(always)]
 pub(crate) fn last(heap: u64) -> Option<NonNull<Front>> {
     let (h, front) = LAST.try_with(Cell::get).ok()?;
-    // SAFETY: LAST holds either (0, null) or a heap's id (ids start at 1) with a front of this
-    // thread's for it, never null (see `get_slow`, `ThreadCaches::drop`, `forget_in_child`).
+    // SAFETY: LAST holds either (0, null) or a heap's id (ids start at 1) with a non-null front
+    // of this thread's for it (see `get_slow`, `ThreadCaches::drop`, `forget_in_child`). After
+    // that heap's teardown the front may be freed while LAST still names its id; ids are never
+    // reused (NEXT_OWNER_ID) and no handle or allocation of a torn-down heap exists, so no
+    // caller asks for that id again and the stale pointer is never returned.
     (h == heap).then(|| unsafe { NonNull::new_unchecked(front) })
 }
 
