@@ -110,10 +110,14 @@ def api_of(json_path):
             return s
         return ""
 
+    # The path a user names an item of this crate by (the shortest public one, found by a first
+    # walk), so moving an item between private modules changes nothing here.
+    public = {}
+
     def path_of(p):
-        # The full path where rustdoc knows it (`Error` could be the crate's or std::io's).
+        # Else the full path where rustdoc knows it (`Error` could be the crate's or std::io's).
         known = paths.get(str(p.get("id")))
-        name = "::".join(known["path"]) if known else p["path"]
+        name = public.get(str(p.get("id"))) or ("::".join(known["path"]) if known else p["path"])
         return name + generic_args(p.get("args"))
 
     def bounds(bs):
@@ -252,6 +256,9 @@ def api_of(json_path):
 
     def visit_named(i, it, p):
         k, v = next(iter(it["inner"].items()))
+        mine, name = public.get(str(i)), p.lstrip(":")
+        if mine is None or (name.count("::"), name) < (mine.count("::"), mine):
+            public[str(i)] = name
         attrs = " #[non_exhaustive]" if any("non_exhaustive" in str(a) for a in it.get("attrs", [])) else ""
         if k == "module":
             out.add(f"mod {p}")
@@ -304,6 +311,10 @@ def api_of(json_path):
         else:
             out.add(f"{k} {p}")
 
+    visit(root, "")
+    # Again, now that every item's public path is known.
+    out.clear()
+    seen.clear()
     visit(root, "")
     return sorted(line.replace(" ::", " ").replace("<::", "<") for line in out)
 

@@ -49,6 +49,17 @@ pub fn keys_of_for<T>(ptr: *const T, pd: &Pd) -> Option<Keys> {
     mr_of(ptr.cast(), pd).map(|(_, keys)| keys)
 }
 
+/// The lkey of `[ptr, ptr+len)` if it lies inside one registered chunk of a heap bound to `pd`
+/// (a range spanning beyond its chunk is not one memory region: `None`).
+pub(crate) fn lkey_within_chunk(ptr: *const u8, len: usize, pd: &Pd) -> Option<u32> {
+    let first = keys_of_for(ptr, pd)?;
+    let end = (ptr as usize).checked_add(len.max(1))?;
+    if end > first.chunk_base + first.chunk_len {
+        return None;
+    }
+    Some(first.lkey)
+}
+
 /// The registered chunk (`base`, `len`) holding `ptr`, from any heap; `None` for foreign memory.
 pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
     use std::sync::atomic::Ordering::Relaxed;

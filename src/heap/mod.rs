@@ -49,8 +49,8 @@ pub use front::DEFAULT_THREAD_CACHE;
 #[cfg(feature = "global")]
 #[cfg_attr(docsrs, doc(cfg(feature = "global")))]
 pub use global::Global;
-pub(crate) use keys::mr_and_access_of;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
+pub(crate) use keys::{lkey_within_chunk, mr_and_access_of};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
 pub use scoped::{draining_heaps, Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
 pub use stats::HeapStats;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::transfer::tcp::{serve, Failed};
+use crate::transfer::handshake::{serve, Failed};
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 

@@ -23,11 +23,14 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
-use crate::transfer::keepalive::PROBE_OP;
 use crate::transfer::received::{Posted, Received};
 use crate::transfer::spin::Spin;
 use crate::transfer::stats::{ConnectionStats, QueueCounts};
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
+
+/// The operation name of a keepalive probe (its completion's, and a failure's): the completion
+/// path tells probes from the application's requests by it.
+pub(crate) const PROBE_OP: &str = "keepalive probe";
 
 /// What a successful completion reported, as the NIC said it: not yet interpreted against what
 /// was posted (a receive's `byte_len` may name bytes that went elsewhere — see

@@ -30,7 +30,7 @@ use crate::fork::Born;
 use crate::heap::{chunk_of, mr_and_access_of};
 use crate::remote::RemoteBuf;
 use crate::transfer::iobuf::IoBufMut;
-use crate::transfer::pending::Rejected;
+use crate::transfer::iobuf::Rejected;
 use crate::transfer::Connection;
 use crate::verbs::{Access, Mr, Mw, SendOp};
 

@@ -5,7 +5,7 @@ use crate::remote::RemoteBuf;
 use crate::transfer::completion::{Failure, Ticket};
 use crate::transfer::exact::Keyed;
 use crate::transfer::iobuf::IoBufMut;
-use crate::transfer::pending::Rejected;
+use crate::transfer::iobuf::Rejected;
 use crate::transfer::Connection;
 use crate::verbs::{Access, SendFlags, Sge};
 

@@ -15,9 +15,8 @@
 use std::ops::{Deref, RangeBounds};
 use std::sync::Arc;
 
-use crate::heap::{range_of, Buffer, Heap, UninitBuffer};
-use crate::transfer::local::heap_lkey;
-use crate::transfer::pending::Rejected;
+use crate::error::Error;
+use crate::heap::{lkey_within_chunk, range_of, Buffer, Heap, UninitBuffer};
 use crate::transfer::MappedFile;
 use crate::verbs::{Pd, RegisteredBuf};
 
@@ -47,7 +46,7 @@ pub unsafe trait IoBuf: Send + 'static {
     /// inside one chunk of a heap bound to `pd`); operations then refuse the buffer with
     /// [`crate::Error::NotRegistered`].
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        heap_lkey(self.stable_ptr(), self.bytes_len(), pd)
+        lkey_within_chunk(self.stable_ptr(), self.bytes_len(), pd)
     }
 
     /// The owned sub-range `range` of this buffer.
@@ -337,10 +336,36 @@ unsafe impl IoTarget for UninitBuffer {
         self.target_parts()
     }
     fn target_lkey(&self, pd: &Pd) -> Option<u32> {
-        heap_lkey(self.addr() as *const u8, self.len(), pd)
+        lkey_within_chunk(self.addr() as *const u8, self.len(), pd)
     }
     unsafe fn filled(&mut self, n: usize) {
         // SAFETY: the caller's contract.
         unsafe { self.set_init(n) };
+    }
+}
+
+/// A post that was refused before reaching the NIC, or an operation that failed: the error, and
+/// the buffer back.
+#[derive(Debug)]
+pub struct Rejected<B> {
+    /// Why.
+    pub error: Error,
+    /// The buffer back: untouched by the NIC if the post was refused, or finished with if the
+    /// operation failed. `None` only if the NIC may still own it (a failed connection whose flush
+    /// never arrived, [`Error::FlushLost`]): then it is leaked rather than freed.
+    pub buf: Option<B>,
+}
+
+impl<B> std::fmt::Display for Rejected<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.error)
+    }
+}
+
+impl<B: std::fmt::Debug> std::error::Error for Rejected<B> {}
+
+impl<B> From<Rejected<B>> for Error {
+    fn from(r: Rejected<B>) -> Error {
+        r.error
     }
 }

@@ -40,9 +40,6 @@ use crate::error::{Disconnect, Result};
 use crate::transfer::completion::{Core, Failure};
 use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr, WcStatus};
 
-/// The operation name of a probe (its completion's, and a failure's).
-pub(crate) const PROBE_OP: &str = "keepalive probe";
-
 /// Probe work-request ids have the top bit set; a connection's own ids count up from 1.
 const PROBE_BIT: u64 = 1 << 63;
 

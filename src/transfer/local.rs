@@ -4,7 +4,7 @@
 //! anything is posted. (Non-blocking operations take owned memory: [`crate::transfer::IoBuf`].)
 
 use crate::error::{Error, Result};
-use crate::heap::{keys_of_for, BufSlice, Buffer};
+use crate::heap::{lkey_within_chunk, BufSlice, Buffer};
 use crate::transfer::iobuf::{IoBuf, IoBufMut, Slice};
 use crate::verbs::{Exposable, Pd, RegisteredBuf, RemoteWritable, Sge};
 
@@ -27,7 +27,7 @@ pub unsafe trait Local {
     /// inside one chunk of a heap bound to `pd`); operations then fail with
     /// [`Error::NotRegistered`].
     fn lkey_for(&self, pd: &Pd) -> Option<u32> {
-        heap_lkey(self.local_ptr(), self.local_len(), pd)
+        lkey_within_chunk(self.local_ptr(), self.local_len(), pd)
     }
 }
 
@@ -36,16 +36,6 @@ pub unsafe trait Local {
 /// # Safety
 /// As [`Local`], and the range must be writable and not aliased while an operation holds it.
 pub unsafe trait LocalMut: Local {}
-
-/// The lkey of `[ptr, ptr+len)` if it lies inside one registered chunk of a heap bound to `pd`.
-pub(crate) fn heap_lkey(ptr: *const u8, len: usize, pd: &Pd) -> Option<u32> {
-    let first = keys_of_for(ptr, pd)?;
-    let end = (ptr as usize).checked_add(len.max(1))?;
-    if end > first.chunk_base + first.chunk_len {
-        return None; // spans beyond the chunk: not one memory region
-    }
-    Some(first.lkey)
-}
 
 /// A bounds-checked SGE for `local` in `pd`, or the typed error saying why not.
 pub(crate) fn sge_of<L: Local + ?Sized>(local: &L, pd: &Pd) -> Result<Sge> {

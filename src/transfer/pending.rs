@@ -11,38 +11,12 @@
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::completion::{Filled, Ticket};
-use crate::transfer::iobuf::{IoBuf, IoTarget};
+use crate::transfer::iobuf::{IoBuf, IoTarget, Rejected};
 use crate::transfer::local::sge_of_parts;
 use crate::transfer::ops::nonempty;
 use crate::transfer::received::{Posted, Received};
 use crate::transfer::Connection;
 use crate::verbs::{SendOp, Sge, Verb};
-
-/// A post that was refused before reaching the NIC, or an operation that failed: the error, and
-/// the buffer back.
-#[derive(Debug)]
-pub struct Rejected<B> {
-    /// Why.
-    pub error: Error,
-    /// The buffer back: untouched by the NIC if the post was refused, or finished with if the
-    /// operation failed. `None` only if the NIC may still own it (a failed connection whose flush
-    /// never arrived, [`Error::FlushLost`]): then it is leaked rather than freed.
-    pub buf: Option<B>,
-}
-
-impl<B> std::fmt::Display for Rejected<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.error)
-    }
-}
-
-impl<B: std::fmt::Debug> std::error::Error for Rejected<B> {}
-
-impl<B> From<Rejected<B>> for Error {
-    fn from(r: Rejected<B>) -> Error {
-        r.error
-    }
-}
 
 /// An operation in flight that owns its local buffer.
 ///

@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 
 use crate::error::Error;
-use crate::transfer::aio::op::Request;
+use crate::transfer::aio::request::Request;
 use crate::transfer::completion::Ticket;
 use crate::transfer::Connection;
 

@@ -10,7 +10,8 @@ use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::aio::op::{NoBytes, Op, Request};
+use crate::transfer::aio::op::{NoBytes, Op};
+use crate::transfer::aio::request::Request;
 use crate::transfer::aio::wire::Msg;
 use crate::transfer::aio::{control, driver, scratch, Shared};
 use crate::transfer::completion::Failure;

@@ -13,6 +13,7 @@ mod listener;
 mod op;
 mod reactor;
 mod remote;
+mod request;
 mod scratch;
 mod wire;
 
