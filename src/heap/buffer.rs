@@ -179,7 +179,7 @@ impl Buffer {
         if !self.shared().access.is_remote() {
             return Err(Error::NoRemoteAccess);
         }
-        self.shared().owner.primary_pd().ok_or(Error::NotRegistered { addr: self.addr() })
+        self.shared().owner.primary_pd().ok_or_else(|| Error::NotRegistered { addr: self.addr() })
     }
 
     /// The remote rights the heap was built with.
@@ -243,7 +243,7 @@ impl Buffer {
         if !s.whole_chunks {
             return Err(Error::NoWholeChunkAccess);
         }
-        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        let keys = self.keys().ok_or_else(|| Error::NotRegistered { addr: self.addr() })?;
         Ok(RemoteBuf { addr: self.addr(), len: self.len() as u64, rkey: keys.rkey })
     }
 
@@ -383,7 +383,7 @@ impl BufSlice<'_> {
     pub fn sge(&self) -> Result<Sge> {
         let len = u32::try_from(self.len)
             .map_err(|_| Error::InvalidArgument(format!("an SGE holds at most 4 GiB, got {} bytes", self.len)))?;
-        let keys = self.keys().ok_or(Error::NotRegistered { addr: self.addr() })?;
+        let keys = self.keys().ok_or_else(|| Error::NotRegistered { addr: self.addr() })?;
         Ok(Sge::new(self.addr(), len, keys.lkey))
     }
 }

@@ -12,42 +12,54 @@ use crate::verbs::{SendFlags, SendOp, WcStatus};
 /// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
 pub(crate) struct InFlight<'c> {
     conn: &'c Connection,
-    tickets: Vec<Ticket>,
+    /// The first request covered (a blocking operation's only one: no allocation).
+    one: Option<Ticket>,
+    /// Any further ones (a batch's chunks).
+    more: Vec<Ticket>,
 }
 
 impl<'c> InFlight<'c> {
     pub(crate) fn new(conn: &'c Connection) -> InFlight<'c> {
-        InFlight { conn, tickets: Vec::new() }
+        InFlight { conn, one: None, more: Vec::new() }
     }
 
     /// Covers one more posted request (its completion must be claimed before the borrow ends).
     pub(crate) fn push(&mut self, t: Ticket) {
-        self.tickets.push(t);
+        if self.one.is_none() && self.more.is_empty() {
+            self.one = Some(t);
+        } else {
+            self.more.push(t);
+        }
     }
 
     /// `t`'s completion was claimed: nothing to wait for on unwinding.
     pub(crate) fn claimed(&mut self, t: Ticket) {
-        self.tickets.retain(|&i| i != t);
+        if self.one == Some(t) {
+            self.one = None;
+        } else {
+            self.more.retain(|&i| i != t);
+        }
     }
 
     /// The normal path: every request was claimed.
     pub(crate) fn disarm(mut self) {
-        self.tickets.clear();
+        self.one = None;
+        self.more.clear();
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if self.tickets.is_empty() {
+        let Some(first) = self.one.or_else(|| self.more.first().copied()) else {
             return;
-        }
+        };
         self.conn.fail(Failure::Op {
             op: "an operation abandoned by a panic",
-            wr_id: self.tickets[0].wr_id,
+            wr_id: first.wr_id,
             status: WcStatus::GeneralErr,
             vendor_err: 0,
         });
-        for &t in &self.tickets {
+        for t in self.one.into_iter().chain(self.more.iter().copied()) {
             if let Err(Error::FlushLost { .. }) = self.conn.wait(t) {
                 abort_borrowed(t.wr_id);
             }

@@ -332,13 +332,16 @@ impl Core {
     fn with_as<R>(&self, send: bool, who: Reaper, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
         let mut q = self.queue(send);
         let r = f(self, &mut q);
-        let released = std::mem::take(&mut q.released);
+        // The common case released nothing: no Vec moves, nothing to drop.
+        let released = (!q.released.is_empty()).then(|| std::mem::take(&mut q.released));
         let orphan = q.orphan.take();
         drop(q);
         if let Some(flush) = orphan {
             self.explain(send, flush, who);
         }
-        self.release(released, who);
+        if released.is_some() || (who == Reaper::App && self.has_deferred.load(Ordering::Acquire)) {
+            self.release(released.unwrap_or_default(), who);
+        }
         r
     }
 

@@ -578,6 +578,22 @@ impl Connection {
     /// the memory (owned) or abort (borrowed).
     pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
         self.usable()?;
+        // The common case, a completion already there: claimed without setting up the loop
+        // (the loop's first round, exactly).
+        #[cfg(test)]
+        if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
+            panic!("injected panic while work request {} is in flight", ticket.wr_id);
+        }
+        if let Ok(Some(o)) = self.core.try_claim(ticket) {
+            self.core.spin_claimed(ticket.send, &self.core.stopwatch());
+            return self.settle(o, None);
+        }
+        self.wait_loop(ticket)
+    }
+
+    /// [`Connection::wait`] once the first look found nothing.
+    #[inline(never)]
+    fn wait_loop(&self, ticket: Ticket) -> Result<Completed> {
         let Ticket { wr_id, send } = ticket;
         // Send-queue requests are answered by the peer's NIC; receives wait for its application.
         let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };
@@ -593,10 +609,6 @@ impl Connection {
         // Event mode: polls without sleeping until this much after the first miss (decided
         // then), so a fast operation never pays a channel event.
         let mut spin: Option<Duration> = None;
-        #[cfg(test)]
-        if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
-            panic!("injected panic while work request {wr_id} is in flight");
-        }
         loop {
             let mark = self.core.mark();
             let claimed = self.core.try_claim(ticket);

@@ -47,7 +47,10 @@ pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>) -> Res
     let len32 = u32::try_from(len)
         .map_err(|_| Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {len} bytes")))?;
     let addr = ptr as u64;
-    let lkey = lkey.ok_or(Error::NotRegistered { addr })?;
+    // Not `ok_or`: that builds (and drops) an Error on every call.
+    let Some(lkey) = lkey else {
+        return Err(Error::NotRegistered { addr });
+    };
     Ok(Sge::new(addr, len32, lkey))
 }
 

@@ -166,7 +166,8 @@ fn probe(ctx: &Context, at: Option<(u8, u32)>) -> Result<bool> {
     let (port, gid_index) = match at {
         Some(x) => x,
         None => {
-            let port = ctx.first_active_port().ok_or(Error::NoActiveDevice { available: vec![ctx.name().into()] })?;
+            let port =
+                ctx.first_active_port().ok_or_else(|| Error::NoActiveDevice { available: vec![ctx.name().into()] })?;
             (port, ctx.default_gid_index(port)?)
         }
     };
