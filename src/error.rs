@@ -64,7 +64,11 @@ pub enum Error {
         vendor_err: u32,
     },
     /// An operation of a connection failed (or the connection had already failed).
-    #[error("{op} (work request {wr_id}) failed: {} (vendor error {vendor_err:#x}); the connection is unusable", .status.name())]
+    #[error(
+        "{op} (work request {wr_id}) failed: {} (vendor error {vendor_err:#x}); the connection is unusable{}",
+        .status.name(),
+        operation_hint(op, *status)
+    )]
     Operation {
         /// What was being done, e.g. `"RDMA WRITE"`.
         op: &'static str,
@@ -443,6 +447,36 @@ pub(crate) fn memlock_text() -> String {
     }
 }
 
+/// What a failed operation's status most often means, and where to look (empty if nothing
+/// useful can be said). The statuses come from the remote side's NIC or the transport; the
+/// names are the verbs' (`Verb::name`).
+fn operation_hint(op: &str, status: crate::verbs::WcStatus) -> &'static str {
+    use crate::verbs::WcStatus as S;
+    let one_sided = op.starts_with("RDMA") || op.ends_with("-and-add") || op.ends_with("-and-swap");
+    match status {
+        S::RemInvReqErr if op.starts_with("RDMA WRITE") => {
+            ". Hint: the peer's queue pair refused the WRITE: the side whose memory is written sets \
+             Options::remote_access with REMOTE_WRITE (default NONE); or the WRITE exceeds the peer's range"
+        }
+        S::RemInvReqErr if op == "RDMA READ" => {
+            ". Hint: the peer's queue pair refused the READ: the side whose memory is read sets \
+             Options::remote_access with REMOTE_READ (default NONE)"
+        }
+        S::RemInvReqErr if one_sided => {
+            ". Hint: the peer's queue pair refused the atomic: the side whose memory is updated sets \
+             Options::remote_access with REMOTE_ATOMIC (default NONE); the target must be 8-byte aligned"
+        }
+        S::RemInvReqErr => ". Hint: a SEND larger than the receive buffer the peer had posted",
+        S::RemAccessErr => {
+            ". Hint: the peer's memory does not grant this: a key that was revoked or never matched, a \
+             range outside the exposed or granted buffer, or memory exposed without this right"
+        }
+        S::RnrRetryExcErr => ". Hint: the peer had no receive posted for a SEND (Options::rnr_retry: 7 waits for ever)",
+        S::RetryExcErr => ". Hint: the peer did not answer (its process or host is gone, or the path is down)",
+        _ => "",
+    }
+}
+
 fn hint_for(verb: &'static str, errno: i32) -> Option<String> {
     match (verb, errno) {
         ("ibv_reg_mr", libc::ENOMEM) | ("ibv_reg_mr", libc::EPERM) | ("ibv_reg_mr", libc::EAGAIN) => Some(format!(
@@ -469,6 +503,19 @@ fn hint_for(verb: &'static str, errno: i32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_operation_names_the_right_it_needs() {
+        let refused = |op| Error::Operation { op, wr_id: 1, status: WcStatus::RemInvReqErr, vendor_err: 0 }.to_string();
+        assert!(refused("RDMA WRITE").contains("REMOTE_WRITE"), "{}", refused("RDMA WRITE"));
+        assert!(refused("RDMA WRITE with immediate").contains("REMOTE_WRITE"));
+        assert!(refused("RDMA READ").contains("REMOTE_READ"));
+        assert!(refused("fetch-and-add").contains("REMOTE_ATOMIC"));
+        assert!(refused("compare-and-swap").contains("REMOTE_ATOMIC"));
+        assert!(refused("SEND").contains("receive buffer"));
+        let other = Error::Operation { op: "RDMA WRITE", wr_id: 1, status: WcStatus::LocLenErr, vendor_err: 0 };
+        assert!(!other.to_string().contains("Hint"), "no hint where none helps: {other}");
+    }
 
     #[test]
     fn reg_mr_enomem_hint_names_memlock() {

@@ -42,6 +42,7 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     println!("WRITE into a connection without REMOTE_WRITE: {err}");
     assert!(matches!(err, Error::Operation { .. }), "{err:?}");
     assert_eq!(err.wc_status(), Some(REFUSED), "{err}");
+    assert!(err.to_string().contains("Options::remote_access with REMOTE_WRITE"), "the error says which right: {err}");
     assert!(target.to_vec().iter().all(|&x| x == 0x11), "the refused WRITE changed the target memory");
 
     // READ and atomics are refused the same way.
@@ -49,10 +50,12 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     let mut back = filled(&heap, 4096, 0);
     let err = c.read(&mut back, &remote).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "READ: {err}");
+    assert!(err.to_string().contains("REMOTE_READ"), "the error says which right: {err}");
     assert!(back.iter().all(|&x| x == 0), "a refused READ delivered bytes");
     let (e, _f) = Connection::pair(&pd, &Options::default()).unwrap();
     let err = e.fetch_add(&remote, 0, 1).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "fetch-add: {err}");
+    assert!(err.to_string().contains("REMOTE_ATOMIC"), "the error says which right: {err}");
     assert!(target.to_vec().iter().all(|&x| x == 0x11), "a refused atomic changed the target memory");
 
     // The same WRITE succeeds once the target side asked for REMOTE_WRITE...
