@@ -104,7 +104,7 @@ async fn run(clients: usize, ops: usize) -> Result<(), Box<dyn std::error::Error
         tokio::spawn(async move {
             let mut tasks = tokio::task::JoinSet::new();
             for _ in 0..clients {
-                let conn = listener.accept_with(table.remote().to_bytes().to_vec()).await?;
+                let conn = listener.accept_with(&table.remote().to_bytes()).await?;
                 tasks.spawn(serve(conn, heap.clone(), table.clone(), ops));
             }
             // In completion order: the first failure is reported at once.

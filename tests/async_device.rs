@@ -284,7 +284,7 @@ async fn device_async_tcp_setup_and_blocking_peer() {
     let blob = target.remote().to_bytes().to_vec();
 
     // An async client of the async listener.
-    let server = tokio::spawn(async move { listener.accept_with(blob).await.map(|c| (c, listener)) });
+    let server = tokio::spawn(async move { listener.accept_with(&blob).await.map(|c| (c, listener)) });
     let client = AsyncConnection::connect(addr, &pd, Options::default()).await.unwrap();
     let (server_conn, listener) = server.await.unwrap().unwrap();
     let remote = mralloc::RemoteBuf::from_bytes(client.peer_blob()).unwrap();
@@ -300,7 +300,7 @@ async fn device_async_tcp_setup_and_blocking_peer() {
         let c = connect_retrying(|| Connection::connect(addr, &pd2, Options::default()));
         c.peer_blob().to_vec()
     });
-    let second = listener.accept_with(b"second".to_vec()).await.unwrap();
+    let second = listener.accept_with(b"second").await.unwrap();
     assert_eq!(tokio::task::spawn_blocking(move || blocking.join().unwrap()).await.unwrap(), b"second");
     drop(second);
     assert_bytes_eq(&target.revoke().unwrap(), &want, "the async client's write");
@@ -398,6 +398,6 @@ async fn device_async_connections_refuse_a_shared_receive_queue() {
         "AsyncCmListener::bind",
         mralloc::transfer::AsyncCmListener::bind(cm.clone(), &pd, opts.clone()).unwrap_err(),
     );
-    refused("AsyncConnection::connect_cm", AsyncConnection::connect_cm(cm, &pd, opts, Vec::new()).await.unwrap_err());
+    refused("AsyncConnection::connect_cm", AsyncConnection::connect_cm(cm, &pd, opts).await.unwrap_err());
     assert_eq!(listener.failed_handshakes(), 0, "no client reached the listener");
 }

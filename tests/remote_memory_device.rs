@@ -290,7 +290,7 @@ async fn device_remote_memory_over_async_rdma_cm() {
         let (ip, pd, heap) = (ip.clone(), pd.clone(), heap.clone());
         clients.push(tokio::spawn(async move {
             let blob = vec![i as u8; MAX_ASYNC_CM_BLOB];
-            let c = AsyncConnection::connect_cm((ip.as_str(), port), &pd, rights(rw()), blob).await.unwrap();
+            let c = AsyncConnection::connect_cm_with((ip.as_str(), port), &pd, rights(rw()), &blob).await.unwrap();
             let n = 64 << 10;
             let mem = c.request_remote(n as u64, rw()).await.unwrap();
             let want = pattern(40 + i as u64, n);
@@ -325,7 +325,7 @@ async fn device_remote_memory_over_async_rdma_cm() {
 
     // A longer blob is refused before anything is sent.
     let long = vec![0; MAX_ASYNC_CM_BLOB + 1];
-    let r = AsyncConnection::connect_cm((ip.as_str(), port), &pd, rights(rw()), long).await;
+    let r = AsyncConnection::connect_cm_with((ip.as_str(), port), &pd, rights(rw()), &long).await;
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
 
     // A blocking client: no control channel on either side.
@@ -349,7 +349,7 @@ async fn device_remote_memory_over_async_rdma_cm() {
     });
     let mut tries = 0;
     let c = loop {
-        match AsyncConnection::connect_cm((ip.as_str(), port2), &pd, rights(rw()), b"a".to_vec()).await {
+        match AsyncConnection::connect_cm_with((ip.as_str(), port2), &pd, rights(rw()), b"a").await {
             Ok(c) => break c,
             Err(e) if tries < 50 => {
                 tries += 1;

@@ -95,7 +95,7 @@ impl AsyncCmListener {
     /// # Errors
     /// As [`AsyncCmListener::accept_with`].
     pub async fn accept(&self) -> Result<AsyncConnection> {
-        self.accept_with(Vec::new()).await
+        self.accept_with(&[]).await
     }
 
     /// Accepts the next connection, answering with `blob` (at most
@@ -117,8 +117,8 @@ impl AsyncCmListener {
     /// connection cannot be registered with the runtime's reactor. Otherwise as
     /// [`CmListener::accept_with`]. Only a removed device ends the listener: after any other
     /// error (one peer's), accept the next connection.
-    pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
-        check_accept_blob(&blob, true)?;
+    pub async fn accept_with(&self, blob: &[u8]) -> Result<AsyncConnection> {
+        check_accept_blob(blob, true)?;
         // A look at the device once a second (a wildcard listener gets no DEVICE_REMOVAL of
         // its own), where the runtime has timers.
         let timers = super::reactor::has_timers();
@@ -142,7 +142,7 @@ impl AsyncCmListener {
                 None => ready.clear_ready(),
             }
         };
-        let (pd, opts) = (self.pd.clone(), self.opts.clone());
+        let (pd, opts, blob) = (self.pd.clone(), self.opts.clone(), blob.to_vec());
         let conn = blocking(move || accept_request(req, &pd, &opts, &blob, true)).await?;
         AsyncConnection::wrap_serving(conn, self.serving.clone())
     }

@@ -110,7 +110,7 @@ impl AsyncConnection {
     /// (found once the connection is set up: it is closed again) or the setup task on the
     /// blocking pool panics or is cancelled.
     pub async fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
-        AsyncConnection::connect_with(addr, pd, opts, Vec::new()).await
+        AsyncConnection::connect_with(addr, pd, opts, &[]).await
     }
 
     /// Connects, sending `blob` to the peer with this side's endpoint.
@@ -121,7 +121,7 @@ impl AsyncConnection {
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
-        blob: Vec<u8>,
+        blob: &[u8],
     ) -> Result<AsyncConnection> {
         AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_offering(a, pd, o, b, true))
             .await
@@ -138,14 +138,23 @@ impl AsyncConnection {
     /// As [`Connection::connect_cm_with`] (with the smaller blob limit); [`Error::Io`] also if
     /// the runtime has no I/O driver or the setup task on the blocking pool panics or is
     /// cancelled.
-    pub async fn connect_cm(
+    pub async fn connect_cm_with(
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
-        blob: Vec<u8>,
+        blob: &[u8],
     ) -> Result<AsyncConnection> {
         AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_cm_offering(a, pd, o, b, true))
             .await
+    }
+
+    /// Connects through the RDMA connection manager, sending no blob: as
+    /// [`AsyncConnection::connect_cm_with`].
+    ///
+    /// # Errors
+    /// As [`AsyncConnection::connect_cm_with`].
+    pub async fn connect_cm(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
+        AsyncConnection::connect_cm_with(addr, pd, opts, &[]).await
     }
 
     /// Resolves `addr`, runs the blocking `connect` on tokio's blocking pool, wraps the result.
@@ -153,11 +162,11 @@ impl AsyncConnection {
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
-        blob: Vec<u8>,
+        blob: &[u8],
         connect: fn(&[SocketAddr], &Pd, Options, &[u8]) -> Result<Connection>,
     ) -> Result<AsyncConnection> {
         let addrs = resolve(addr).await?;
-        let pd = pd.clone();
+        let (pd, blob) = (pd.clone(), blob.to_vec());
         let conn = blocking(move || connect(&addrs[..], &pd, async_options(opts)?, &blob)).await?;
         AsyncConnection::wrap(conn)
     }

@@ -91,7 +91,7 @@ impl AsyncListener {
     /// # Errors
     /// As [`AsyncListener::accept_with`].
     pub async fn accept(&self) -> Result<AsyncConnection> {
-        self.accept_with(Vec::new()).await
+        self.accept_with(&[]).await
     }
 
     /// Accepts the next connection, sending `blob` to the peer with this side's endpoint.
@@ -108,10 +108,10 @@ impl AsyncListener {
     /// # Errors
     /// As [`Listener::accept_with`]; [`Error::Io`] if the connection cannot be registered with
     /// the runtime's reactor.
-    pub async fn accept_with(&self, blob: Vec<u8>) -> Result<AsyncConnection> {
+    pub async fn accept_with(&self, blob: &[u8]) -> Result<AsyncConnection> {
         let accepting = self.listener.accepting();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let id = accepting.offer(blob, Reply::Async(tx));
+        let id = accepting.offer(blob.to_vec(), Reply::Async(tx));
         // Cancelled before a handshake took the offer: take it back (after, the handshake's
         // connection is dropped with the answer nobody reads).
         struct Withdraw<'a>(&'a Accepting, u64);
