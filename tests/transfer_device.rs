@@ -580,3 +580,46 @@ fn device_an_idle_wait_sleeps_by_default_and_spins_only_when_asked() {
         }
     }
 }
+
+/// Several threads waiting on one connection in the default mode: one sleeps on the completion
+/// channel, the others nap until a reap may have brought theirs. Idle, they all cost little
+/// CPU; each still gets its own message when it comes.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_several_idle_waiters_on_one_connection_sleep() {
+    let (pd, heap) = setup();
+    let (a, b) = Connection::pair(&pd, &Options::default()).unwrap();
+    const WAITERS: usize = 4;
+    let (cpu, got) = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WAITERS)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut inbox = heap.alloc(64).unwrap();
+                    let before = thread_cpu();
+                    let got = b.recv(&mut inbox).unwrap();
+                    (thread_cpu() - before, got.len, inbox[0])
+                })
+            })
+            .collect();
+        wait_for("every waiter's receive posted", WAIT, || b.stats().recvs_in_flight == WAITERS as u32);
+        std::thread::sleep(Duration::from_millis(800));
+        let mut msg = heap.alloc(64).unwrap();
+        for k in 0..WAITERS {
+            msg.fill(k as u8 + 1);
+            a.send(&msg).unwrap();
+        }
+        let r: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        (r.iter().map(|x| x.0).sum::<Duration>(), r.iter().map(|x| (x.1, x.2)).collect::<Vec<_>>())
+    });
+    println!("{WAITERS} waiters idle for 800 ms used {cpu:?} of CPU in all");
+    let mut firsts: Vec<u8> = got
+        .iter()
+        .map(|&(len, first)| {
+            assert_eq!(len, 64);
+            first
+        })
+        .collect();
+    firsts.sort();
+    assert_eq!(firsts, (1..=WAITERS as u8).collect::<Vec<_>>(), "each waiter got one message");
+    assert!(cpu < Duration::from_millis(400), "idle waiters spun: {cpu:?} of CPU for {WAITERS} x 800 ms");
+}

@@ -15,7 +15,7 @@
 //! that went to the error state without a word to this side (rxe moves a responder's QP there
 //! on a bad request) still leaves its failure recorded.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -253,6 +253,8 @@ pub(crate) struct Core {
     /// completion channel must not sleep over an outcome another thread reaped since it last
     /// looked: that one raises no event).
     reaps: AtomicU64,
+    /// Event mode: waiters napping on `wake` while another thread sleeps on the channel.
+    nappers: AtomicUsize,
     mode: Mode,
     /// Event mode: how long a blocking wait polls before it sleeps (adaptive).
     spin: Spin,
@@ -281,6 +283,7 @@ impl Core {
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),
             reaps: AtomicU64::new(0),
+            nappers: AtomicUsize::new(0),
             mode,
             spin: Spin::new(if mode == Mode::Event { spin } else { Duration::ZERO }),
             channel,
@@ -445,7 +448,12 @@ impl Core {
         if n > 0 && self.mode == Mode::Event {
             // Under the queue's lock, before anything reaped can be claimed. Only event-mode
             // waits read it: other modes keep the atomic off their hot path.
-            self.reaps.fetch_add(1, Ordering::AcqRel);
+            self.reaps.fetch_add(1, Ordering::SeqCst);
+            // Waiters napping while another sleeps on the channel: this may be theirs.
+            if self.nappers.load(Ordering::SeqCst) > 0 {
+                let _g = self.wake_lock.lock();
+                self.wake.notify_all();
+            }
         }
         for i in 0..n {
             let id = q.wcs[i].wr_id();
@@ -525,7 +533,7 @@ impl Core {
 
     /// A mark to hand to [`Core::pause`], taken before looking for an outcome.
     pub(crate) fn mark(&self) -> u64 {
-        self.reaps.load(Ordering::Acquire)
+        self.reaps.load(Ordering::SeqCst)
     }
 
     fn wake_pollers(&self, n: usize) {
@@ -711,9 +719,19 @@ impl Core {
             }
             Mode::Event => {
                 let Some(ch) = &self.channel else { return Ok(()) };
-                // One thread sleeps on the channel at a time; others nap briefly.
+                // One thread sleeps on the channel at a time; the others nap until a reap (the
+                // sleeper's, once an event wakes it: it reaps both queues before sleeping
+                // again) may have brought theirs, at most 100 ms.
                 let Some(_g) = self.event_lock.try_lock() else {
-                    std::thread::sleep(Duration::from_micros(50));
+                    let mut g = self.wake_lock.lock();
+                    // Announced before the mark is read, and a reap bumps the mark before it
+                    // reads the count (all SeqCst): either this nap sees the new mark, or that
+                    // reap sees the napper and notifies under the lock this nap waits with.
+                    self.nappers.fetch_add(1, Ordering::SeqCst);
+                    if self.mark() == mark {
+                        self.wake.wait_for(&mut g, max.min(Duration::from_millis(100)));
+                    }
+                    self.nappers.fetch_sub(1, Ordering::SeqCst);
                     return Ok(());
                 };
                 self.send_cq.arm()?;

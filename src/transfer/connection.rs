@@ -584,16 +584,20 @@ impl Connection {
         if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
             panic!("injected panic while work request {} is in flight", ticket.wr_id);
         }
-        if let Ok(Some(o)) = self.core.try_claim(ticket) {
-            self.core.spin_claimed(ticket.send, &self.core.stopwatch());
-            return self.settle(o, None);
+        match self.core.try_claim(ticket) {
+            Ok(Some(o)) => {
+                self.core.spin_claimed(ticket.send, &self.core.stopwatch());
+                self.settle(o, None)
+            }
+            Ok(None) => self.wait_loop(ticket, None),
+            Err(e) => self.wait_loop(ticket, Some(e)),
         }
-        self.wait_loop(ticket)
     }
 
-    /// [`Connection::wait`] once the first look found nothing.
+    /// [`Connection::wait`] once the first look found nothing (or failed with `first`, which
+    /// fails the connection as a failure found in the loop does).
     #[inline(never)]
-    fn wait_loop(&self, ticket: Ticket) -> Result<Completed> {
+    fn wait_loop(&self, ticket: Ticket, first: Option<Error>) -> Result<Completed> {
         let Ticket { wr_id, send } = ticket;
         // Send-queue requests are answered by the peer's NIC; receives wait for its application.
         let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };
@@ -609,6 +613,10 @@ impl Connection {
         // Event mode: polls without sleeping until this much after the first miss (decided
         // then), so a fast operation never pays a channel event.
         let mut spin: Option<Duration> = None;
+        if let Some(e) = first {
+            let now = watch.elapsed();
+            self.fail_locally(&mut local, e, now);
+        }
         loop {
             let mark = self.core.mark();
             let claimed = self.core.try_claim(ticket);

@@ -84,6 +84,29 @@ fn device_failing_polls_keep_a_borrow_until_the_flush() {
     assert!(a.core().quiet(), "the write was reaped before the borrow ended");
 }
 
+/// A single failed poll — the first look of a wait, which claims a completion already there
+/// without entering the loop — fails the connection as one in the loop does (a provider may
+/// have lost completions in it), for a borrowed and an owned operation alike.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_one_failing_poll_at_the_first_look_fails_the_wait() {
+    let (heap, a, _b) = setup();
+    let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
+    let remote = dst.remote();
+    let src = heap.alloc(1 << 20).unwrap();
+    a.core().fail_polls.store(1, Ordering::Relaxed);
+    let err = a.write(&src, &remote).unwrap_err();
+    assert!(matches!(err, Error::Verbs { verb: "ibv_poll_cq", .. }), "blocking: {err:?}");
+    assert!(a.core().quiet() && a.error().is_some(), "blocking: reaped, and the connection failed");
+    let (heap, c, _d) = setup();
+    let dst = heap.alloc(1 << 20).unwrap().expose().unwrap();
+    let p = c.post_write(heap.alloc(1 << 20).unwrap(), &dst.remote(), 0).unwrap();
+    c.core().fail_polls.store(1, Ordering::Relaxed);
+    let rej = p.wait().unwrap_err();
+    assert!(matches!(rej.error, Error::Verbs { verb: "ibv_poll_cq", .. }), "Pending: {:?}", rej.error);
+    assert!(rej.buf.is_some() && c.core().quiet() && c.error().is_some(), "Pending: flushed, buffer back");
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_unwinding_out_of_a_blocking_receive_waits_for_its_flush() {
