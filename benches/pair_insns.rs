@@ -4,7 +4,14 @@
 //! divides the instruction count by the number of objects. Instruction counts, unlike times, do
 //! not depend on what else the machine is doing.
 //!
-//!     pair_insns <heap|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]
+//!     pair_insns <heap|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]
+//!
+//! `global` (with feature `global`) is `mralloc::heap::Global` called as a value, as
+//! tikv-jemallocator's `Jemalloc` is for `jemalloc`: both inline into the loop the same way, so
+//! the two differ by exactly what Global adds to jemalloc's path. As a `#[global_allocator]`, both
+//! would sit behind the same `__rust_alloc` shim. Its first call installs the hooks on jemalloc's
+//! automatic arenas (what makes it ready; being the process allocator only makes that call come
+//! earlier), so the measured loop runs on hooked arenas, as in a program.
 //!
 //! `pair` (the default) allocates and frees one object at a time; `batch` allocates 1000
 //! objects, then frees them in the same order (as benches/alloc.rs's `batch1000`), `objects`
@@ -16,6 +23,10 @@ use std::hint::black_box;
 use allocator_api2::alloc::Allocator;
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
+
+/// Not the process allocator: called as a value (see the module docs).
+#[cfg(feature = "global")]
+static GLOBAL: mralloc::heap::Global = mralloc::heap::Global::new();
 
 /// Objects live at once in `batch` mode.
 const BATCH: usize = 1000;
@@ -36,7 +47,7 @@ fn main() {
         return;
     }
     let usage = || -> ! {
-        eprintln!("usage: pair_insns <heap|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]");
+        eprintln!("usage: pair_insns <heap|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]");
         std::process::exit(2);
     };
     let (who, size, objects, batch) = match &args[..] {
@@ -46,17 +57,26 @@ fn main() {
     };
     let (size, objects) = (size.parse::<usize>().expect("size"), objects.parse::<u64>().expect("objects"));
     let layout = Layout::from_size_align(size, 8).expect("layout");
-    let heap = Heap::builder().build().expect("a scoped heap");
     // SAFETY (every arm): `free` gets a block `alloc` returned, with its layout, once; the
     // layouts have a non-zero size.
     unsafe {
         match who {
-            "heap" => run(
-                || heap.allocate(black_box(layout)).expect("heap allocation").as_ptr().cast(),
-                |p| heap.deallocate(std::ptr::NonNull::new_unchecked(p), layout),
-                objects,
-                batch,
-            ),
+            "heap" => {
+                // Built only when measured (a scoped heap creates an arena of its own).
+                let heap = Heap::builder().build().expect("a scoped heap");
+                run(
+                    || heap.allocate(black_box(layout)).expect("heap allocation").as_ptr().cast(),
+                    |p| heap.deallocate(std::ptr::NonNull::new_unchecked(p), layout),
+                    objects,
+                    batch,
+                )
+            }
+            #[cfg(feature = "global")]
+            "global" => {
+                let pair = |p: *mut u8| GLOBAL.dealloc(p, layout);
+                run(|| GLOBAL.alloc(black_box(layout)), pair, objects, batch);
+                assert!(GLOBAL.is_ready(), "Global installed its hooks");
+            }
             "jemalloc" => run(|| Jemalloc.alloc(black_box(layout)), |p| Jemalloc.dealloc(p, layout), objects, batch),
             "glibc" => run(|| System.alloc(black_box(layout)), |p| System.dealloc(p, layout), objects, batch),
             "mimalloc" => run(

@@ -15,17 +15,22 @@
 //!    `oversize_threshold:0` (an environment variable may override it) and refuses otherwise;
 //! 3. arena 0 already holds default-hook memory from jemalloc's own start-up: it is drained with
 //!    leaked 4 KiB probes until one lands in a hooked chunk.
+//!
+//! The allocation fast path is tikv-jemallocator's, instruction for instruction (`malloc` when
+//! the size class guarantees the alignment, as a tail call): its layout comparison reads the
+//! alignment bound from the `Global` (`malloc_align`), which is 0 until the hooks are installed,
+//! so it doubles as the readiness check; a chunk the hooks fail to make is reported by the hook.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::fmt::Write;
-use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 
 use tikv_jemalloc_sys as je;
 
 use crate::error::Result;
 use crate::heap::chunk;
 use crate::heap::jemalloc;
-use crate::heap::owner::{self, take_hook_error, HookError, Owner};
+use crate::heap::owner::{self, HookError, Owner};
 use crate::heap::stats::HeapStats;
 use crate::verbs::{Access, Pd};
 
@@ -67,6 +72,11 @@ static INIT_TID: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::ne
 pub struct Global {
     owner: Owner,
     state: AtomicU8,
+    /// The largest alignment `alloc` hands to plain `malloc` (as tikv-jemallocator does when
+    /// the size class guarantees it): 0 until the hooks are installed, so that every allocation
+    /// takes the path that installs them (`ensure_init`); jemalloc's 16 once `state` is READY.
+    /// The fast path's one layout comparison is then also its readiness check.
+    malloc_align: AtomicUsize,
     /// `arena.N.retain_grow_limit` of every automatic arena.
     max_chunk: usize,
 }
@@ -144,6 +154,7 @@ impl Global {
         Global {
             owner: Owner::new_static(Access::LOCAL_WRITE),
             state: AtomicU8::new(UNINIT),
+            malloc_align: AtomicUsize::new(0),
             max_chunk: crate::heap::DEFAULT_MAX_CHUNK,
         }
     }
@@ -278,6 +289,32 @@ impl Global {
         HeapStats::from_owner(&self.owner, live, Some(live))
     }
 
+    /// `alloc` / `alloc_zeroed` of a layout plain `malloc` does not serve (an alignment above
+    /// 16 or above the size), or of any layout before the hooks are installed: installs them if
+    /// needed (NULL if that fails, or on a re-entrant call from the installing thread), then
+    /// `mallocx` with the alignment flag.
+    ///
+    /// # Safety
+    /// `layout.size() > 0` (the callers' `GlobalAlloc` contract).
+    #[inline(never)]
+    unsafe fn alloc_other(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        if !self.ensure_init() {
+            return std::ptr::null_mut();
+        }
+        let flags = jemalloc::align_flags(layout);
+        // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
+        // arguments of jemalloc's metadata requests (see hooks.rs): zero those here instead.
+        let zero_here = zeroed && layout.align() >= crate::heap::pagemap::SLOT;
+        let zero_flag = if zeroed && !zero_here { je::MALLOCX_ZERO } else { 0 };
+        // SAFETY: the hooks are installed; layout.size() > 0 (this function's contract).
+        let p = unsafe { je::mallocx(layout.size(), flags | zero_flag) }.cast::<u8>();
+        if zero_here && !p.is_null() {
+            // SAFETY: a fresh allocation of layout.size() bytes.
+            unsafe { p.write_bytes(0, layout.size()) };
+        }
+        p
+    }
+
     #[inline]
     fn ensure_init(&self) -> bool {
         match self.state.load(Ordering::Acquire) {
@@ -305,6 +342,10 @@ impl Global {
         INIT_TID.store(gettid(), Ordering::Release);
         let ok = self.install();
         self.state.store(if ok { READY } else { FAILED }, Ordering::Release);
+        if ok {
+            // Opens the fast path: a thread that loads this (Acquire) sees the hooks installed.
+            self.malloc_align.store(jemalloc::MIN_ALIGN, Ordering::Release);
+        }
         ok
     }
 
@@ -370,28 +411,27 @@ impl Global {
         }
         mallctl_write(&tc, true);
     }
+}
 
-    #[cold]
-    fn failed(&self, size: usize) {
-        match take_hook_error() {
-            HookError::None => {}
-            e => {
-                // Inside the allocator: report without allocating (no typed Error here; the
-                // caller sees NULL and Rust's alloc-error path follows).
-                report(format_args!(
-                    "mralloc::Global: allocation of {size} bytes failed: {e:?} ({})",
-                    match e {
-                        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
-                        HookError::Limit { .. } => "heap limit reached",
-                        HookError::Map(_) => "mmap of a new chunk failed",
-                        HookError::Numa(_) => "mbind of a new chunk failed",
-                        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
-                        _ => "chunk table full",
-                    }
-                ));
-            }
-        }
-    }
+/// Reports a failed chunk allocation of the global allocator's hooks (called by the alloc hook
+/// for the static owner, instead of leaving the reason in the thread-local for a caller: the
+/// allocation fast path does not look at what jemalloc returns). Writes one line to stderr
+/// without allocating. jemalloc may still serve the request: after a failed growth by a
+/// whole chunk it retries once with the exact size.
+#[cold]
+pub(crate) fn report_chunk_failure(size: usize, e: HookError) {
+    let why = match e {
+        HookError::None => return,
+        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
+        HookError::Limit { .. } => "heap limit reached",
+        HookError::Map(_) => "mmap of a new chunk failed",
+        HookError::Numa(_) => "mbind of a new chunk failed",
+        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
+        HookError::TableFull => "chunk table full",
+    };
+    // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
+    // Rust's alloc-error path follows.
+    report(format_args!("mralloc::Global: a new chunk of {size} bytes failed: {e:?} ({why})"));
 }
 
 impl Default for Global {
@@ -400,61 +440,38 @@ impl Default for Global {
     }
 }
 
-// SAFETY: allocations come from jemalloc (mallocx/sdallocx/rallocx) with flags derived from the
-// layout exactly as jemalloc requires; sizes are never zero (GlobalAlloc contract).
+// SAFETY: allocations come from jemalloc (malloc/calloc/realloc when the size class guarantees
+// the alignment, else mallocx/rallocx with the alignment flag; sdallocx with the flags derived
+// from the layout exactly as jemalloc requires), always after the hooks are installed: plain
+// `malloc` only once `malloc_align` is set (after READY), every other allocation through
+// `ensure_init`. Sizes are never zero (GlobalAlloc contract).
 unsafe impl GlobalAlloc for Global {
+    /// tikv-jemallocator's path: one layout decision (which here also says the hooks are
+    /// installed: see `malloc_align`), then jemalloc, as a tail call. The other layouts, and
+    /// every call before the hooks are installed, go through an out-of-line function, so the
+    /// fast path saves no registers. A failed chunk is reported by the hook
+    /// (`report_chunk_failure`), so nothing looks at the result.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         owner::note_allocator_call();
-        if !self.ensure_init() {
-            return std::ptr::null_mut();
+        if layout.align() <= self.malloc_align.load(Ordering::Acquire) && layout.align() <= layout.size() {
+            // SAFETY: the hooks are installed (malloc_align is set after READY); layout.size()
+            // > 0 (GlobalAlloc contract).
+            return unsafe { je::malloc(layout.size()) }.cast();
         }
-        let flags = jemalloc::align_flags(layout);
-        // SAFETY: layout.size() > 0 by the GlobalAlloc contract. Without flags, jemalloc's
-        // malloc fast path is the cheapest entry.
-        let p = unsafe {
-            if flags == 0 {
-                je::malloc(layout.size())
-            } else {
-                je::mallocx(layout.size(), flags)
-            }
-        }
-        .cast::<u8>();
-        if p.is_null() {
-            self.failed(layout.size());
-        }
-        p
+        // SAFETY: layout.size() > 0 (GlobalAlloc contract).
+        unsafe { self.alloc_other(layout, false) }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         owner::note_allocator_call();
-        if !self.ensure_init() {
-            return std::ptr::null_mut();
+        if layout.align() <= self.malloc_align.load(Ordering::Acquire) && layout.align() <= layout.size() {
+            // SAFETY: as in alloc.
+            return unsafe { je::calloc(1, layout.size()) }.cast();
         }
-        let flags = jemalloc::align_flags(layout);
-        // A zeroed request with 2 MiB alignment would reach the alloc hook with exactly the
-        // arguments of jemalloc's metadata requests (see hooks.rs): zero those here instead.
-        let zero_here = layout.align() >= crate::heap::pagemap::SLOT;
         // SAFETY: as in alloc.
-        let p = unsafe {
-            if flags == 0 {
-                je::calloc(1, layout.size())
-            } else if zero_here {
-                je::mallocx(layout.size(), flags)
-            } else {
-                je::mallocx(layout.size(), flags | je::MALLOCX_ZERO)
-            }
-        }
-        .cast::<u8>();
-        if zero_here && !p.is_null() {
-            // SAFETY: a fresh allocation of layout.size() bytes.
-            unsafe { p.write_bytes(0, layout.size()) };
-        }
-        if p.is_null() {
-            self.failed(layout.size());
-        }
-        p
+        unsafe { self.alloc_other(layout, true) }
     }
 
     #[inline]
@@ -464,23 +481,19 @@ unsafe impl GlobalAlloc for Global {
         unsafe { je::sdallocx(ptr.cast(), layout.size(), jemalloc::align_flags(layout)) }
     }
 
+    /// No readiness check: `ptr` came from this allocator, so the hooks are installed.
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         owner::note_allocator_call();
-        let new = Layout::from_size_align(new_size, layout.align()).unwrap_or(layout);
-        let flags = jemalloc::align_flags(new);
+        let flags = jemalloc::flags_for(layout.align(), new_size);
         // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).
-        let p = unsafe {
+        unsafe {
             if flags == 0 {
                 je::realloc(ptr.cast(), new_size)
             } else {
                 je::rallocx(ptr.cast(), new_size, flags)
             }
         }
-        .cast::<u8>();
-        if p.is_null() {
-            self.failed(new_size);
-        }
-        p
+        .cast()
     }
 }

@@ -83,6 +83,13 @@ unsafe extern "C" fn hook_alloc(
             base as *mut c_void
         }
         Ok(Err(e)) => {
+            // The global allocator's callers do not look for the reason (its fast path is
+            // jemalloc's): it reports here, once per failed chunk.
+            #[cfg(feature = "global")]
+            if owner.is_static() {
+                crate::heap::global::report_chunk_failure(size, e);
+                return std::ptr::null_mut();
+            }
             set_hook_error(e);
             std::ptr::null_mut()
         }

@@ -95,7 +95,7 @@ pub(crate) fn arena_allocated(arena: u32) -> Option<u64> {
 
 /// jemalloc's minimum alignment on x86_64 / aarch64: every size class of at least this size is
 /// aligned to it.
-const MIN_ALIGN: usize = 16;
+pub(crate) const MIN_ALIGN: usize = 16;
 
 /// The `mallocx`/`sdallocx` alignment flag for `layout` (tikv-jemallocator's
 /// `layout_to_flags`): none when jemalloc's size class already guarantees the alignment, which
@@ -103,10 +103,16 @@ const MIN_ALIGN: usize = 16;
 /// to 16) falls in a smaller class whose objects are only aligned to that class.
 #[inline]
 pub(crate) fn align_flags(layout: std::alloc::Layout) -> libc::c_int {
-    if layout.align() <= MIN_ALIGN && layout.align() <= layout.size() {
+    flags_for(layout.align(), layout.size())
+}
+
+/// [`align_flags`] of an alignment and a size (realloc's new size need not make a `Layout`).
+#[inline(always)]
+pub(crate) fn flags_for(align: usize, size: usize) -> libc::c_int {
+    if align <= MIN_ALIGN && align <= size {
         0
     } else {
-        je::MALLOCX_LG_ALIGN(layout.align().trailing_zeros() as usize)
+        je::MALLOCX_LG_ALIGN(align.trailing_zeros() as usize)
     }
 }
 

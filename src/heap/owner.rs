@@ -133,6 +133,9 @@ pub(crate) struct Owner {
 }
 
 static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
+/// The global allocator's owner id (never handed out by `NEXT_OWNER_ID`).
+#[cfg(feature = "global")]
+const STATIC_ID: u64 = u64::MAX;
 
 /// `bound`, held: what [`Owner::lock_bound`] returns.
 pub(crate) struct BoundGuard<'a>(std::sync::MutexGuard<'a, Bound>);
@@ -210,12 +213,18 @@ impl Owner {
         }
     }
 
+    /// Whether this is the global allocator's owner ([`Owner::new_static`]).
+    #[cfg(feature = "global")]
+    pub(crate) fn is_static(&self) -> bool {
+        self.id == STATIC_ID
+    }
+
     /// `const` form for the global allocator (no NUMA binding, not kept out of fork children, no limit).
     #[cfg(feature = "global")]
     pub(crate) const fn new_static(access: Access) -> Owner {
         Owner {
             hooks: hooks::HOOKS,
-            id: u64::MAX,
+            id: STATIC_ID,
             born: Born::FIRST,
             bound: Mutex::new(Bound { pds: [const { None }; MAX_PDS] }),
             watches: Mutex::new([const { None }; MAX_PDS]),
