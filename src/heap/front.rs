@@ -15,7 +15,9 @@
 //! thread's budget ([`crate::heap::HeapBuilder::thread_cache`]): the bytes kept never exceed
 //! the room reserved, which never exceeds the budget. Once the budget is used up, a class that
 //! needs room takes back what other classes reserve but do not hold; if none is left, the free
-//! goes to jemalloc. A magazine at its class's most hands its older half back to jemalloc when
+//! goes to jemalloc. The magazines' slot arrays (8 bytes an object, from the global allocator)
+//! are charged to the same budget, and taking room back from a class shrinks its array to what
+//! it holds: objects and slots together never exceed the budget. A magazine at its class's most hands its older half back to jemalloc when
 //! it is full, and keeps the freed object. The bytes kept are derived when statistics ask
 //! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
 //! everything to jemalloc.
@@ -38,6 +40,8 @@ const MAX_CAP: usize = 2048;
 const CLASS_BYTES: usize = 1 << 20;
 /// The room a magazine starts with (or its class's most, if smaller).
 const FIRST_CAP: usize = 8;
+/// Bytes of a magazine slot (its array's element), charged to the budget with the objects.
+const SLOT: usize = std::mem::size_of::<NonNull<u8>>();
 /// After taking room back from other classes found none, this many frees that need room skip
 /// the search (they go to jemalloc) before it is tried again.
 const RECLAIM_BACKOFF: u32 = 64;
@@ -78,7 +82,8 @@ pub(crate) struct Front {
     mags: [Magazine; NCLASSES],
     /// Slots allocated for each magazine's `items`.
     room: [Cell<u32>; NCLASSES],
-    /// Bytes the magazines' `cap`s add up to (at most `limit`).
+    /// Bytes the magazines' `cap`s add up to, plus their slot arrays' (`room` x 8): at most
+    /// `limit`.
     reserved: Cell<usize>,
     /// The thread's budget in bytes; 0 turns the cache off.
     limit: usize,
@@ -94,7 +99,7 @@ impl Drop for Front {
     fn drop(&mut self) {
         for (m, room) in self.mags.iter().zip(&self.room) {
             if room.get() > 0 {
-                // SAFETY: `items` and `room` are a Vec's pointer and capacity (see `resize`),
+                // SAFETY: `items` and `room` are a Vec's pointer and capacity (see `set_room`),
                 // freed only here; the objects they point to are not owned by the slots.
                 drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, room.get() as usize) });
             }
@@ -180,9 +185,10 @@ impl Front {
         debug_assert_eq!(len, cap);
         let most = cap_of(size);
         if cap < most {
-            let mut spare = (self.limit - self.reserved.get()) / size;
+            // Each more object costs its bytes and, if the array must grow, a slot.
+            let mut spare = (self.limit - self.reserved.get()) / (size + SLOT);
             if spare == 0 && self.backoff.get() == 0 {
-                spare = self.reclaim() / size;
+                spare = self.reclaim() / (size + SLOT);
                 if spare == 0 {
                     self.backoff.set(RECLAIM_BACKOFF);
                 }
@@ -190,9 +196,11 @@ impl Front {
                 self.backoff.set(self.backoff.get() - 1);
             }
             let new_cap = (cap * 2).max(FIRST_CAP).min(most).min(cap + spare);
-            if new_cap > cap && self.resize(class, new_cap) {
+            let room = self.room[class.index()].get() as usize;
+            if new_cap > cap && (room >= new_cap || self.set_room(class, new_cap)) {
                 self.reserved.set(self.reserved.get() + (new_cap - cap) * size);
                 m.cap.set(new_cap as u32);
+                debug_assert!(self.reserved.get() <= self.limit);
                 return self.keep(class, p);
             }
             // The budget is used up: this free goes to jemalloc.
@@ -202,8 +210,8 @@ impl Front {
         self.keep(class, p)
     }
 
-    /// Lowers every magazine's room to what it holds, giving the rest back to the budget;
-    /// returns the bytes of budget now unreserved.
+    /// Lowers every magazine's room (its `cap` and its slot array) to what it holds, giving the
+    /// rest back to the budget; returns the bytes of budget now unreserved.
     fn reclaim(&self) -> usize {
         for c in Class::all() {
             let m = self.mag(c);
@@ -212,31 +220,47 @@ impl Front {
                 self.reserved.set(self.reserved.get() - (m.cap.get() - len) as usize * c.size());
                 m.cap.set(len);
             }
+            if self.room[c.index()].get() > len {
+                // If the smaller array cannot be had, the class keeps (and is charged) the old.
+                self.set_room(c, len as usize);
+            }
         }
         self.limit - self.reserved.get()
     }
 
-    /// Gives `class`'s magazine `cap` slots at least; `false` if the memory for them cannot be
-    /// had (the caller then goes without).
-    fn resize(&self, class: Class, cap: usize) -> bool {
+    /// Gives `class`'s magazine `n` slots (at least its length; 0 frees the array), charging
+    /// the difference to `reserved`; `false` if the memory for them cannot be had, or the
+    /// budget cannot pay for them (the caller then goes without). No change if it has `n`.
+    fn set_room(&self, class: Class, n: usize) -> bool {
         let (m, room) = (self.mag(class), &self.room[class.index()]);
-        if room.get() as usize >= cap {
+        let (old, len) = (room.get() as usize, m.len.load(Ordering::Relaxed) as usize);
+        debug_assert!(n >= len);
+        if old == n {
             return true;
         }
         let mut slots = Vec::<NonNull<u8>>::new();
-        if slots.try_reserve_exact(cap).is_err() {
+        if n > 0 && slots.try_reserve_exact(n).is_err() {
             return false;
         }
-        let len = m.len.load(Ordering::Relaxed) as usize;
-        // SAFETY: items[..len] are initialised (by `keep`); the new storage has room for cap >= len.
-        unsafe { std::ptr::copy_nonoverlapping(m.items.get(), slots.as_mut_ptr(), len) };
-        if room.get() > 0 {
+        let new = slots.capacity();
+        let reserved = self.reserved.get() - old * SLOT + new * SLOT;
+        if new > old && reserved > self.limit {
+            return false;
+        }
+        if n > 0 {
+            // SAFETY: items[..len] are initialised (by `keep`); the new storage has room for
+            // n >= len.
+            unsafe { std::ptr::copy_nonoverlapping(m.items.get(), slots.as_mut_ptr(), len) };
+        }
+        if old > 0 {
             // SAFETY: the old storage's Vec parts (as in Drop); its slots were copied above.
-            drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, room.get() as usize) });
+            drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, old) });
         }
         let mut slots = std::mem::ManuallyDrop::new(slots);
+        // A Vec without capacity has a dangling pointer, as a new magazine does.
         m.items.set(slots.as_mut_ptr());
-        room.set(slots.capacity() as u32);
+        room.set(new as u32);
+        self.reserved.set(reserved);
         true
     }
 
