@@ -119,7 +119,10 @@ impl HeapBuilder {
     ///
     /// A thread never keeps more than `bytes` for the heap. Each size class keeps at most
     /// 1 MiB worth of objects (and at most 2048), and takes its room from this budget as it
-    /// fills; room a class reserved and no longer uses moves to a class that needs it. A free
+    /// fills; room a class reserved and no longer uses moves to a class that needs it. The
+    /// cache's bookkeeping (8 bytes per object a class has room for, from the global
+    /// allocator) is paid from the same budget, so objects and bookkeeping together stay
+    /// within `bytes`. A free
     /// that finds no room left goes to jemalloc; a class at its most hands its older half back
     /// to jemalloc when it fills up again.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
