@@ -235,9 +235,9 @@ pub(crate) enum Mode {
 /// The part of a connection that completion processing needs. Shared with a
 /// [`crate::transfer::Poller`] thread when one serves the connection.
 pub(crate) struct Core {
-    pub(crate) send_cq: Cq,
-    pub(crate) recv_cq: Cq,
-    pub(crate) failed: OnceLock<Failure>,
+    send_cq: Cq,
+    recv_cq: Cq,
+    failed: OnceLock<Failure>,
     send: Mutex<Queue>,
     recv: Mutex<Queue>,
     /// Keyed buffers that may be released only once the queue pair is in the error state and
@@ -295,6 +295,18 @@ impl Core {
             #[cfg(test)]
             panic_in_wait: Default::default(),
         }
+    }
+
+    /// The connection's first failure, if it has failed (set once, never cleared).
+    #[inline]
+    pub(crate) fn failure(&self) -> Option<&Failure> {
+        self.failed.get()
+    }
+
+    /// The send and receive CQs (the watcher watches their handles; the async driver arms
+    /// them).
+    pub(crate) fn cqs(&self) -> (&Cq, &Cq) {
+        (&self.send_cq, &self.recv_cq)
     }
 
     /// A stopwatch for a wait on this connection: busy polling reads the clock once in

@@ -77,7 +77,7 @@ impl std::fmt::Debug for Connection {
         f.debug_struct("Connection")
             .field("local", &self.qp.endpoint())
             .field("peer", &self.peer)
-            .field("failed", &self.core.failed.get())
+            .field("failed", &self.core.failure())
             .finish()
     }
 }
@@ -296,7 +296,7 @@ impl Connection {
 
     /// The error that failed the connection, if any.
     pub fn error(&self) -> Option<Error> {
-        self.core.failed.get().map(Failure::error)
+        self.core.failure().map(Failure::error)
     }
 
     /// A snapshot of the connection's counters: requests and bytes posted, completions, failed
@@ -383,7 +383,7 @@ impl Connection {
 
     pub(crate) fn check(&self) -> Result<()> {
         self.usable()?;
-        match self.core.failed.get() {
+        match self.core.failure() {
             Some(f) => Err(f.error()),
             None => Ok(()),
         }
@@ -628,7 +628,7 @@ impl Connection {
             if let Err(e) = claimed {
                 self.fail_locally(&mut local, e, now);
             }
-            if orphaned.is_none() && local.is_none() && limit.is_none() && self.core.failed.get().is_some() {
+            if orphaned.is_none() && local.is_none() && limit.is_none() && self.core.failure().is_some() {
                 // No deadline of its own: a failure recorded elsewhere (the watcher, another
                 // waiter) must flush this request within FLUSH_WAIT, or its memory is lost.
                 orphaned = Some(now);
@@ -729,7 +729,7 @@ impl Drop for Connection {
                 recv_requests = stats.recv_requests,
                 recv_bytes = stats.recv_bytes,
                 errors = stats.errors,
-                failure = %self.core.failed.get().map(Failure::error).map_or_else(String::new, |e| e.to_string()),
+                failure = %self.core.failure().map(Failure::error).map_or_else(String::new, |e| e.to_string()),
                 "connection closed"
             );
         }

@@ -115,7 +115,7 @@ impl Keepalive {
             if let Err(e) = core.reap_for_probe() {
                 core.fail(Failure::local(&e));
             }
-            if core.failed.get().is_none() && core.send_in_flight(id) {
+            if core.failure().is_none() && core.send_in_flight(id) {
                 let deadline = posted + self.deadline;
                 if now < deadline {
                     return Some(Tick::At((now + self.recheck).min(deadline)));
@@ -126,7 +126,7 @@ impl Keepalive {
             }
             st.in_flight = None;
         }
-        if core.failed.get().is_some() {
+        if core.failure().is_some() {
             st.over = true;
             return Some(Tick::Failed);
         }
@@ -149,7 +149,7 @@ impl Keepalive {
         };
         let posted = core.with_send_for_probe(|core, slots| {
             // Only on an empty send queue (see the module docs).
-            if core.failed.get().is_some() || slots.used() > 0 {
+            if core.failure().is_some() || slots.used() > 0 {
                 return Ok(false);
             }
             let posted = post(&wr)?;

@@ -59,7 +59,7 @@ impl Link {
             core: core.clone(),
             qp: Mutex::new(Some(RawQp(qp.as_raw()))),
             qp_ptr: qp.as_raw() as usize,
-            cqs: [core.send_cq.as_raw() as usize, core.recv_cq.as_raw() as usize],
+            cqs: [core.cqs().0.as_raw() as usize, core.cqs().1.as_raw() as usize],
             port: qp.port(),
             keepalive,
         }
@@ -98,7 +98,7 @@ impl Link {
         match tick {
             Tick::At(t) => Some(t),
             Tick::Failed => {
-                match self.core.failed.get() {
+                match self.core.failure() {
                     // Closed by its owner, who flushes it: nothing lost.
                     Some(Failure::Closed) => {}
                     Some(f @ Failure::Lost(_)) => {

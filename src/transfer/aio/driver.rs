@@ -156,7 +156,10 @@ fn round(weak: &Weak<Shared>, force: bool, after_event: bool) -> Round {
     let mut armed = Ok(());
     if wanted {
         // Reap even if arming failed: the flush after the failure must still be collected.
-        armed = core.send_cq.arm().and_then(|()| core.recv_cq.arm());
+        armed = {
+            let (send, recv) = core.cqs();
+            send.arm().and_then(|()| recv.arm())
+        };
         sh.waiters.armed.store(armed.is_ok(), Ordering::SeqCst);
     }
     let r = core.drain().and(armed);
