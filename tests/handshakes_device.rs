@@ -316,18 +316,16 @@ fn device_failed_clients_never_end_an_accept_call() {
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
-    use mralloc::transfer::exchange::{Kind, Message};
-    use mralloc::verbs::{Endpoint, Gid, Mtu};
     let (pd, _heap) = setup();
+    let hello = common::captured_hello(&pd);
     let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {
         let server = s.spawn(|| listener.accept_with(b"the blob"));
         // A well-formed hello; read the welcome (it carries the blob); leave without Ready.
-        let ep = Endpoint { qpn: 5, psn: 1, gid: Gid::default(), lid: 0, mtu: Mtu::Mtu1024 };
         let mut c = TcpStream::connect(addr).unwrap();
-        c.write_all(&Message::new(Kind::Hello, Some(ep), vec![]).encode().unwrap()).unwrap();
+        c.write_all(&hello).unwrap();
         let mut welcome = [0u8; 16];
         c.read_exact(&mut welcome).unwrap();
         drop(c);

@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::exchange::{Kind, Message, HEADER};
 use mralloc::transfer::{Connection, Listener, Options};
-use mralloc::verbs::{Access, Endpoint, Gid, Mtu, Pd, WcStatus};
+use mralloc::verbs::{Access, Pd, WcStatus};
 use mralloc::{Disconnect, Error, RemoteBuf};
 
 fn setup() -> (Pd, Heap) {
@@ -118,12 +117,12 @@ fn device_malformed_connection_messages_are_typed_errors() {
     let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
-    let ep = Endpoint { qpn: 5, psn: 1, gid: Gid::default(), lid: 0, mtu: Mtu::Mtu1024 };
-    let good = Message::new(Kind::Hello, Some(ep), vec![]).encode().unwrap();
+    let good = captured_hello(&pd);
+    const HEADER: usize = HELLO_LEN;
     let mut wrong_version = good.clone();
     wrong_version[5] = 99;
     let mut huge = good.clone();
-    let at = HEADER - 4; // the blob length
+    let at = HEADER - 4; // the blob length, the header's last field
     huge[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("garbage", [&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], &[0; HEADER]].concat()),

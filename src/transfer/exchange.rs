@@ -33,7 +33,8 @@ pub const MAGIC: [u8; 4] = *b"mRdx";
 /// Protocol version this build speaks (2: nonces, MACs and the authentication kinds; 3: the
 /// control endpoint).
 pub const VERSION: u16 = 3;
-/// Largest application blob carried with an endpoint.
+/// Largest application blob a TCP setup carries with an endpoint (`Listener::accept_with`,
+/// `Connection::connect_with`).
 pub const MAX_BLOB: usize = 64 << 10;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
@@ -214,6 +215,7 @@ impl Message {
     /// # Errors
     /// As [`Message::parse_header`]; [`Error::Protocol`] if the blob's length differs from the
     /// header's.
+    #[cfg(test)]
     pub fn decode(b: &[u8]) -> Result<Message> {
         let (mut m, len) = Message::parse_header(b)?;
         let rest = &b[HEADER..];

@@ -46,7 +46,7 @@ mod control;
 mod exact;
 #[cfg(test)]
 mod exact_tests;
-pub mod exchange;
+mod exchange;
 #[cfg(test)]
 mod fault_tests;
 mod gather;
@@ -70,12 +70,13 @@ mod watch;
 pub use acceptor::HandshakeFailure;
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
-pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, Op, RemoteLimits, RemoteMemory, RemoteMemoryStats};
+pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use auth::Secret;
 pub use batch::Batch;
 pub use cm::{CmListener, MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 pub use completion::Completed;
 pub use connection::Connection;
+pub use exchange::MAX_BLOB;
 pub use grant::Grant;
 pub use iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use local::{Local, LocalMut};

@@ -97,7 +97,7 @@ impl Listener {
     /// Failures of this side's own steps (a client's messages, secret or going away never end
     /// the call):
     /// - [`Error::InvalidArgument`] if `blob` is longer than
-    ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB) (found only when it is sent, after
+    ///   [`MAX_BLOB`](crate::transfer::MAX_BLOB) (found only when it is sent, after
     ///   the QP was created).
     /// - As [`Connection::pair`] if creating or connecting the QP, or setting up the
     ///   connection's watcher, fails. Connecting the QP uses the client's endpoint, so a client
@@ -179,7 +179,7 @@ impl Connection {
     /// - [`Error::Authentication`] if the secrets differ or only one side has one.
     /// - [`Error::Protocol`] if the listener sends something other than the exchange expects.
     /// - [`Error::InvalidArgument`] if `blob` is longer than
-    ///   [`MAX_BLOB`](crate::transfer::exchange::MAX_BLOB).
+    ///   [`MAX_BLOB`](crate::transfer::MAX_BLOB).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
     /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address
     ///   `addr` resolves to is tried in turn, within [`Options::connect_timeout`] for the whole

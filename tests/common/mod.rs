@@ -219,3 +219,29 @@ pub fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// Bytes of the TCP setup exchange's fixed header (magic, version, kind, code, two endpoints,
+/// nonce, MAC, blob length: `src/transfer/exchange.rs`); a `Hello` without a blob or a secret
+/// is exactly this long. The wire format is the crate's own: tests that forge messages take a
+/// real client's and change what they test.
+pub const HELLO_LEN: usize = 4 + 2 + 1 + 1 + 32 + 32 + 32 + 32 + 4;
+
+/// A well-formed `Hello`, as a real client (`Connection::connect`, no blob, no secret) sends it
+/// first, captured on a plain TCP socket. The client then gives up (its connect fails).
+pub fn captured_hello(pd: &mralloc::verbs::Pd) -> Vec<u8> {
+    use std::io::Read;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let pd = pd.clone();
+    let client = std::thread::spawn(move || {
+        let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
+        mralloc::transfer::Connection::connect(addr, &pd, opts).map(drop)
+    });
+    let (mut s, _) = tcp.accept().unwrap();
+    let mut hello = vec![0u8; HELLO_LEN];
+    s.read_exact(&mut hello).unwrap();
+    drop(s);
+    assert!(client.join().unwrap().is_err(), "the client got no welcome");
+    assert_eq!(&hello[..4], b"mRdx", "a connection message");
+    hello
+}

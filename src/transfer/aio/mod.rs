@@ -31,7 +31,7 @@ pub use cm_listener::AsyncCmListener;
 pub use connection::AsyncConnection;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
-pub use op::Op;
+
 
 /// What every handle and in-flight operation of one async connection shares.
 pub(crate) struct Shared {
