@@ -10,7 +10,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Each variant carries enough to act on: which verb failed and the OS error behind it, which
 /// devices exist when the one asked for does not, the work-completion status name when the NIC
 /// reported a failure.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Debug` prints the message too (with the variant's name), so `fn main() -> mralloc::Result<()>`
+/// shows what went wrong and what to do rather than a struct dump.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A verbs call failed.
@@ -348,6 +351,48 @@ impl From<Error> for std::io::Error {
     }
 }
 
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self} [Error::{}]", self.variant_name())
+    }
+}
+
+impl Error {
+    fn variant_name(&self) -> &'static str {
+        match self {
+            Error::Authentication { .. } => "Authentication",
+            Error::Closed => "Closed",
+            Error::DeviceRemoved { .. } => "DeviceRemoved",
+            Error::Disconnected { .. } => "Disconnected",
+            Error::FlushLost { .. } => "FlushLost",
+            Error::Forked { .. } => "Forked",
+            Error::InvalidArgument { .. } => "InvalidArgument",
+            Error::Io { .. } => "Io",
+            Error::Jemalloc { .. } => "Jemalloc",
+            Error::LimitExceeded { .. } => "LimitExceeded",
+            Error::MalformedEndpoint { .. } => "MalformedEndpoint",
+            Error::NoActiveDevice { .. } => "NoActiveDevice",
+            Error::NoControlChannel => "NoControlChannel",
+            Error::NoRemoteAccess => "NoRemoteAccess",
+            Error::NoSuchDevice { .. } => "NoSuchDevice",
+            Error::NoSuchIndex { .. } => "NoSuchIndex",
+            Error::NoWholeChunkAccess => "NoWholeChunkAccess",
+            Error::NotRegistered { .. } => "NotRegistered",
+            Error::Operation { .. } => "Operation",
+            Error::OutOfBounds { .. } => "OutOfBounds",
+            Error::OutOfMemory { .. } => "OutOfMemory",
+            Error::PartialPost { .. } => "PartialPost",
+            Error::Protocol { .. } => "Protocol",
+            Error::Registration { .. } => "Registration",
+            Error::RemoteRefused { .. } => "RemoteRefused",
+            Error::RevocationFailed => "RevocationFailed",
+            Error::Timeout { .. } => "Timeout",
+            Error::Verbs { .. } => "Verbs",
+            Error::WorkCompletion { .. } => "WorkCompletion",
+        }
+    }
+}
+
 /// An I/O error of the caller's own (a file read, a socket), so `?` works on it in a function
 /// that returns [`crate::Result`]: [`Error::Io`], with `what` saying only that it was I/O.
 ///
@@ -469,7 +514,8 @@ fn operation_hint(op: &str, status: crate::verbs::WcStatus) -> &'static str {
         S::RemInvReqErr => ". Hint: a SEND larger than the receive buffer the peer had posted",
         S::RemAccessErr => {
             ". Hint: the peer's memory does not grant this: a key that was revoked or never matched, a \
-             range outside the exposed or granted buffer, or memory exposed without this right"
+             range outside the exposed or granted buffer, memory exposed without this right, or (on \
+             some devices) the peer's Options::remote_access lacking it"
         }
         S::RnrRetryExcErr => ". Hint: the peer had no receive posted for a SEND (Options::rnr_retry: 7 waits for ever)",
         S::RetryExcErr => ". Hint: the peer did not answer (its process or host is gone, or the path is down)",
@@ -503,6 +549,13 @@ fn hint_for(verb: &'static str, errno: i32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_shows_the_message() {
+        let e = Error::NoActiveDevice { available: vec![] };
+        let d = format!("{e:?}");
+        assert!(d.starts_with(&e.to_string()) && d.ends_with("[Error::NoActiveDevice]"), "{d}");
+    }
 
     #[test]
     fn a_refused_operation_names_the_right_it_needs() {

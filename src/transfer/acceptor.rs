@@ -76,10 +76,18 @@ pub struct HandshakeFailure {
 
 /// Whether a failed handshake is the client's failure: it came from the client's side of the
 /// exchange (not a step of this side's own, such as creating the queue pair, which the accept
-/// call reports) and is of a client's kind.
+/// call reports) and is of a client's kind — its messages, its secret, its going away, or its
+/// endpoint, which the device refused when this side's queue pair was connected to it.
 fn clients_failure(f: &Failed) -> bool {
     f.by_client
-        && matches!(f.error, Error::Io { .. } | Error::Authentication(_) | Error::Protocol(_) | Error::Timeout(..))
+        && matches!(
+            f.error,
+            Error::Io { .. }
+                | Error::Authentication(_)
+                | Error::Protocol(_)
+                | Error::Timeout(..)
+                | Error::Verbs { verb: "ibv_modify_qp", .. }
+        )
 }
 
 /// An accept call waiting for a handshake to serve.

@@ -126,18 +126,6 @@ impl Connection {
         Ok((b.build()?, send_cq, recv_cq))
     }
 
-    /// Connects a prepared QP to `peer` (RTR, RTS) and wraps it.
-    pub(crate) fn finish(
-        pd: &Pd,
-        opts: &Options,
-        (qp, send_cq, recv_cq): (Qp, Cq, Cq),
-        peer: Endpoint,
-        peer_blob: Vec<u8>,
-    ) -> Result<Connection> {
-        qp.connect(&peer, &opts.connect_options())?;
-        Connection::wrap(pd, opts, (qp, send_cq, recv_cq), peer, peer_blob)
-    }
-
     /// Wraps a QP that is already connected (RTS).
     pub(crate) fn wrap(
         pd: &Pd,

@@ -31,6 +31,11 @@ pub(crate) fn options(opts: &Options) -> Options {
     }
 }
 
+/// Test hook: the next server-side handshake's QP connect fails, as a device refusing the
+/// client's endpoint makes it.
+#[cfg(test)]
+pub(crate) static REFUSE_CLIENT_ENDPOINT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A data QP with its CQs and, if asked for, the control channel's.
 pub(crate) struct Prepared {
     pub(crate) data: (Qp, Cq, Cq),
@@ -60,9 +65,40 @@ impl Prepared {
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
     ) -> Result<Connection> {
-        let mut conn = Connection::finish(pd, opts, self.data, peer, peer_blob)?;
+        self.connect_to(opts, &peer, peer_control.as_ref())?;
+        self.wrap(pd, opts, peer, peer_control, peer_blob)
+    }
+
+    /// The step of [`Prepared::finish`] that the peer's endpoints decide: the QPs to RTR/RTS
+    /// towards them (a device refuses an unroutable GID here).
+    pub(crate) fn connect_to(&self, opts: &Options, peer: &Endpoint, peer_control: Option<&Endpoint>) -> Result<()> {
+        #[cfg(test)]
+        if std::thread::current().name() == Some("mralloc-handshake")
+            && REFUSE_CLIENT_ENDPOINT.swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            // What a device says to an endpoint it cannot reach (rxe resolves addresses later).
+            return Err(crate::Error::verbs_errno("ibv_modify_qp", libc::EINVAL));
+        }
+        self.data.0.connect(peer, &opts.connect_options())?;
+        if let (Some(mine), Some(theirs)) = (&self.control, peer_control) {
+            mine.0.connect(theirs, &options(opts).connect_options())?;
+        }
+        Ok(())
+    }
+
+    /// The rest of [`Prepared::finish`], this side's own: the connected QPs become a
+    /// connection (and its control channel, when both sides offered one).
+    pub(crate) fn wrap(
+        self,
+        pd: &Pd,
+        opts: &Options,
+        peer: Endpoint,
+        peer_control: Option<Endpoint>,
+        peer_blob: Vec<u8>,
+    ) -> Result<Connection> {
+        let mut conn = Connection::wrap(pd, opts, self.data, peer, peer_blob)?;
         if let (Some(mine), Some(theirs)) = (self.control, peer_control) {
-            let control = Connection::finish(pd, &options(opts), mine, theirs, Vec::new())?;
+            let control = Connection::wrap(pd, &options(opts), mine, theirs, Vec::new())?;
             conn.set_control(control);
         }
         Ok(conn)

@@ -118,3 +118,35 @@ fn device_unwinding_out_of_a_blocking_receive_waits_for_its_flush() {
     assert!(b.core().quiet(), "the posted receive was flushed before the borrow of `inbox` ended");
     assert!(b.error().is_some(), "the connection was failed to flush it");
 }
+
+/// A client whose endpoint the device refuses (connecting the server's QP to it fails: an
+/// unroutable GID on a device that resolves addresses then) is that client's failure: the accept
+/// call goes on and returns the next client; the failure is recorded.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_client_endpoint_the_device_refuses_ends_no_accept_call() {
+    use crate::transfer::control::REFUSE_CLIENT_ENDPOINT;
+    use crate::transfer::Listener;
+    let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
+    let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };
+    let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept_with(b"for the second"));
+        REFUSE_CLIENT_ENDPOINT.store(true, Ordering::Relaxed);
+        let refused = Connection::connect(addr, &pd, opts.clone());
+        assert!(refused.is_err(), "the refused client's setup fails at its end too");
+        assert!(!REFUSE_CLIENT_ENDPOINT.load(Ordering::Relaxed), "the server's handshake met the hook");
+        let start = std::time::Instant::now();
+        while listener.failed_handshakes() == 0 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the refused client was not recorded");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let f = listener.take_handshake_failures().remove(0);
+        assert!(matches!(f.error, Error::Verbs { verb: "ibv_modify_qp", .. }), "{:?}", f.error);
+        assert!(!server.is_finished(), "the refused client ended the accept call");
+        let conn = Connection::connect(addr, &pd, opts.clone()).unwrap();
+        assert_eq!(conn.peer_blob(), b"for the second");
+        server.join().unwrap().expect("the accept call returns the next client");
+    });
+}

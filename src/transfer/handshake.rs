@@ -92,7 +92,13 @@ pub(crate) fn serve(
         // The client checked this side's Welcome (and MAC) before saying Ready: only then is
         // the QP connected. The client posts nothing before this side's Ready, sent once it is.
         expect(Message::recv(&mut s)?, Kind::Ready)?;
-        let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(ours)?;
+        // The client's endpoints decide whether the device accepts them (an unroutable GID is
+        // refused here): the client's failure, unless this side's device is gone.
+        x.prepared.connect_to(opts, &x.peer, x.peer_control.as_ref()).map_err(|e| match e {
+            Error::DeviceRemoved { .. } | Error::Forked(_) => ours(e),
+            e => e,
+        })?;
+        let mut conn = x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(ours)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
         tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
         keep_watched(&mut conn, s).map_err(ours)?;

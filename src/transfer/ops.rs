@@ -144,6 +144,10 @@ impl Connection {
     /// ([`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0: no byte of `local` was
     /// written).
     ///
+    /// A message whose SEND completed at the peer has arrived here: a peer that sends a last
+    /// message and then closes or exits does not lose it (its completion is reaped before the
+    /// close's flush; only receives still empty then fail with [`Error::Disconnected`]).
+    ///
     /// # Errors
     /// - As [`Connection::write_at`] for `local` and the wait (no remote range, no send-queue
     ///   room to wait for).

@@ -26,20 +26,23 @@ pub enum WaitMode {
 /// device defaults come from `MRALLOC_DEVICE` / `MRALLOC_GID_INDEX` or the first active port.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Send-queue depth (outstanding work requests).
+    /// Send-queue depth (outstanding work requests). Default 256; the device's limit caps it
+    /// ([`crate::transfer::Connection::options`] shows what was granted).
     pub send_depth: u32,
-    /// Receive-queue depth (posted receives).
+    /// Receive-queue depth (posted receives). Default 256, capped as `send_depth`.
     pub recv_depth: u32,
-    /// Bytes a SEND or WRITE may carry inline (no DMA read of the source).
+    /// Bytes a SEND or WRITE may carry inline (no DMA read of the source). Default 64; the
+    /// device's limit caps it (0 on devices without inline data).
     pub max_inline: u32,
     /// Transport retries before `RETRY_EXC_ERR` (0-7; default 7, as perftest and RDMA CM use).
     /// Soft-RoCE (`rdma_rxe`) takes 7 as "retry forever", against the specification: there, a
     /// peer that stops answering is never reported by the transport (keepalive probes still
     /// find it, by their own deadline).
     pub retry_count: u8,
-    /// ACK timeout exponent: 4.096 µs × 2^n.
+    /// ACK timeout exponent: 4.096 µs × 2^n. Default 14 (67 ms per try; with the default retry
+    /// count, an unanswered request is given up after about 0.54 s).
     pub ack_timeout: u8,
-    /// RNR retries (7 = forever, waiting for the peer to post a receive).
+    /// RNR retries (7, the default, = forever: a SEND waits for the peer to post a receive).
     pub rnr_retry: u8,
     /// Device name (default: `MRALLOC_DEVICE` or the first active device).
     pub device: Option<String>,
@@ -49,18 +52,21 @@ pub struct Options {
     pub gid_index: Option<u32>,
     /// Limit on connection setup as a whole (TCP connect and the endpoint exchange; on a
     /// listener, each handshake from its TCP accept to the connection being handed to an
-    /// accept call).
+    /// accept call: how long a silent client can hold a handshake slot). Default 10 s.
     pub connect_timeout: Duration,
     /// TCP listeners: handshakes in flight at once (default 256), each on its own small thread;
     /// a TCP connection beyond them is closed at once. Bounds what silent or slow clients can
     /// hold.
     pub max_handshakes: usize,
-    /// How threads wait for completions (default: busy polling, for the lowest latency).
+    /// How threads wait for completions. Default [`WaitMode::Event`]: a short adaptive poll
+    /// (up to [`Options::spin`]), then a sleep on the completion channel — an idle wait costs
+    /// no CPU. [`WaitMode::BusyPoll`] for the lowest latency on dedicated cores.
     pub wait: WaitMode,
     /// Limit on waiting for one send-queue operation's completion (WRITE, READ, SEND, atomics)
     /// and for send-queue room; past it the connection is failed (its QP moved to the error
     /// state) so that no memory stays in the NIC's hands. A live peer's NIC answers these
-    /// without its application (only a SEND waits for the peer to post a receive).
+    /// without its application (only a SEND waits for the peer to post a receive). Default
+    /// 30 s. Async operations have no such limit (cancel their future instead).
     pub op_timeout: Duration,
     /// Limit on a blocking receive ([`crate::transfer::Connection::recv`],
     /// [`crate::transfer::Pending::wait`] on a receive): `None` (the default) waits as long as

@@ -99,9 +99,9 @@ impl Listener {
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::MAX_BLOB) (found only when it is sent, after
     ///   the QP was created).
-    /// - As [`Connection::pair`] if creating or connecting the QP, or setting up the
-    ///   connection's watcher, fails. Connecting the QP uses the client's endpoint, so a client
-    ///   whose endpoint the device refuses (an unroutable GID) ends the call this way too.
+    /// - As [`Connection::pair`] if creating the QP or setting up the connection's watcher
+    ///   fails, or if the device is removed. (Connecting the QP uses the client's endpoint: a
+    ///   client whose endpoint the device refuses, an unroutable GID, is that client's failure.)
     /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake thread ended
     ///   without an answer (a panic).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {

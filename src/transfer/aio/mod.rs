@@ -32,7 +32,6 @@ pub use connection::AsyncConnection;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
 
-
 /// What every handle and in-flight operation of one async connection shares.
 pub(crate) struct Shared {
     /// Dropped in `Drop`, possibly on the blocking pool.
