@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::aio::op::{NoBytes, Op};
+use crate::transfer::aio::op::{BufferBack, NoBytes, Op};
 use crate::transfer::aio::request::Request;
 use crate::transfer::aio::wire::Msg;
 use crate::transfer::aio::{control, driver, scratch, Shared};
@@ -290,7 +290,7 @@ impl AsyncConnection {
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let op = self.start(buf, Verb::Write, |len| Ok(Some(SendOp::Write(remote.at(offset, len)?))));
-        async move { op.await.map(|(b, _)| b) }
+        BufferBack(op)
     }
 
     /// RDMA WRITE that also delivers `imm` to the peer (consuming one of its receives).
@@ -306,7 +306,7 @@ impl AsyncConnection {
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let op =
             self.start(buf, Verb::WriteWithImm, |len| Ok(Some(SendOp::WriteWithImm(remote.at(offset, len)?, imm))));
-        async move { op.await.map(|(b, _)| b) }
+        BufferBack(op)
     }
 
     /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back. The
@@ -324,7 +324,7 @@ impl AsyncConnection {
         let sge = self.conn().checked_target(&mut buf, Verb::Read);
         let posted = Posted::Read(sge.as_ref().map_or(0, |s| s.len() as usize));
         let op = self.start_checked(buf, sge, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
-        async move { filled(op.await, posted).map(|(b, _)| b) }
+        TargetBack(Delivered { op, posted })
     }
 
     /// SEND of all of `buf` (the peer must have a receive posted).
@@ -333,7 +333,7 @@ impl AsyncConnection {
     /// As [`AsyncConnection::write`] (no remote range).
     pub fn send<B: IoBuf>(&self, buf: B) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let op = self.start(buf, Verb::Send, |_| Ok(Some(SendOp::Send)));
-        async move { op.await.map(|(b, _)| b) }
+        BufferBack(op)
     }
 
     /// SEND with immediate data.
@@ -346,7 +346,7 @@ impl AsyncConnection {
         imm: u32,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let op = self.start(buf, Verb::SendWithImm, |_| Ok(Some(SendOp::SendWithImm(imm))));
-        async move { op.await.map(|(b, _)| b) }
+        BufferBack(op)
     }
 
     /// Posts `buf` as a receive (at call time) and completes when the peer's SEND fills it, or
@@ -366,7 +366,7 @@ impl AsyncConnection {
         let sge = self.conn().checked_target(&mut buf, Verb::Recv);
         let posted = Posted::Recv(sge.as_ref().map_or(0, |s| s.len() as usize));
         let op = self.start_checked(buf, sge, |_| Ok(None));
-        async move { filled(op.await, posted) }
+        Delivered { op, posted }
     }
 
     /// Posts a receive without memory and completes with the immediate of the peer's WRITE with
@@ -475,6 +475,33 @@ impl AsyncConnection {
 
 /// A finished READ or receive into `B`, interpreted against what was `posted`
 /// ([`Completed::delivered`]): the target learns how many bytes the NIC wrote.
+/// A READ's or receive's [`Op`]: once it completes, what the NIC wrote is recorded in the
+/// target ([`filled`]). A plain future, not an `async` block (which would copy the op).
+struct Delivered<B: IoTarget> {
+    op: Op<B>,
+    posted: Posted,
+}
+
+impl<B: IoTarget> Future for Delivered<B> {
+    type Output = std::result::Result<(B, Received), Rejected<B>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let posted = self.posted;
+        std::pin::Pin::new(&mut self.op).poll(cx).map(|done| filled(done, posted))
+    }
+}
+
+/// [`Delivered`] for a READ: the target back, the completion's details dropped.
+struct TargetBack<B: IoTarget>(Delivered<B>);
+
+impl<B: IoTarget> Future for TargetBack<B> {
+    type Output = std::result::Result<B, Rejected<B>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| r.map(|(b, _)| b))
+    }
+}
+
 fn filled<B: IoTarget>(
     done: std::result::Result<(B, Completed), Rejected<B>>,
     posted: Posted,
