@@ -1,6 +1,6 @@
 //! Allocation throughput, natively on the host (the hot path does not depend on the device:
 //! registration happens once per chunk). Scoped `Heap` (unbound) vs plain jemalloc
-//! (tikv-jemallocator) vs glibc (`std::alloc::System`): alloc+free pairs, batches, 1 and 2
+//! (tikv-jemallocator) vs mimalloc (pairs, batches, the window) vs glibc (`std::alloc::System`): alloc+free pairs, batches, 1 and 2
 //! threads, a random window of live objects, cross-thread frees; `keys_of` lookups.
 //! `Global` is measured in benches/global.rs (it must be the process allocator).
 //!
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mimalloc::MiMalloc;
 use mralloc::heap::Heap;
 use tikv_jemallocator::Jemalloc;
 
@@ -36,6 +37,11 @@ fn pick<'a>(who: &str, heap: &'a Heap) -> (AllocFn<'a>, FreeFn<'a>) {
             Box::new(move |n| unsafe { Jemalloc.alloc(l(n)) }),
             Box::new(move |p, n| unsafe { Jemalloc.dealloc(p, l(n)) }),
         ),
+        // SAFETY (both): as above.
+        "mimalloc" => (
+            Box::new(move |n| unsafe { MiMalloc.alloc(l(n)) }),
+            Box::new(move |p, n| unsafe { MiMalloc.dealloc(p, l(n)) }),
+        ),
         _ => {
             (Box::new(move |n| unsafe { System.alloc(l(n)) }), Box::new(move |p, n| unsafe { System.dealloc(p, l(n)) }))
         }
@@ -46,7 +52,7 @@ fn pick<'a>(who: &str, heap: &'a Heap) -> (AllocFn<'a>, FreeFn<'a>) {
 fn mixed(c: &mut Criterion, heap: &Heap) {
     let script = window_script(1 << 16);
     let mut g = c.benchmark_group("window");
-    for who in order(vec!["heap", "jemalloc", "glibc"]) {
+    for who in order(vec!["heap", "jemalloc", "mimalloc", "glibc"]) {
         let (alloc, free) = pick(who, heap);
         g.bench_function(who, |b| b.iter_custom(|iters| window(iters, &script, &alloc, &free)));
     }
@@ -71,7 +77,7 @@ fn pairs(c: &mut Criterion, heap: &Heap) {
         let layout = Layout::from_size_align(n, 8).unwrap();
         // Raw allocate/deallocate through the Allocator API, like the GlobalAlloc baselines
         // (Heap::alloc also zero-fills its Buffer).
-        for who in order(vec!["heap", "jemalloc", "glibc"]) {
+        for who in order(vec!["heap", "jemalloc", "mimalloc", "glibc"]) {
             let id = BenchmarkId::new(who, label(n));
             match who {
                 "heap" => g.bench_function(id, |b| {
@@ -86,6 +92,13 @@ fn pairs(c: &mut Criterion, heap: &Heap) {
                         let p = Jemalloc.alloc(black_box(layout));
                         black_box(p);
                         Jemalloc.dealloc(p, layout);
+                    })
+                }),
+                "mimalloc" => g.bench_function(id, |b| {
+                    b.iter(|| unsafe {
+                        let p = MiMalloc.alloc(black_box(layout));
+                        black_box(p);
+                        MiMalloc.dealloc(p, layout);
                     })
                 }),
                 _ => g.bench_function(id, |b| {
@@ -107,7 +120,7 @@ fn batches(c: &mut Criterion, heap: &Heap) {
     let mut g = c.benchmark_group("batch1000");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
-        for who in order(vec!["heap", "jemalloc", "glibc"]) {
+        for who in order(vec!["heap", "jemalloc", "mimalloc", "glibc"]) {
             let id = BenchmarkId::new(who, label(n));
             let mut v = Vec::with_capacity(1000);
             if who == "heap" {
@@ -122,7 +135,11 @@ fn batches(c: &mut Criterion, heap: &Heap) {
                     })
                 });
             } else {
-                let a: &dyn GlobalAlloc = if who == "jemalloc" { &Jemalloc } else { &System };
+                let a: &dyn GlobalAlloc = match who {
+                    "jemalloc" => &Jemalloc,
+                    "mimalloc" => &MiMalloc,
+                    _ => &System,
+                };
                 let mut v = Vec::with_capacity(1000);
                 g.bench_function(id, |b| {
                     b.iter(|| unsafe {
