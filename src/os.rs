@@ -10,3 +10,23 @@ pub(crate) fn page_size() -> usize {
         4096
     }
 }
+
+/// Writes one line to stderr without allocating (at most 512 bytes): for messages from inside
+/// the allocator, where formatting into a `String` could re-enter it.
+#[cfg(feature = "global")]
+pub(crate) fn stderr_line(args: std::fmt::Arguments<'_>) {
+    struct Buf([u8; 512], usize);
+    impl std::fmt::Write for Buf {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let n = s.len().min(self.0.len() - self.1);
+            self.0[self.1..self.1 + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.1 += n;
+            Ok(())
+        }
+    }
+    let mut b = Buf([0; 512], 0);
+    let _ = std::fmt::Write::write_fmt(&mut b, args);
+    let _ = std::fmt::Write::write_str(&mut b, "\n");
+    // SAFETY: writes b.1 initialised bytes to fd 2.
+    unsafe { libc::write(2, b.0.as_ptr().cast(), b.1) };
+}

@@ -30,7 +30,7 @@ use tikv_jemalloc_sys as je;
 use crate::error::Result;
 use crate::heap::chunk;
 use crate::heap::jemalloc;
-use crate::heap::owner::{self, HookError, Owner};
+use crate::heap::owner::{self, Owner};
 use crate::heap::stats::HeapStats;
 use crate::verbs::{Access, Pd};
 
@@ -127,24 +127,6 @@ fn mallctl_write<T>(n: &Name, v: T) -> bool {
 fn mallctl_read<T: Copy>(n: &Name) -> Option<T> {
     // SAFETY: as above.
     unsafe { tikv_jemalloc_ctl::raw::read(n.bytes()) }.ok()
-}
-
-/// Writes one line to stderr without allocating.
-fn report(args: std::fmt::Arguments<'_>) {
-    struct Buf([u8; 512], usize);
-    impl Write for Buf {
-        fn write_str(&mut self, s: &str) -> std::fmt::Result {
-            let n = s.len().min(self.0.len() - self.1);
-            self.0[self.1..self.1 + n].copy_from_slice(&s.as_bytes()[..n]);
-            self.1 += n;
-            Ok(())
-        }
-    }
-    let mut b = Buf([0; 512], 0);
-    let _ = b.write_fmt(args);
-    let _ = b.write_str("\n");
-    // SAFETY: writes b.1 initialised bytes to fd 2.
-    unsafe { libc::write(2, b.0.as_ptr().cast(), b.1) };
 }
 
 impl Global {
@@ -352,7 +334,7 @@ impl Global {
     fn install(&self) -> bool {
         let me = self as *const Global as *mut Global;
         if INSTALLED.compare_exchange(std::ptr::null_mut(), me, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            report(format_args!("mralloc::Global: another Global already owns jemalloc's arenas"));
+            crate::os::stderr_line(format_args!("mralloc::Global: another Global already owns jemalloc's arenas"));
             return false;
         }
         // Keep our malloc_conf definition linked in (and visible in a debugger).
@@ -361,7 +343,7 @@ impl Global {
         // have no hooks (never registered): refuse to start rather than hand those out.
         let threshold = name(format_args!("opt.oversize_threshold")).and_then(|n| mallctl_read::<usize>(&n));
         if threshold != Some(0) {
-            report(format_args!(
+            crate::os::stderr_line(format_args!(
                 "mralloc::Global: jemalloc runs with oversize_threshold {threshold:?}, not 0 \
                  (was _RJEM_MALLOC_CONF or another _rjem_malloc_conf set?): Global needs it to be 0"
             ));
@@ -374,7 +356,7 @@ impl Global {
         for i in 0..narenas {
             let Some(n) = name(format_args!("arena.{i}.extent_hooks")) else { return false };
             if !mallctl_write(&n, hooks) {
-                report(format_args!("mralloc::Global: installing hooks on arena {i} failed"));
+                crate::os::stderr_line(format_args!("mralloc::Global: installing hooks on arena {i} failed"));
                 return false;
             }
             if let Some(n) = name(format_args!("arena.{i}.retain_grow_limit")) {
@@ -411,27 +393,6 @@ impl Global {
         }
         mallctl_write(&tc, true);
     }
-}
-
-/// Reports a failed chunk allocation of the global allocator's hooks (called by the alloc hook
-/// for the static owner, instead of leaving the reason in the thread-local for a caller: the
-/// allocation fast path does not look at what jemalloc returns). Writes one line to stderr
-/// without allocating. jemalloc may still serve the request: after a failed growth by a
-/// whole chunk it retries once with the exact size.
-#[cold]
-pub(crate) fn report_chunk_failure(size: usize, e: HookError) {
-    let why = match e {
-        HookError::None => return,
-        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
-        HookError::Limit { .. } => "heap limit reached",
-        HookError::Map(_) => "mmap of a new chunk failed",
-        HookError::Numa(_) => "mbind of a new chunk failed",
-        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
-        HookError::TableFull => "chunk table full",
-    };
-    // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
-    // Rust's alloc-error path follows.
-    report(format_args!("mralloc::Global: a new chunk of {size} bytes failed: {e:?} ({why})"));
 }
 
 impl Default for Global {

@@ -87,7 +87,7 @@ unsafe extern "C" fn hook_alloc(
             // jemalloc's): it reports here, once per failed chunk.
             #[cfg(feature = "global")]
             if owner.is_static() {
-                crate::heap::global::report_chunk_failure(size, e);
+                report_chunk_failure(size, e);
                 return std::ptr::null_mut();
             }
             set_hook_error(e);
@@ -173,6 +173,28 @@ unsafe extern "C" fn hook_merge(
             true
         }
     }
+}
+
+/// Reports a failed chunk allocation of the global allocator's hooks (called by the alloc hook
+/// for the static owner, instead of leaving the reason in the thread-local for a caller: the
+/// allocation fast path does not look at what jemalloc returns). Writes one line to stderr
+/// without allocating. jemalloc may still serve the request: after a failed growth by a
+/// whole chunk it retries once with the exact size.
+#[cfg(feature = "global")]
+#[cold]
+fn report_chunk_failure(size: usize, e: HookError) {
+    let why = match e {
+        HookError::None => return,
+        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
+        HookError::Limit { .. } => "heap limit reached",
+        HookError::Map(_) => "mmap of a new chunk failed",
+        HookError::Numa(_) => "mbind of a new chunk failed",
+        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
+        HookError::TableFull => "chunk table full",
+    };
+    // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
+    // Rust's alloc-error path follows.
+    crate::os::stderr_line(format_args!("mralloc::Global: a new chunk of {size} bytes failed: {e:?} ({why})"));
 }
 
 #[cfg(test)]
