@@ -703,14 +703,14 @@ impl Core {
         self.spin.expire(send);
     }
 
-    /// A blocking wait claimed its completion; `watch` started at its first miss (not started:
-    /// claimed at its first poll).
+    /// A blocking wait claimed its completion; `watch` started at its first miss (`None`, or
+    /// not started: claimed at its first poll).
     #[inline]
-    pub(crate) fn spin_claimed(&self, send: bool, watch: &Stopwatch) {
+    pub(crate) fn spin_claimed(&self, send: bool, watch: Option<&Stopwatch>) {
         if self.mode != Mode::Event {
             return;
         }
-        if let Some(waited) = watch.exact() {
+        if let Some(waited) = watch.and_then(Stopwatch::exact) {
             self.spin.observe(send, waited);
         }
         self.spin.claimed(send);

@@ -574,7 +574,7 @@ impl Connection {
         }
         match self.core.try_claim(ticket) {
             Ok(Some(o)) => {
-                self.core.spin_claimed(ticket.send, &self.core.stopwatch());
+                self.core.spin_claimed(ticket.send, None);
                 self.settle(o, None)
             }
             Ok(None) => self.wait_loop(ticket, None),
@@ -609,7 +609,7 @@ impl Connection {
             let mark = self.core.mark();
             let claimed = self.core.try_claim(ticket);
             if let Ok(Some(o)) = claimed {
-                self.core.spin_claimed(send, &watch);
+                self.core.spin_claimed(send, Some(&watch));
                 return self.settle(o, local.map(|(e, _)| e));
             }
             let now = watch.elapsed();
