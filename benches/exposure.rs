@@ -118,7 +118,7 @@ fn main() -> mralloc::Result<()> {
                         let remote = dst.remote_whole_chunk()?;
                         for _ in 0..iters {
                             let s = Instant::now();
-                            x.write(&src, &remote)?;
+                            x.write(&src, &remote, 0)?;
                             t.push(s.elapsed().as_secs_f64() * 1e6);
                         }
                     }

@@ -293,7 +293,7 @@ fn main() -> mralloc::Result<()> {
             let mut posted = Stamps::with_capacity(a.iters);
             for _ in 0..a.iters {
                 posted.push();
-                x.read(&mut back, &remote)?;
+                x.read(&mut back, &remote, 0)?;
             }
             let (typical, p99) = perftest_latency(&posted, 1.0);
             println!("MRALLOC read_lat {typical:.2} {p99:.2} 0");

@@ -12,7 +12,7 @@
 //! transfer_insns FRONT... [--iters N] [--settle-us N]
 //! ```
 //! FRONT: `raw` (single requests, and chains of 16 as the baseline of `batch`), `blocking`
-//! (`write_at`, `read`, `send` + `recv` on two threads), `pending` (`post_*` then `wait`), `batch`
+//! (`write`, `read`, `send` + `recv` on two threads), `pending` (`post_*` then `wait`), `batch`
 //! (chains of 16 requests; receives through `post_recv`, which has no batch form), `async`
 //! (`AsyncConnection` on a current-thread tokio runtime; feature `tokio`). Prints, per operation
 //! and front end, `MEASURED <op> <front> <operations> <function>...` (the functions whose
@@ -557,14 +557,14 @@ mod blocking {
 
     fn write(x: &Connection, src: &Buffer, remote: &RemoteBuf, n: usize) -> mralloc::Result<()> {
         for _ in 0..n {
-            x.write_at(src, remote, 0)?;
+            x.write(src, remote, 0)?;
         }
         Ok(())
     }
 
     fn read(x: &Connection, back: &mut Buffer, remote: &RemoteBuf, n: usize) -> mralloc::Result<()> {
         for _ in 0..n {
-            x.read(back, remote)?;
+            x.read(back, remote, 0)?;
         }
         Ok(())
     }

@@ -68,7 +68,7 @@ fn run() -> mralloc::Result<()> {
         let dst = RegisteredBuf::new(&pd, bytes.len(), Access::LOCAL_WRITE)?.expose(Access::REMOTE_WRITE)?;
         let remote = dst.remote();
         let t = Instant::now();
-        a.write(bytes, &remote)?; // the std value itself is the source: no copy, no registration
+        a.write(bytes, &remote, 0)?; // the std value itself is the source: no copy, no registration
         let secs = t.elapsed().as_secs_f64();
         let dst = dst.revoke()?;
         if &dst[..] != bytes {

@@ -173,13 +173,13 @@ fn client(args: &Args) -> mralloc::Result<()> {
             let k = put_key(id, clients, i);
             val.copy_from_slice(&value(id, k, i));
             let t = Instant::now();
-            conn.write_at(&val, &table, (k * VALUE) as u64)?; // PUT: one-sided write...
+            conn.write(&val, &table, (k * VALUE) as u64)?; // PUT: one-sided write...
             note[..4].copy_from_slice(&(k as u32).to_be_bytes());
             note[4..].copy_from_slice(&(i as u32).to_be_bytes());
             conn.send(&note)?; // ...then the notification the server applies
             common::record(&mut put_t, t.elapsed());
             // Read-your-write: only this client writes this key.
-            conn.read_at(&mut got, &table, (k * VALUE) as u64)?;
+            conn.read(&mut got, &table, (k * VALUE) as u64)?;
             if got[..] != val[..] {
                 fail(&format!("client {id}: GET of key {k} right after PUT returned other bytes"));
             }
@@ -187,7 +187,7 @@ fn client(args: &Args) -> mralloc::Result<()> {
             // GET another client's key (it may be mid-update: the bytes are not checked).
             let k = ((id + 1) % clients) + clients * (i % KEYS_PER_CLIENT);
             let t = Instant::now();
-            conn.read_at(&mut got, &table, (k * VALUE) as u64)?;
+            conn.read(&mut got, &table, (k * VALUE) as u64)?;
             common::record(&mut get_t, t.elapsed());
         }
     }

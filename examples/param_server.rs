@@ -206,7 +206,7 @@ fn worker(args: &Args) -> mralloc::Result<()> {
         if step == u32::MAX {
             break;
         }
-        conn.read(&mut local, &params_r)?; // pull
+        conn.read(&mut local, &params_r, 0)?; // pull
         gradient(&floats(&local), id, &mut g);
         grad.copy_from_slice(as_bytes(&g));
         conn.write_with_imm(&grad, &grads_r, (id * bytes) as u64, step)?; // push + notify

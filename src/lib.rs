@@ -35,7 +35,7 @@
 //! let (a, _b) = Connection::pair(&pd, &opts)?;
 //!
 //! // 4. Zero-copy RDMA WRITE; returns when the NIC is done with `src`.
-//! a.write(&src[..11], &dst.remote())?;
+//! a.write(&src[..11], &dst.remote(), 0)?;
 //! let dst = dst.revoke()?; // the key is dead: the bytes are ours again
 //! assert_eq!(&dst[..11], b"hello, rdma");
 //! # Ok::<(), mralloc::Error>(())

@@ -38,7 +38,7 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
 
     // Default options: no remote rights. The writer gets a remote error completion, typed.
     let (a, _b) = Connection::pair(&pd, &Options::default()).unwrap();
-    let err = a.write(&src, &remote).unwrap_err();
+    let err = a.write(&src, &remote, 0).unwrap_err();
     println!("WRITE into a connection without REMOTE_WRITE: {err}");
     assert!(matches!(err, Error::Operation { .. }), "{err:?}");
     assert_eq!(err.wc_status(), Some(REFUSED), "{err}");
@@ -48,7 +48,7 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     // READ and atomics are refused the same way.
     let (c, _d) = Connection::pair(&pd, &Options::default()).unwrap();
     let mut back = filled(&heap, 4096, 0);
-    let err = c.read(&mut back, &remote).unwrap_err();
+    let err = c.read(&mut back, &remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "READ: {err}");
     assert!(err.to_string().contains("REMOTE_READ"), "the error says which right: {err}");
     assert!(back.iter().all(|&x| x == 0), "a refused READ delivered bytes");
@@ -60,10 +60,10 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
 
     // The same WRITE succeeds once the target side asked for REMOTE_WRITE...
     let (g, _h) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
-    g.write(&src, &remote).unwrap();
+    g.write(&src, &remote, 0).unwrap();
     assert!(target.to_vec().iter().all(|&x| x == 0x22), "the permitted WRITE landed");
     // ...and that right is all it got: a READ is still refused.
-    let err = g.read(&mut back, &remote).unwrap_err();
+    let err = g.read(&mut back, &remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(REFUSED), "READ with only REMOTE_WRITE: {err}");
 
     // Write-with-immediate needs REMOTE_WRITE too; a SEND needs no right at all.
@@ -261,9 +261,9 @@ fn device_buffer_key_covers_that_buffer_only() {
     assert_eq!(target.remote().unwrap(), read_only, "a second call reuses the key");
     let (r, _s) = open_pair(&pd);
     let mut got = filled(&heap, 4096, 0);
-    r.read(&mut got, &read_only).unwrap();
+    r.read(&mut got, &read_only, 0).unwrap();
     assert!(got.iter().all(|&x| x == 0x02), "read through the read-only key");
-    let err = r.write(&src[..4096], &read_only).unwrap_err();
+    let err = r.write(&src[..4096], &read_only, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE through a read-only key: {err}");
     assert!(target.iter().all(|&x| x == 0x02), "the refused WRITE changed nothing");
 
@@ -275,10 +275,10 @@ fn device_buffer_key_covers_that_buffer_only() {
 
     // The whole buffer is reachable, with exactly its bounds.
     let (a, _b) = open_pair(&pd);
-    a.write(&src[..4096], &remote).unwrap();
+    a.write(&src[..4096], &remote, 0).unwrap();
     assert!(target.to_vec().iter().all(|&x| x == 0xEE));
     let mut back = filled(&heap, 4096, 0);
-    a.read(&mut back, &remote).unwrap();
+    a.read(&mut back, &remote, 0).unwrap();
     assert!(back.iter().all(|&x| x == 0xEE));
 
     // One byte outside, on either side; a neighbour; a range running over the end. The fields
@@ -292,12 +292,12 @@ fn device_buffer_key_covers_that_buffer_only() {
     ];
     for (what, probe) in probes {
         let (w, _r) = open_pair(&pd);
-        let err = w.write(&src[..probe.len as usize], &probe).unwrap_err();
+        let err = w.write(&src[..probe.len as usize], &probe, 0).unwrap_err();
         println!("WRITE to {what}: {err}");
         assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE to {what}: {err}");
         let (x, _y) = open_pair(&pd);
         let mut got = filled(&heap, probe.len as usize, 0x5A);
-        let err = x.read(&mut got, &probe).unwrap_err();
+        let err = x.read(&mut got, &probe, 0).unwrap_err();
         assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "READ of {what}: {err}");
         assert!(got.iter().all(|&b| b == 0x5A), "a refused READ of {what} delivered bytes");
     }
@@ -307,7 +307,7 @@ fn device_buffer_key_covers_that_buffer_only() {
     // The chunk's registration has no remote rights: its rkey reaches nothing.
     let chunk_key = RemoteBuf { addr: target.addr(), len: 64, rkey: chunk_rkey };
     let (c, _d) = open_pair(&pd);
-    let err = c.write(&src[..64], &chunk_key).unwrap_err();
+    let err = c.write(&src[..64], &chunk_key, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE with the chunk rkey: {err}");
     let target = target.revoke().unwrap();
     assert!(matches!(target.remote_whole_chunk(), Err(Error::NoWholeChunkAccess)));
@@ -324,17 +324,17 @@ fn device_freed_or_revoked_buffer_is_unreachable() {
     let freed = filled(&heap, 4096, 0x10).expose().unwrap();
     let (addr, old) = (freed.addr(), freed.remote());
     let (a, _b) = open_pair(&pd);
-    a.write(&src, &old).unwrap();
+    a.write(&src, &old, 0).unwrap();
     drop(freed);
     let heir = filled(&heap, 4096, 0x20);
     assert_eq!(heir.addr(), addr, "the heap reuses the freed bytes (thread cache)");
     let (c, _d) = open_pair(&pd);
-    let err = c.write(&src, &old).unwrap_err();
+    let err = c.write(&src, &old, 0).unwrap_err();
     println!("WRITE to a freed buffer: {err}");
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "WRITE to a freed buffer: {err}");
     let (e, _f) = open_pair(&pd);
     let mut got = filled(&heap, 4096, 0x5A);
-    assert_eq!(e.read(&mut got, &old).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+    assert_eq!(e.read(&mut got, &old, 0).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
     assert!(heir.iter().all(|&x| x == 0x20), "the new owner's bytes were reached");
     assert!(!heir.is_exposed(), "the new owner is not exposed by the old key");
 
@@ -343,17 +343,17 @@ fn device_freed_or_revoked_buffer_is_unreachable() {
     let kept = kept.revoke().unwrap();
     assert!(!kept.is_exposed());
     let (g, _h) = open_pair(&pd);
-    assert_eq!(g.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+    assert_eq!(g.write(&src, &first, 0).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
     assert!(kept.iter().all(|&x| x == 0x30), "a revoked buffer was written");
     // Exposing it again gives a new key that works; the old one stays dead.
     let kept = kept.expose().unwrap();
     let second = kept.remote();
     assert_ne!(second.rkey, first.rkey);
     let (i, _j) = open_pair(&pd);
-    i.write(&src, &second).unwrap();
+    i.write(&src, &second, 0).unwrap();
     assert!(kept.to_vec().iter().all(|&x| x == 0xEE));
     let (k, _l) = open_pair(&pd);
-    assert_eq!(k.write(&src, &first).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
+    assert_eq!(k.write(&src, &first, 0).unwrap_err().wc_status(), Some(WcStatus::RemAccessErr));
 }
 
 /// Chunk-wide keys exist only when asked for, and then reach what the docs say: the whole
@@ -375,17 +375,17 @@ fn device_whole_chunk_keys_only_when_asked() {
     assert!(!target.is_exposed(), "no registration of its own");
     let src = filled(&heap, 4096, 0xEE);
     let (a, _b) = open_pair(&pd);
-    a.write(&src, &wide).unwrap();
+    a.write(&src, &wide, 0).unwrap();
     // The key is the chunk's: the neighbour is reachable through it, as documented.
     let next_door = RemoteBuf { addr: neighbour.addr(), len: 4096, rkey: wide.rkey };
-    a.write(&src, &next_door).unwrap();
+    a.write(&src, &next_door, 0).unwrap();
     assert!(neighbour.iter().all(|&x| x == 0xEE));
     // Buffer::expose still confines on such a heap.
     let target = target.expose().unwrap();
     let own = target.remote();
     assert_ne!(own.rkey, wide.rkey);
     let (c, _d) = open_pair(&pd);
-    let err = c.write(&src[..1], &RemoteBuf { addr: neighbour.addr(), len: 1, rkey: own.rkey }).unwrap_err();
+    let err = c.write(&src[..1], &RemoteBuf { addr: neighbour.addr(), len: 1, rkey: own.rkey }, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
 }
 
@@ -405,7 +405,7 @@ fn device_mapped_file_is_writable_by_a_peer_only_while_exposed() {
 
     // Its plain key: a WRITE through it fails (remote access error), nothing lands.
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
-    let err = a.write(&src, &file.remote().unwrap()).unwrap_err();
+    let err = a.write(&src, &file.remote().unwrap(), 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     assert!(file.as_slice().iter().all(|&x| x == 0), "a refused WRITE changed the file");
 
@@ -413,13 +413,13 @@ fn device_mapped_file_is_writable_by_a_peer_only_while_exposed() {
     let file = file.expose().unwrap();
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
     let remote = file.remote();
-    a.write(&src, &remote).unwrap();
+    a.write(&src, &remote, 0).unwrap();
     assert!(file.to_vec().iter().all(|&x| x == 0x5C));
 
     // Revoked: the key is dead, the file readable again.
     let file = file.revoke().unwrap();
     assert!(file.as_slice().iter().all(|&x| x == 0x5C));
-    let err = a.write(&filled(&heap, 4096, 0x77), &remote).unwrap_err();
+    let err = a.write(&filled(&heap, 4096, 0x77), &remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     assert!(file.as_slice().iter().all(|&x| x == 0x5C), "a WRITE through a revoked key landed");
     drop(file);
@@ -437,16 +437,16 @@ fn device_registered_buf_is_writable_by_a_peer_only_while_exposed() {
     let buf = RegisteredBuf::new(&pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_READ).unwrap();
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
     let plain = RemoteBuf { addr: buf.mr().addr(), len: 4096, rkey: buf.mr().rkey() };
-    let err = a.write(&filled(&heap, 64, 0x11), &plain).unwrap_err();
+    let err = a.write(&filled(&heap, 64, 0x11), &plain, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
 
     let buf = buf.expose(Access::REMOTE_WRITE).unwrap();
     let (a, _b) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
-    a.write(&filled(&heap, 64, 0x22), &buf.remote()).unwrap();
+    a.write(&filled(&heap, 64, 0x22), &buf.remote(), 0).unwrap();
     let remote = buf.remote();
     let buf = buf.revoke().unwrap();
     assert!(buf[..64].iter().all(|&x| x == 0x22) && buf[64..].iter().all(|&x| x == 0));
-    let err = a.write(&filled(&heap, 64, 0x33), &remote).unwrap_err();
+    let err = a.write(&filled(&heap, 64, 0x33), &remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     assert!(buf[..64].iter().all(|&x| x == 0x22), "a WRITE through a revoked key landed");
 }

@@ -95,7 +95,7 @@ fn device_grant_reaches_exactly_the_granted_bytes() {
         let g = b.grant(target, Access::REMOTE_WRITE).unwrap();
         let remote = g.remote();
         let probe = outside(remote, after.addr(), i);
-        let r = a.write(&src[..probe.len as usize], &probe);
+        let r = a.write(&src[..probe.len as usize], &probe, 0);
         println!("WRITE to {what} of a grant: {r:?}");
         let err = r.expect_err("a WRITE outside the grant must be refused");
         assert!(matches!(err, Error::Operation { .. }), "{what}: {err:?}");
@@ -113,16 +113,16 @@ fn device_grant_reaches_exactly_the_granted_bytes() {
     let want = pattern(33, LEN);
     let mut data = heap.alloc(LEN).unwrap();
     data.copy_from_slice(&want);
-    a.write(&data, &g.remote()).unwrap();
+    a.write(&data, &g.remote(), 0).unwrap();
     let mut back = filled(&heap, LEN, 0);
-    a.read(&mut back, &g.remote()).unwrap();
+    a.read(&mut back, &g.remote(), 0).unwrap();
     assert_bytes_eq(&back, &want, "read back through the grant");
     let remote = g.remote();
     let target = g.revoke().unwrap();
     assert_bytes_eq(&target, &want, "the granted buffer");
     assert!(before.iter().all(|&x| x == 0xB0) && after.iter().all(|&x| x == 0xA0), "neighbours unchanged");
     // Revoked: the key is dead.
-    let err = a.write(&data[..64], &RemoteBuf { len: 64, ..remote }).unwrap_err();
+    let err = a.write(&data[..64], &RemoteBuf { len: 64, ..remote }, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "revoked grant: {err}");
 
     // What a grant costs now (grant + revoke of 4 KiB, and dropped instead of revoked).
@@ -151,7 +151,7 @@ fn device_grant_reaches_exactly_the_granted_bytes() {
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     let g = b.grant(buf, Access::REMOTE_WRITE).unwrap();
     assert!(g.remote().rkey != chunk.rkey && g.remote().rkey != chunk.lkey, "a key of its own");
-    let err = a.write(&src[..1], &outside(g.remote(), 0, 0)).unwrap_err();
+    let err = a.write(&src[..1], &outside(g.remote(), 0, 0), 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "the byte after, on a remote heap: {err}");
 }
 
@@ -270,10 +270,10 @@ fn device_a_forked_childs_copy_of_a_grant_leaves_the_parents_key_alone() {
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
     // The parent's key still works: the child neither deregistered nor invalidated it.
     let src = filled(&heap, LEN, 0x4D);
-    a.write(&src, &remote).unwrap();
+    a.write(&src, &remote, 0).unwrap();
     let buf = g.revoke().unwrap();
     assert!(buf.iter().all(|&x| x == 0x4D), "written through the parent's key after the child's drops");
-    let err = a.write(&src[..64], &RemoteBuf { len: 64, ..remote }).unwrap_err();
+    let err = a.write(&src[..64], &RemoteBuf { len: 64, ..remote }, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "revoked in the parent: {err}");
 }
 
@@ -290,16 +290,16 @@ fn device_a_grants_key_works_through_its_connection_only() {
     let remote = g.remote();
     let (c, _d) = Connection::pair(&pd, &opts).unwrap();
     let src = filled(&heap, LEN, 0x66);
-    let r = c.write(&src[..64], &RemoteBuf { len: 64, ..remote });
+    let r = c.write(&src[..64], &RemoteBuf { len: 64, ..remote }, 0);
     println!("WRITE through a grant's key from a third connection: {r:?}");
     let err = r.expect_err("a WRITE through another connection must be refused");
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "third connection: {err}");
     // The grantee reads the buffer untouched, then writes it as usual.
     let mut back = filled(&heap, LEN, 0xFF);
-    a.read(&mut back, &remote).unwrap();
+    a.read(&mut back, &remote, 0).unwrap();
     assert!(back.iter().all(|&x| x == 0), "the third connection wrote nothing");
     let mine = filled(&heap, LEN, 0x77);
-    a.write(&mine, &remote).unwrap();
+    a.write(&mine, &remote, 0).unwrap();
     let buf = g.revoke().unwrap();
     assert!(buf.iter().all(|&x| x == 0x77), "the grantee's bytes");
 }
@@ -353,7 +353,7 @@ fn device_a_forgotten_grant_does_not_hold_up_its_connections_drop() {
     let g = b.grant(filled(&heap, LEN, 0), Access::REMOTE_WRITE).unwrap();
     let remote = g.remote();
     std::mem::forget(g);
-    a.write(&filled(&heap, 64, 1)[..], &RemoteBuf { len: 64, ..remote }).unwrap();
+    a.write(&filled(&heap, 64, 1)[..], &RemoteBuf { len: 64, ..remote }, 0).unwrap();
     let started = Instant::now();
     drop(b);
     let dropped = started.elapsed();

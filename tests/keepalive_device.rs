@@ -148,7 +148,7 @@ fn device_keepalive_finds_a_qp_that_went_to_the_error_state_silently() {
     let (a, b) = Connection::pair(&pd, &keepalive(every)).unwrap();
     let target = heap.alloc(64).unwrap().expose().unwrap();
     let mut got = heap.alloc(64).unwrap();
-    let e = a.read(&mut got, &target.remote()).unwrap_err();
+    let e = a.read(&mut got, &target.remote(), 0).unwrap_err();
     assert_eq!(e.wc_status(), Some(WcStatus::RemInvReqErr), "the READ b's QP does not allow: {e}");
     let start = Instant::now();
     while b.error().is_none() && start.elapsed() < Duration::from_secs(5) {

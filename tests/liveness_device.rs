@@ -371,3 +371,56 @@ fn forked_child(
     }
     0
 }
+
+/// The names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim_end().to_string())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_one_liveness_thread_watches_devices_connections_and_probes() {
+    // A bound heap (device removal), a TCP-made connection with keepalive (its stream, its
+    // device's events, its probes), a CM connection (its event channel), a pair: all watched by
+    // one thread.
+    let (pd, heap) = setup();
+    let opts = Options { keepalive: Some(Duration::from_millis(200)), ..bounded() };
+    let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (a, b) = std::thread::scope(|s| {
+        let b = s.spawn(|| listener.accept().unwrap());
+        (Connection::connect(addr, &pd, opts.clone()).unwrap(), b.join().unwrap())
+    });
+    let ip = std::env::var("MRALLOC_CM_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let cm_addr = (ip.as_str(), 41000 + (std::process::id() % 10000) as u16);
+    let cl = CmListener::bind(cm_addr, &pd, Options::default()).unwrap();
+    let (c, d) = std::thread::scope(|s| {
+        let d = s.spawn(|| cl.accept().unwrap());
+        (Connection::connect_cm(cm_addr, &pd, Options::default()).unwrap(), d.join().unwrap())
+    });
+    let pair = Connection::pair(&pd, &Options::default()).unwrap();
+    // Probes went out and came back (several intervals), and the connections work.
+    std::thread::sleep(Duration::from_secs(1));
+    let mut msg = heap.alloc(64).unwrap();
+    msg.copy_from_slice(&pattern(9, 64));
+    let mut inbox = heap.alloc(64).unwrap();
+    std::thread::scope(|s| {
+        let r = s.spawn(|| b.recv(&mut inbox).unwrap());
+        a.send(&msg).unwrap();
+        assert_eq!(r.join().unwrap().len, 64);
+    });
+    assert!(a.error().is_none() && b.error().is_none() && c.error().is_none() && d.error().is_none());
+    let names = thread_names();
+    // The kernel keeps 15 bytes of a thread's name.
+    let liveness = names.iter().filter(|n| *n == &"mralloc-liveness"[..15]).count();
+    assert_eq!(liveness, 1, "one liveness thread, got {names:?}");
+    assert!(
+        !names.iter().any(|n| n == "mralloc-watch" || n == "mralloc-devices"),
+        "no separate watcher or device monitor thread: {names:?}"
+    );
+    drop((a, b, c, d, pair, listener, cl));
+}

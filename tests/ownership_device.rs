@@ -138,7 +138,7 @@ fn device_forgotten_grant_exposes_only_the_leaked_buffer() {
     let victim = filled(&heap, 8192, 0x66);
     assert_ne!(victim.addr(), granted_addr, "the granted memory was not reused");
     let src = filled(&heap, 8192, 0x77);
-    a.write(&src, &remote).unwrap();
+    a.write(&src, &remote, 0).unwrap();
     assert_eq!(leaked(granted_addr, 8192), vec![0x77; 8192], "the peer wrote the leaked buffer");
     assert!(victim.iter().all(|&x| x == 0x66), "no byte of the new owner changed");
 }

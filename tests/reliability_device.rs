@@ -54,12 +54,12 @@ fn device_stress_two_threads_eight_connections() {
                         match rng.below(3) {
                             0 => {
                                 let dst = heap.alloc(n).unwrap().expose().unwrap();
-                                a.write(&src, &dst.remote()).unwrap();
+                                a.write(&src, &dst.remote(), 0).unwrap();
                                 assert_eq!(checksum(&dst.to_vec()), sum, "write {i}");
                             }
                             1 => {
                                 let mut dst = heap.alloc(n).unwrap();
-                                a.read(&mut dst, &src.remote().unwrap()).unwrap();
+                                a.read(&mut dst, &src.remote().unwrap(), 0).unwrap();
                                 assert_eq!(checksum(&dst), sum, "read {i}");
                             }
                             _ => {
@@ -191,20 +191,20 @@ fn device_bad_input_is_typed() {
     let remote = dst.remote();
     // Overflowing remote ranges.
     let wrap = RemoteBuf { addr: u64::MAX - 10, len: 4096, rkey: remote.rkey };
-    assert!(matches!(a.write(&src, &wrap), Err(Error::OutOfBounds { .. })));
-    assert!(matches!(a.write_at(&src, &remote, u64::MAX - 1), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(a.write(&src, &wrap, 0), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(a.write(&src, &remote, u64::MAX - 1), Err(Error::OutOfBounds { .. })));
     // A RemoteBuf of another connection's PD: the NIC refuses it, typed.
     let other_pd = Pd::new(pd.context()).unwrap();
     let other = Heap::builder().bind(&other_pd).access(Access::ALL_REMOTE).build().unwrap();
     // (Exposed, so that the PD is the only thing wrong with a write through its key.)
     let foreign = other.alloc(4096).unwrap().expose().unwrap();
     let foreign_remote = foreign.remote();
-    let err = a.write(&src, &foreign_remote).unwrap_err();
+    let err = a.write(&src, &foreign_remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     // Memory of another PD as the local side: refused before posting.
     let (c, _d) = Connection::pair(&pd, &Options::default()).unwrap();
     let other_buf = other.alloc(64).unwrap();
-    assert!(matches!(c.write(&other_buf, &remote), Err(Error::NotRegistered { .. })));
+    assert!(matches!(c.write(&other_buf, &remote, 0), Err(Error::NotRegistered { .. })));
     // A device and a GID index that do not exist.
     let nodev = Options { device: Some("no-such-dev".into()), ..Options::default() };
     assert!(matches!(nodev.open_device(), Err(Error::NoSuchDevice { .. })));
@@ -250,14 +250,14 @@ fn device_link_down_then_up() {
     let mut src = heap.alloc(64 << 10).unwrap();
     src.copy_from_slice(&pattern(11, 64 << 10));
     let dst = heap.alloc(64 << 10).unwrap().expose().unwrap();
-    a.write(&src, &dst.remote()).unwrap();
+    a.write(&src, &dst.remote(), 0).unwrap();
     assert_bytes_eq(&dst.to_vec(), &src, "the write before the link went down");
     let guard = LinkUp;
     assert!(std::process::Command::new("ip").args(["link", "set", "veth0", "down"]).status().unwrap().success());
     let t = Instant::now();
     let mut err = None;
     for _ in 0..1000 {
-        if let Err(e) = a.write(&src, &dst.remote()) {
+        if let Err(e) = a.write(&src, &dst.remote(), 0) {
             err = Some(e);
             break;
         }
@@ -289,7 +289,7 @@ fn device_link_down_then_up() {
     };
     let mut fresh = heap.alloc(64 << 10).unwrap();
     fresh.copy_from_slice(&pattern(12, 64 << 10));
-    c.write(&fresh, &dst.remote()).unwrap();
+    c.write(&fresh, &dst.remote(), 0).unwrap();
     assert_bytes_eq(&dst.to_vec(), &fresh, "the fresh connection's write arrived");
     println!("link up: port ACTIVE and a fresh connection moved 64 KiB after {:?}", t.elapsed());
 }

@@ -70,7 +70,7 @@ fn one_op(p: &Pair, heap: &Heap, rng: &mut Rng, c: &Counts) {
             let off = rng.below((TARGET - n) as u64 + 1) as usize;
             let mut src = heap.alloc(n).unwrap();
             src.copy_from_slice(&pattern(seed, n));
-            p.a.write_at(&src, &p.target.remote(), off as u64).unwrap();
+            p.a.write(&src, &p.target.remote(), off as u64).unwrap();
             let mut got = vec![0u8; n];
             p.target.read_into(off, &mut got).unwrap();
             assert!(got == src[..], "WRITE of {n} bytes at {off}: the target differs");
@@ -81,7 +81,7 @@ fn one_op(p: &Pair, heap: &Heap, rng: &mut Rng, c: &Counts) {
             let n = size(rng, TARGET);
             let off = rng.below((TARGET - n) as u64 + 1) as usize;
             let mut dst = heap.alloc(n).unwrap();
-            p.a.read_at(&mut dst[..], &p.readable_remote, off as u64).unwrap();
+            p.a.read(&mut dst[..], &p.readable_remote, off as u64).unwrap();
             assert!(dst[..] == p.readable[off..off + n], "READ of {n} bytes at {off}: differs");
             c.reads.fetch_add(1, Ordering::Relaxed);
             c.bytes.fetch_add(n as u64, Ordering::Relaxed);

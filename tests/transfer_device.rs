@@ -32,12 +32,12 @@ fn device_every_operation_at_every_size_and_unaligned_offsets() {
         let remote = dst.remote();
 
         // WRITE from an unaligned slice of heap memory to an unaligned remote offset.
-        a.write_at(&src[off..], &remote, off as u64).unwrap();
+        a.write(&src[off..], &remote, off as u64).unwrap();
         assert_bytes_eq(&dst.to_vec()[off..off + n], &want, &format!("write {n}"));
 
         // READ it back into another unaligned slice.
         let mut back = heap.alloc(n + off).unwrap();
-        a.read_at(&mut back[off..], &remote, off as u64).unwrap();
+        a.read(&mut back[off..], &remote, off as u64).unwrap();
         assert_bytes_eq(&back[off..], &want, &format!("read {n}"));
 
         // SEND/RECV: b receives into a posted (owned) buffer.
@@ -192,7 +192,7 @@ fn device_mapped_file_64mib_zero_copy() {
     let heap = Heap::builder().bind(&pd).access(Access::REMOTE_READ).build().unwrap();
     let mut from = heap.alloc(N).unwrap();
     from.fill(0xEE);
-    let err = r.read(&mut ro, &from.remote().unwrap()).unwrap_err();
+    let err = r.read(&mut ro, &from.remote().unwrap(), 0).unwrap_err();
     println!("READ into a read-only mapping: {err}");
     assert_eq!(err.wc_status(), Some(WcStatus::LocProtErr), "the NIC refused to write the read-only mapping: {err}");
     drop(ro);
@@ -235,24 +235,24 @@ fn device_errors_are_typed_and_the_connection_fails_fast() {
     let dst = heap.alloc(4096).unwrap().expose().unwrap();
     let remote = dst.remote();
     // Out of range: refused locally, the connection stays usable.
-    assert!(matches!(a.write_at(&src, &remote, 1), Err(Error::OutOfBounds { .. })));
-    assert!(matches!(a.write_at(&src, &remote, u64::MAX), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(a.write(&src, &remote, 1), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(a.write(&src, &remote, u64::MAX), Err(Error::OutOfBounds { .. })));
     // Foreign (unregistered) memory: refused locally.
     #[allow(clippy::useless_vec)] // deliberately process-heap (glibc) memory: never registered
     let foreign = vec![0u8; 100];
-    assert!(matches!(a.write(&foreign[..], &remote), Err(Error::NotRegistered { .. })));
+    assert!(matches!(a.write(&foreign[..], &remote, 0), Err(Error::NotRegistered { .. })));
     // Zero-length: refused.
-    assert!(matches!(a.write(&src[..0], &remote), Err(Error::InvalidArgument(_))));
-    a.write(&src, &remote).unwrap();
+    assert!(matches!(a.write(&src[..0], &remote, 0), Err(Error::InvalidArgument(_))));
+    a.write(&src, &remote, 0).unwrap();
     // Wrong rkey: the NIC says REM_ACCESS_ERR; the connection is failed.
     let bad = RemoteBuf { rkey: remote.rkey ^ 0x77_0000, ..remote };
-    let err = a.write(&src, &bad).unwrap_err();
+    let err = a.write(&src, &bad, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     // Later posts fail with the original error itself (same work request id, same status),
     // without a timeout. (A post on the failed QP would also report the recorded failure once
     // flushed; the owned post below shows the refusal happens before posting: the buffer comes
     // back.)
-    let again = a.write(&src, &remote).unwrap_err();
+    let again = a.write(&src, &remote, 0).unwrap_err();
     assert_eq!(again.wc_status(), Some(WcStatus::RemAccessErr), "later posts report the original error: {again}");
     assert_same_failure(&err, &again);
     assert!(matches!(a.post_write(src, &remote, 0), Err(r) if r.buf.is_some()), "a refused post gives the buffer back");
@@ -340,14 +340,14 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
     let mut data = heap.alloc(64 << 10).unwrap();
     data.copy_from_slice(&pattern(31, 64 << 10));
     for _ in 0..10 {
-        conn.write(&data, &remote).unwrap();
+        conn.write(&data, &remote, 0).unwrap();
     }
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let t = Instant::now();
     let mut err = None;
     for _ in 0..1000 {
-        if let Err(e) = conn.write(&data, &remote) {
+        if let Err(e) = conn.write(&data, &remote, 0) {
             err = Some(e);
             break;
         }
@@ -364,12 +364,12 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
         "the watcher's reason for a killed peer: {err:?}"
     );
     // A failed connection refuses posts with the failure that came first (same work request).
-    let again = conn.write(&data, &remote).unwrap_err();
+    let again = conn.write(&data, &remote, 0).unwrap_err();
     assert_same_failure(&err, &again);
     // The survivor's other connections keep working.
     let (x, _y) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let dst = heap.alloc(64 << 10).unwrap().expose().unwrap();
-    x.write(&data, &dst.remote()).unwrap();
+    x.write(&data, &dst.remote(), 0).unwrap();
     assert_bytes_eq(&dst.revoke().unwrap(), &data, "the other connection's write arrived");
 }
 
@@ -436,21 +436,21 @@ fn device_grant_gives_scoped_revocable_access() {
     assert_ne!(remote.rkey, heap.keys(remote.addr as *const u8).unwrap().rkey, "a key of its own, not the heap's");
     let mut src = heap.alloc(8192).unwrap();
     src.copy_from_slice(&pattern(8, 8192));
-    a.write(&src, &remote).unwrap();
+    a.write(&src, &remote, 0).unwrap();
     let mut back = heap.alloc(8192).unwrap();
-    a.read(&mut back, &remote).unwrap();
+    a.read(&mut back, &remote, 0).unwrap();
     assert_bytes_eq(&back, &src, "through the grant");
     let target = g.revoke().unwrap();
     assert_bytes_eq(&target, &src, "granted buffer after revoke");
-    let err = a.write(&src, &remote).unwrap_err();
+    let err = a.write(&src, &remote, 0).unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "revoked grant: {err}");
 
     // The grant's RemoteBuf covers exactly the buffer; a larger write is refused locally before
     // posting. (A hand-made wider range is refused by the device: tests/grant_exact_device.rs.)
     let (c, d) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE)).unwrap();
     let g = d.grant(heap.alloc(4096).unwrap(), Access::REMOTE_WRITE).unwrap();
-    assert!(matches!(c.write(&src, &g.remote()), Err(Error::OutOfBounds { .. })));
-    c.write(&src[..4096], &g.remote()).unwrap();
+    assert!(matches!(c.write(&src, &g.remote(), 0), Err(Error::OutOfBounds { .. })));
+    c.write(&src[..4096], &g.remote(), 0).unwrap();
     let back = g.revoke().unwrap();
     assert_bytes_eq(&back, &src[..4096], "second grant");
     // A heap without MW_BIND cannot grant.
@@ -481,10 +481,10 @@ fn device_event_and_poller_modes_move_data_without_spinning() {
         let mut src = heap.alloc(100_000).unwrap();
         src.copy_from_slice(&pattern(31, 100_000));
         let dst = heap.alloc(100_000).unwrap().expose().unwrap();
-        a.write(&src, &dst.remote()).unwrap();
+        a.write(&src, &dst.remote(), 0).unwrap();
         assert_bytes_eq(&dst.to_vec(), &src, name);
         let mut back = heap.alloc(100_000).unwrap();
-        a.read(&mut back, &dst.remote()).unwrap();
+        a.read(&mut back, &dst.remote(), 0).unwrap();
         assert_bytes_eq(&back, &src, name);
         let mut batch = a.batch();
         for i in 0..100 {

@@ -33,7 +33,7 @@ impl Owner {
 
     /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
     /// When `pd`'s device is removed, `on_removed` (which calls [`Owner::unbind_removed`]) runs
-    /// on the device monitor's thread.
+    /// on the liveness thread (the device monitor's).
     ///
     /// Nothing here allocates while `bound` is held: the alloc hook takes the same lock, and
     /// for the global allocator every allocation may need a new chunk (a `Vec` push under the

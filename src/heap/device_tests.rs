@@ -4,7 +4,7 @@
 
 use crate::heap::{chunk_of, mr_and_access_of, Heap};
 use crate::transfer::{Connection, Options};
-use crate::verbs::{leaked_mappings, Access, Context, Mw, Pd, RegisteredBuf, SendFlags, SendOp, Sge};
+use crate::verbs::{leaked_mappings, Access, Context, Mw, Pd, RegisteredBuf, SendOp};
 
 /// Whether every page of `[base, base+len)` is mapped (mincore fails with ENOMEM otherwise).
 fn mapped(base: usize, len: usize) -> bool {
@@ -19,7 +19,7 @@ fn bind_window(conn: &Connection, pd: &Pd, mr: *mut rdma_sys::ibv_mr, addr: u64,
     let op =
         SendOp::BindMw { mw: mw.as_raw(), rkey: mw.next_rkey(), mr, addr, len, access: Access::REMOTE_WRITE.bits() };
     // SAFETY: a bind touches no local memory.
-    let id = unsafe { conn.post_chain(&[Sge::new(0, 0, 0)], &[op], SendFlags::NONE) }.unwrap();
+    let id = unsafe { conn.submit_control(op) }.unwrap();
     conn.wait(id).unwrap();
     mw
 }

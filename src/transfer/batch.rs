@@ -6,9 +6,9 @@ use std::marker::PhantomData;
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::borrowed::{abort_borrowed, InFlight};
-use crate::transfer::local::{Local, LocalMut};
+use crate::transfer::parts::{Gather, Scatter};
+use crate::transfer::request::{Action, Request, SgeList};
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, Sge, Verb};
 
 /// Collects operations on memory borrowed for `'b`; [`Batch::submit`] posts them in chunks (one
 /// doorbell and one signaled completion per chunk; several chunks in flight) and returns only
@@ -25,8 +25,9 @@ use crate::verbs::{SendFlags, SendOp, Sge, Verb};
 /// ```
 pub struct Batch<'c, 'b> {
     conn: &'c Connection,
-    sges: Vec<Sge>,
-    ops: Vec<SendOp>,
+    reqs: Vec<Request>,
+    /// Stays on the thread that borrowed its memory.
+    _local: PhantomData<*const ()>,
     _borrow: PhantomData<&'b mut ()>,
 }
 
@@ -35,78 +36,75 @@ impl Connection {
     pub fn batch<'b>(&self) -> Batch<'_, 'b> {
         // Room for a typical batch up front: growing from empty costs a reallocation at 4, 8,
         // 16, ... requests (measured: ~150 instructions per request of a batch of 16).
-        Batch { conn: self, sges: Vec::with_capacity(32), ops: Vec::with_capacity(32), _borrow: PhantomData }
+        Batch { conn: self, reqs: Vec::with_capacity(32), _local: PhantomData, _borrow: PhantomData }
     }
 }
 
 impl<'b> Batch<'_, 'b> {
-    fn push(&mut self, sge: Sge, op: SendOp) -> &mut Self {
-        self.sges.push(sge);
-        self.ops.push(op);
-        self
+    /// Checks `action` on `sges` and adds it (nothing added on an error).
+    fn push(&mut self, action: Action<'_>, sges: Result<SgeList>) -> Result<&mut Self> {
+        let req = self.conn.request(action, sges?)?;
+        self.reqs.push(req);
+        Ok(self)
     }
 
-    /// Adds an RDMA WRITE of `local` to `offset` in `remote`.
+    /// Adds an RDMA WRITE of `local` (one buffer, or a gather list: [`Gather`]) to `offset` in
+    /// `remote`.
     ///
     /// # Errors
     /// Nothing is added, and the batch stays usable, after: the connection's earlier failure;
-    /// [`Error::InvalidArgument`] (`local` empty or over `u32::MAX` bytes);
-    /// [`Error::NotRegistered`] (`local` not registered in the connection's PD);
+    /// [`Error::InvalidArgument`] (`local` or a part empty, over 4 GiB - 1 bytes in all, more
+    /// parts than the queue pair's scatter/gather entries);
+    /// [`Error::NotRegistered`] (a part not registered in the connection's PD);
     /// [`Error::OutOfBounds`] (the range does not fit in `remote`).
-    pub fn write<L: Local + ?Sized>(&mut self, local: &'b L, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, Verb::Write)?;
-        let to = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::Write(to)))
+    pub fn write<G: Gather + ?Sized>(&mut self, local: &'b G, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
+        self.push(Action::Write { remote, offset, imm: None }, self.conn.local_sges(local))
     }
 
     /// Adds an RDMA WRITE with immediate.
     ///
     /// # Errors
     /// As [`Batch::write`].
-    pub fn write_with_imm<L: Local + ?Sized>(
+    pub fn write_with_imm<G: Gather + ?Sized>(
         &mut self,
-        local: &'b L,
+        local: &'b G,
         remote: &RemoteBuf,
         offset: u64,
         imm: u32,
     ) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, Verb::WriteWithImm)?;
-        let to = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::WriteWithImm(to, imm)))
+        self.push(Action::Write { remote, offset, imm: Some(imm) }, self.conn.local_sges(local))
     }
 
-    /// Adds an RDMA READ into `local` from `offset` in `remote`.
+    /// Adds an RDMA READ into `local` (one buffer, or a scatter list: [`Scatter`]) from
+    /// `offset` in `remote`.
     ///
     /// # Errors
     /// As [`Batch::write`].
-    pub fn read<L: LocalMut + ?Sized>(
+    pub fn read<S: Scatter + ?Sized>(
         &mut self,
-        local: &'b mut L,
+        local: &'b mut S,
         remote: &RemoteBuf,
         offset: u64,
     ) -> Result<&mut Self> {
-        let sge = self.conn.checked(&*local, Verb::Read)?;
-        let from = remote.at(offset, sge.len().into())?;
-        Ok(self.push(sge, SendOp::Read(from)))
+        self.push(Action::Read { remote, offset }, self.conn.local_sges(&*local))
     }
 
     /// Adds a SEND of `local`.
     ///
     /// # Errors
     /// As [`Batch::write`] (no remote range).
-    pub fn send<L: Local + ?Sized>(&mut self, local: &'b L) -> Result<&mut Self> {
-        let sge = self.conn.checked(local, Verb::Send)?;
-        Ok(self.push(sge, SendOp::Send))
+    pub fn send<G: Gather + ?Sized>(&mut self, local: &'b G) -> Result<&mut Self> {
+        self.push(Action::Send { imm: None }, self.conn.local_sges(local))
     }
 
     /// Number of operations collected.
     pub fn len(&self) -> usize {
-        self.ops.len()
+        self.reqs.len()
     }
 
     /// Whether nothing was collected.
     pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.reqs.is_empty()
     }
 
     /// Posts everything and waits for all of it. On failure, waits for whatever was posted, then
@@ -117,7 +115,7 @@ impl<'b> Batch<'_, 'b> {
     /// - posting a chunk: the connection's failure, [`Error::Timeout`] (no send-queue room),
     ///   [`Error::Verbs`] or [`Error::Io`]: later chunks are not posted, earlier ones may have
     ///   been executed; [`Error::PartialPost`] (the connection is failed);
-    /// - a chunk's completion, as [`Connection::write_at`] ([`Error::Operation`],
+    /// - a chunk's completion, as [`Connection::write`] ([`Error::Operation`],
     ///   [`Error::Timeout`], ...), which fails the connection.
     ///
     /// Every posted request has completed or been flushed when this returns (the process aborts
@@ -128,12 +126,12 @@ impl<'b> Batch<'_, 'b> {
         let mut guard = InFlight::new(self.conn);
         let mut tails = Vec::new();
         let mut first_err: Option<Error> = None;
-        for (sges, ops) in self.sges.chunks(chunk).zip(self.ops.chunks(chunk)) {
+        for reqs in self.reqs.chunks(chunk) {
             // SAFETY: every SGE's memory is borrowed for 'b, which outlives this call, and this
             // call returns only after every posted chunk's tail completed or was flushed
             // (in-order RC completion retires the whole chunk); FlushLost aborts, and the guard
             // makes unwinding wait too.
-            match unsafe { self.conn.post_chain(sges, ops, SendFlags::NONE) } {
+            match unsafe { self.conn.submit(reqs) } {
                 Ok(t) => {
                     guard.push(t);
                     tails.push(t);

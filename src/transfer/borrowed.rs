@@ -4,9 +4,10 @@
 
 use crate::error::{Error, Result};
 use crate::transfer::completion::{Completed, Failure, Ticket};
-use crate::transfer::local::Sges;
+use crate::transfer::received::Received;
+use crate::transfer::request::{Action, SgeList};
 use crate::transfer::Connection;
-use crate::verbs::{SendFlags, SendOp, WcStatus};
+use crate::verbs::WcStatus;
 
 /// Makes unwinding past an operation on borrowed memory wait for its completion (or its flush)
 /// before the borrow ends; aborts if the device never lets go. Disarmed on the normal path.
@@ -78,17 +79,24 @@ pub(crate) fn abort_borrowed(wr_id: u64) -> ! {
 }
 
 impl Connection {
-    /// Posts a chain on *borrowed* memory and waits for its tail: the one place where blocking
-    /// operations post. Returns only when the NIC is done with the memory; aborts the process
-    /// if the device never releases it.
-    pub(crate) fn post_and_wait_borrowed(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags) -> Result<Completed> {
+    /// Checks `action` on borrowed `sges`, posts it, waits for it and interprets its
+    /// completion: the one place blocking operations post. Returns only when the NIC is done
+    /// with the memory; aborts the process if the device never releases it.
+    pub(crate) fn run_borrowed(&self, action: Action<'_>, sges: SgeList) -> Result<Received> {
+        let req = self.request(action, sges)?;
+        if req.sges().is_empty() {
+            // No memory to guard (a receive for an immediate): a lost flush is an error.
+            // SAFETY: the request names no memory.
+            let t = unsafe { self.submit(std::slice::from_ref(&req))? };
+            return self.wait(t)?.delivered(req.posted());
+        }
         // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
-        // before the tail's completion (or its flush) is claimed; FlushLost aborts.
-        let t = match unsafe { self.post_requests(sges, ops, flags) } {
+        // before the request's completion (or its flush) is claimed; FlushLost aborts.
+        let t = match unsafe { self.submit(std::slice::from_ref(&req)) } {
             Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
             r => r?,
         };
-        self.wait_borrowed(t)
+        self.wait_borrowed(t)?.delivered(req.posted())
     }
 
     /// Waits for `t`, posted on *borrowed* memory: unwinding out of the wait waits for the

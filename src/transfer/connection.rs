@@ -8,14 +8,13 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
-use crate::transfer::completion::{Completed, Core, Failure, Mode, Outcome, Ticket};
+use crate::transfer::completion::{Core, Failure, Mode};
 use crate::transfer::exact::Windows;
 use crate::transfer::keepalive::{Keepalive, MAX_KEEPALIVE};
-use crate::transfer::local::Sges;
 use crate::transfer::stats::ConnectionStats;
 use crate::transfer::watch::{watch, Link, Registration, Source};
 use crate::transfer::{Options, WaitMode};
-use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf, SendFlags, SendOp, SendWr, Sge, WcStatus};
+use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf};
 
 /// How long a failed connection waits for the device to flush its outstanding requests before
 /// it declares their memory lost (leaked, never released).
@@ -31,7 +30,7 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// operations nobody waits for.
 ///
 /// An idle peer is not a dead one: a receive waits as long as the peer stays silent (unless
-/// [`Options::recv_timeout`] says otherwise). A dead one is found by mralloc's watcher thread,
+/// [`Options::recv_timeout`] says otherwise). A dead one is found by mralloc's liveness thread,
 /// which fails the connection with [`Error::Disconnected`] (flushing whatever is outstanding) when
 /// the TCP stream it was set up over closes (the peer dropped the connection or its process
 /// exited), RDMA CM reports it disconnected, the device reports its port down, its QP in
@@ -70,6 +69,9 @@ pub struct Connection {
     /// The memory windows of grants and lent memory bound through this QP and not released
     /// yet: deallocated in `Drop` once the QP is flushed, before it is destroyed.
     windows: Arc<Windows>,
+    /// Scatter entries an RDMA READ may have: the QP's send entries, bounded by the device's
+    /// `max_sge_rd` (iWARP devices allow one).
+    read_sge: u32,
 }
 
 impl std::fmt::Debug for Connection {
@@ -80,17 +82,6 @@ impl std::fmt::Debug for Connection {
             .field("failed", &self.core.failure())
             .finish()
     }
-}
-
-/// What one attempt to post a chain did.
-enum Attempt {
-    /// Posted whole; the signaled tail's id.
-    Posted(u64),
-    /// No send-queue room: nothing posted.
-    Full,
-    /// The device accepted only the first `n` requests (the connection must be failed and their
-    /// flush awaited).
-    Partial(Error, u32),
 }
 
 impl Connection {
@@ -135,6 +126,9 @@ impl Connection {
         peer_blob: Vec<u8>,
     ) -> Result<Connection> {
         let scratch = RegisteredBuf::new(pd, 64, Access::LOCAL_WRITE)?;
+        // Unknown (the query failed): one entry works on every device.
+        let max_sge_rd = pd.context().attributes().map_or(1, |a| a.max_sge_rd.max(1) as u32);
+        let read_sge = qp.caps().max_send_sge.min(max_sge_rd);
         let mut opts = opts.clone();
         opts.send_depth = qp.caps().max_send_wr.min(opts.send_depth).max(1);
         opts.recv_depth = qp.caps().max_recv_wr.min(opts.recv_depth).max(1);
@@ -181,6 +175,7 @@ impl Connection {
             link,
             pair_peer: None,
             windows: Arc::new(Windows::new()),
+            read_sge,
         })
     }
 
@@ -203,6 +198,11 @@ impl Connection {
     /// The PD local memory must be registered in.
     pub fn pd(&self) -> &Pd {
         &self.pd
+    }
+
+    /// How many scatter entries an RDMA READ may have on this connection (see `read_sge`).
+    pub(crate) fn max_read_sge(&self) -> u32 {
+        self.read_sge
     }
 
     /// The memory windows bound through this connection (see `transfer::exact`).
@@ -292,7 +292,7 @@ impl Connection {
     ///
     /// ```no_run
     /// # fn f(conn: &mralloc::transfer::Connection, buf: &mralloc::Buffer, to: &mralloc::RemoteBuf) -> mralloc::Result<()> {
-    /// conn.write(&buf[..], to)?;
+    /// conn.write(&buf[..], to, 0)?;
     /// let s = conn.stats();
     /// assert_eq!((s.send_requests, s.send_bytes, s.errors), (1, buf.len() as u64, 0));
     /// # Ok(()) }
@@ -360,7 +360,7 @@ impl Connection {
     /// [`Error::Forked`] in a fork()ed child of the process that made the connection: checked
     /// before any lock (a parent thread may have held one at the fork).
     #[inline(always)]
-    fn usable(&self) -> Result<()> {
+    pub(crate) fn usable(&self) -> Result<()> {
         self.qp.born().check("this connection")
     }
 
@@ -378,7 +378,12 @@ impl Connection {
     }
 
     pub(crate) fn next_wr_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        self.next_wr_ids(1)
+    }
+
+    /// `k` consecutive work-request ids; returns the first.
+    pub(crate) fn next_wr_ids(&self, k: u64) -> u64 {
+        self.next_id.fetch_add(k, Ordering::Relaxed)
     }
 
     /// Fails the connection (first failure wins) and moves the QP to the error state, so the
@@ -391,300 +396,6 @@ impl Connection {
                 tracing::error!("moving a failed connection's QP to the error state failed: {e}");
             }
         }
-    }
-
-    /// Posts `wrs` (the last one signaled) as one chain, waiting for send-queue room first.
-    /// Returns the signaled tail's ticket.
-    ///
-    /// If the device accepts only part of the chain, the connection is failed and the accepted
-    /// part's flush is awaited before the error is returned.
-    ///
-    /// # Safety
-    /// As [`Qp::post_send`]: the memory behind every SGE must stay valid and untouched until the
-    /// tail's completion has been claimed with [`Connection::wait`] — and, if this returns
-    /// [`Error::FlushLost`], forever (leak or abort).
-    pub(crate) unsafe fn post_chain(&self, sges: &[Sge], ops: &[SendOp], flags: SendFlags) -> Result<Ticket> {
-        debug_assert_eq!(sges.len(), ops.len());
-        // SAFETY: the caller's contract.
-        unsafe { self.post_requests(Sges::PerRequest(sges), ops, flags) }
-    }
-
-    /// [`Connection::post_chain`] for any [`Sges`] (a single request may gather several).
-    ///
-    /// # Safety
-    /// As [`Connection::post_chain`].
-    pub(crate) unsafe fn post_requests(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags) -> Result<Ticket> {
-        let k = ops.len() as u32;
-        let Some(tail) = ops.last().filter(|_| k <= self.opts.send_depth) else {
-            return Err(Error::InvalidArgument(format!("a chain holds 1..={} requests", self.opts.send_depth)));
-        };
-        // A chain is reported by its signaled tail.
-        let op = tail.name();
-        // Started by the first full queue: a post that finds room reads no clock.
-        let mut watch = self.core.stopwatch();
-        loop {
-            self.check()?;
-            let mark = self.core.mark();
-            // SAFETY: the caller's contract.
-            match unsafe { self.attempt(sges, ops, flags, true)? } {
-                Attempt::Posted(tail) => return Ok(Ticket::send(tail)),
-                Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
-                Attempt::Full => {}
-            }
-            if watch.elapsed() > self.opts.op_timeout {
-                return Err(Error::Timeout(self.opts.op_timeout, "send-queue room"));
-            }
-            self.core.pause(&mut 0, Duration::from_millis(1), mark)?;
-        }
-    }
-
-    /// Posts one request if the send queue has room (`Ok(None)`: full, nothing posted), without
-    /// waiting and without reaping (the async front end posts under its backlog's lock, where
-    /// buffers released by a reap must not be dropped: reap first). Returns the request's ticket.
-    ///
-    /// # Safety
-    /// As [`Connection::post_chain`].
-    #[cfg(feature = "tokio")]
-    pub(crate) unsafe fn try_post_one(&self, sge: Sge, what: SendOp) -> Result<Option<Ticket>> {
-        self.check()?;
-        let flags = self.inline_flag(&what, sge.len() as usize);
-        // SAFETY: the caller's contract.
-        match unsafe { self.attempt(Sges::PerRequest(&[sge]), &[what], flags, false)? } {
-            Attempt::Posted(id) => Ok(Some(Ticket::send(id))),
-            Attempt::Full => Ok(None),
-            // A single request is accepted or refused whole (qp.rs reports a refused first
-            // request as a plain verbs error); should a device report otherwise, the accepted
-            // part's flush is awaited as for any chain (blocking, on this impossible path).
-            Attempt::Partial(e, accepted) => Err(self.after_partial(what.name(), e, accepted)),
-        }
-    }
-
-    /// A partially accepted chain: fails the connection and waits for the accepted part's flush.
-    /// Returns the post's error, or [`Error::FlushLost`] if the flush never came.
-    fn after_partial(&self, op: &'static str, e: Error, accepted: u32) -> Error {
-        self.fail(Failure::local(&e));
-        match self.flush_marker(op, accepted) {
-            Err(lost @ Error::FlushLost { .. }) => lost,
-            _ => e,
-        }
-    }
-
-    /// One attempt to post `sges`/`ops` as a chain ending in a signaled tail; with `reap`, a
-    /// full queue is reaped once before giving up.
-    ///
-    /// # Safety
-    /// As [`Connection::post_chain`].
-    unsafe fn attempt(&self, sges: Sges<'_>, ops: &[SendOp], flags: SendFlags, reap: bool) -> Result<Attempt> {
-        let k = ops.len() as u32;
-        self.core.with_send(|core, slots| {
-            if slots.used() + k > self.opts.send_depth {
-                if !reap {
-                    return Ok(Attempt::Full);
-                }
-                // Completions already in the CQ may free the room: look before giving up.
-                slots.reap(core)?;
-                if slots.used() + k > self.opts.send_depth {
-                    return Ok(Attempt::Full);
-                }
-            }
-            let first = self.next_id.fetch_add(u64::from(k), Ordering::Relaxed);
-            let tail = first + u64::from(k) - 1;
-            let wr = |i: usize, op: SendOp| {
-                let f = if i as u32 == k - 1 { flags | SendFlags::SIGNALED } else { flags };
-                SendWr { wr_id: first + i as u64, sges: sges.of(i), op, flags: f }
-            };
-            let r = if k == 1 {
-                // The common single request: no allocation.
-                let one = [wr(0, ops[0])];
-                // SAFETY: the caller keeps the memory valid until the tail completes.
-                unsafe { self.qp.post_send(&one) }
-            } else {
-                let wrs: Vec<SendWr<'_>> = ops.iter().enumerate().map(|(i, &op)| wr(i, op)).collect();
-                // SAFETY: as above.
-                unsafe { self.qp.post_send(&wrs) }
-            };
-            match r {
-                Ok(()) => {
-                    slots.posted(tail, k, k, ops[ops.len() - 1].name(), sges.bytes(ops.len()));
-                    Ok(Attempt::Posted(tail))
-                }
-                Err(e @ Error::PartialPost { posted, .. }) => {
-                    // The accepted requests use their memory until they complete or are
-                    // flushed; none of them is signaled, so a marker will cover them.
-                    slots.posted_untracked(posted as u32, sges.bytes(posted));
-                    Ok(Attempt::Partial(e, posted as u32))
-                }
-                Err(e) => Err(e),
-            }
-        })
-    }
-
-    /// After a partially accepted chain (the QP already moved to the error state): posts a
-    /// signaled, memory-less marker behind the `accepted` requests and waits for its flush.
-    /// Send-queue completions come in order, so the marker's proves that every accepted request
-    /// has completed or been flushed — unsignaled requests that completed successfully before
-    /// the QP failed report nothing of their own. Returns [`Error::FlushLost`] if the marker
-    /// could not be posted or flushed within [`FLUSH_WAIT`].
-    fn flush_marker(&self, op: &'static str, accepted: u32) -> Result<Completed> {
-        let start = Instant::now();
-        let mut spins = 0;
-        loop {
-            let mark = self.core.mark();
-            let id = self.next_wr_id();
-            let marker = [SendWr { wr_id: id, sges: &[], op: SendOp::Send, flags: SendFlags::SIGNALED }];
-            let posted = self.core.with_send(|core, slots| {
-                // SAFETY: the marker has no memory; a QP in the error state flushes it.
-                match unsafe { self.qp.post_send(&marker) } {
-                    Ok(()) => {
-                        slots.marker_posted(id, accepted + 1, op);
-                        true
-                    }
-                    Err(_) => {
-                        // Most likely the queue is still full: let the flush make room.
-                        let _ = slots.reap(core);
-                        false
-                    }
-                }
-            });
-            if posted {
-                return self.wait(Ticket::send(id));
-            }
-            if start.elapsed() > FLUSH_WAIT {
-                return Err(Error::FlushLost { wr_id: id, waited: start.elapsed() });
-            }
-            if self.core.pause(&mut spins, Duration::from_millis(1), mark).is_err() {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
-    }
-
-    /// Waits for `ticket`'s completion, the way the connection's [`WaitMode`] says (busy
-    /// polling, the completion channel, the poller thread). Whatever goes wrong (the operation timeout, a failing
-    /// `ibv_poll_cq` or completion-channel call) fails the connection and *keeps waiting* for the
-    /// request's flush, so that when this returns the NIC no longer uses the request's memory —
-    /// except with [`Error::FlushLost`], when the flush never came: then the caller must leak
-    /// the memory (owned) or abort (borrowed).
-    pub(crate) fn wait(&self, ticket: Ticket) -> Result<Completed> {
-        self.usable()?;
-        // The common case, a completion already there: claimed without setting up the loop
-        // (the loop's first round, exactly).
-        #[cfg(test)]
-        if self.core.panic_in_wait.swap(false, Ordering::Relaxed) {
-            panic!("injected panic while work request {} is in flight", ticket.wr_id);
-        }
-        match self.core.try_claim(ticket) {
-            Ok(Some(o)) => {
-                self.core.spin_claimed(ticket.send, None);
-                self.settle(o, None)
-            }
-            Ok(None) => self.wait_loop(ticket, None),
-            Err(e) => self.wait_loop(ticket, Some(e)),
-        }
-    }
-
-    /// [`Connection::wait`] once the first look found nothing (or failed with `first`, which
-    /// fails the connection as a failure found in the loop does).
-    #[inline(never)]
-    fn wait_loop(&self, ticket: Ticket, first: Option<Error>) -> Result<Completed> {
-        let Ticket { wr_id, send } = ticket;
-        // Send-queue requests are answered by the peer's NIC; receives wait for its application.
-        let limit = if send { Some(self.opts.op_timeout) } else { self.opts.recv_timeout };
-        // Started by the first poll that finds nothing: a completion claimed at once costs no
-        // clock read. Loops that sleep read the clock on every round.
-        let mut watch = self.core.stopwatch();
-        // The local failure (timeout, verbs error) that made this wait fail the connection, and
-        // when (on the watch).
-        let mut local: Option<(Error, Duration)> = None;
-        // When this wait, which has no deadline, saw the connection failed by someone else.
-        let mut orphaned: Option<Duration> = None;
-        let mut spins = 0u32;
-        // Event mode: polls without sleeping until this much after the first miss (decided
-        // then), so a fast operation never pays a channel event.
-        let mut spin: Option<Duration> = None;
-        if let Some(e) = first {
-            let now = watch.elapsed();
-            self.fail_locally(&mut local, e, now);
-        }
-        loop {
-            let mark = self.core.mark();
-            let claimed = self.core.try_claim(ticket);
-            if let Ok(Some(o)) = claimed {
-                self.core.spin_claimed(send, Some(&watch));
-                return self.settle(o, local.map(|(e, _)| e));
-            }
-            let now = watch.elapsed();
-            if let Err(e) = claimed {
-                self.fail_locally(&mut local, e, now);
-            }
-            if orphaned.is_none() && local.is_none() && limit.is_none() && self.core.failure().is_some() {
-                // No deadline of its own: a failure recorded elsewhere (the watcher, another
-                // waiter) must flush this request within FLUSH_WAIT, or its memory is lost.
-                orphaned = Some(now);
-            }
-            if let Some(limit) = limit.filter(|&l| local.is_none() && now > l) {
-                let what = if send { "waiting for a send completion" } else { "waiting for a receive" };
-                self.fail(Failure::Op { op: what, wr_id, status: WcStatus::RespTimeoutErr, vendor_err: 0 });
-                local = Some((Error::Timeout(limit, "a completion"), now));
-            }
-            let left = match local.as_ref().map(|(_, since)| *since).or(orphaned) {
-                Some(since) => {
-                    let waited = now.saturating_sub(since);
-                    if waited > FLUSH_WAIT {
-                        return Err(Error::FlushLost { wr_id, waited });
-                    }
-                    FLUSH_WAIT - waited
-                }
-                // Without a limit, sleep in slices (a failure flushes the request and wakes it).
-                None => limit.map_or(Duration::from_secs(1), |l| l.saturating_sub(now)),
-            };
-            let budget = *spin.get_or_insert_with(|| self.core.spin_budget(send));
-            if local.is_none() && orphaned.is_none() && now < budget {
-                std::hint::spin_loop();
-                continue;
-            }
-            if budget > Duration::ZERO {
-                self.core.spin_expired(send);
-                spin = Some(Duration::ZERO);
-            }
-            if let Err(e) = self.core.pause(&mut spins, left.max(Duration::from_millis(1)), mark) {
-                self.fail_locally(&mut local, e, now);
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
-    }
-
-    /// Records a local error of the completion path: fails the connection, starts the flush wait
-    /// (`now`, on the waiter's watch).
-    fn fail_locally(&self, local: &mut Option<(Error, Duration)>, e: Error, now: Duration) {
-        if local.is_none() {
-            tracing::debug!("completion path failed ({e}); failing the connection and waiting for the flush");
-            self.fail(Failure::local(&e));
-            *local = Some((e, now));
-        }
-    }
-
-    fn settle(&self, o: Outcome, local: Option<Error>) -> Result<Completed> {
-        match (o, local) {
-            (_, Some(e)) => Err(e),
-            (Ok(c), None) => Ok(c),
-            (Err(f), None) => Err(self.core.cause(f).error()),
-        }
-    }
-
-    /// Posts one receive into `list` (empty: a receive without memory, several: scattered).
-    /// Returns its ticket.
-    ///
-    /// # Safety
-    /// The SGEs' memory must stay valid and untouched until the receive is claimed with
-    /// [`Connection::wait`] (or its buffer is parked with the connection).
-    pub(crate) unsafe fn post_recv_raw(&self, list: &[Sge]) -> Result<Ticket> {
-        self.check()?;
-        let id = self.next_wr_id();
-        self.core.with_recv_slot(self.opts.recv_depth, || {
-            // SAFETY: the caller keeps the memory valid until the receive is claimed.
-            unsafe { self.qp.post_recv(id, list) }
-        })?;
-        Ok(Ticket::recv(id))
     }
 }
 

@@ -37,19 +37,19 @@ fn device_grants_through_a_window_or_a_registration() {
         src.fill(0x3C);
         // Another connection of the PD (its QP admits remote writes): refused, writes nothing.
         let (third, _other) = Connection::pair(&pd, &opts).unwrap();
-        let err = third.write(&src[..64], &RemoteBuf { len: 64, ..remote }).unwrap_err();
+        let err = third.write(&src[..64], &RemoteBuf { len: 64, ..remote }, 0).unwrap_err();
         assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "confined {confined}: third connection: {err}");
         let mut back = heap.alloc(4096).unwrap();
         back.fill(0xFF);
-        a.read(&mut back, &remote).unwrap();
+        a.read(&mut back, &remote, 0).unwrap();
         assert!(back.iter().all(|&x| x == 0), "confined {confined}: the third connection wrote nothing");
-        a.write(&src, &remote).unwrap();
+        a.write(&src, &remote, 0).unwrap();
         back.fill(0);
-        a.read(&mut back, &remote).unwrap();
+        a.read(&mut back, &remote, 0).unwrap();
         assert!(back.iter().all(|&x| x == 0x3C), "confined {confined}: read back");
         let buf = g.revoke().unwrap();
         assert!(buf.iter().all(|&x| x == 0x3C), "confined {confined}: the granted buffer");
-        let err = a.write(&src[..64], &RemoteBuf { len: 64, ..remote }).unwrap_err();
+        let err = a.write(&src[..64], &RemoteBuf { len: 64, ..remote }, 0).unwrap_err();
         assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "confined {confined}: revoked: {err}");
 
         if !confined {
@@ -58,7 +58,7 @@ fn device_grants_through_a_window_or_a_registration() {
             let (p, q) = Connection::pair(&pd, &opts).unwrap();
             let g = q.grant(heap.alloc_zeroed(4096).unwrap(), Access::REMOTE_WRITE).unwrap();
             let after = RemoteBuf { addr: g.remote().addr + 4096, len: 1, rkey: g.remote().rkey };
-            let err = p.write(&src[..1], &after).unwrap_err();
+            let err = p.write(&src[..1], &after, 0).unwrap_err();
             assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "exact: the byte after: {err}");
             drop(g);
         }
@@ -71,7 +71,7 @@ fn device_grants_through_a_window_or_a_registration() {
         drop(g);
         let g = d.grant(heap.alloc(64).unwrap(), Access::REMOTE_WRITE).unwrap();
         drop(g.revoke().unwrap());
-        let err = c.write(&src[..64], &RemoteBuf { len: 64, ..dropped }).unwrap_err();
+        let err = c.write(&src[..64], &RemoteBuf { len: 64, ..dropped }, 0).unwrap_err();
         assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "confined {confined}: dropped: {err}");
 
         // A heap without window binding grants nothing, whichever the key would be.

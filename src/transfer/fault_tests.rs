@@ -53,7 +53,7 @@ fn device_partially_accepted_chain_is_flushed_before_the_error() {
     assert!(posted > 0 && posted < total && total == n, "posted {posted} of {total}");
     assert!(a.core().quiet(), "every accepted request was flushed before submit returned");
     assert!(a.error().is_some(), "the connection is failed");
-    assert!(a.write(&src, &remote).is_err(), "later posts fail fast");
+    assert!(a.write(&src, &remote, 0).is_err(), "later posts fail fast");
 }
 
 #[test]
@@ -79,7 +79,7 @@ fn device_failing_polls_keep_a_borrow_until_the_flush() {
     let remote = dst.remote();
     let src = heap.alloc(1 << 20).unwrap();
     a.core().fail_polls.store(2, Ordering::Relaxed);
-    let err = a.write(&src, &remote).unwrap_err();
+    let err = a.write(&src, &remote, 0).unwrap_err();
     assert!(matches!(err, Error::Verbs { verb: "ibv_poll_cq", .. }), "{err:?}");
     assert!(a.core().quiet(), "the write was reaped before the borrow ended");
 }
@@ -95,7 +95,7 @@ fn device_one_failing_poll_at_the_first_look_fails_the_wait() {
     let remote = dst.remote();
     let src = heap.alloc(1 << 20).unwrap();
     a.core().fail_polls.store(1, Ordering::Relaxed);
-    let err = a.write(&src, &remote).unwrap_err();
+    let err = a.write(&src, &remote, 0).unwrap_err();
     assert!(matches!(err, Error::Verbs { verb: "ibv_poll_cq", .. }), "blocking: {err:?}");
     assert!(a.core().quiet() && a.error().is_some(), "blocking: reaped, and the connection failed");
     let (heap, c, _d) = setup();

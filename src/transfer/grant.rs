@@ -7,7 +7,7 @@ use crate::transfer::exact::Keyed;
 use crate::transfer::iobuf::IoBufMut;
 use crate::transfer::iobuf::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, SendFlags, Sge};
+use crate::verbs::Access;
 
 /// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
 /// over exactly that buffer's bytes, working through that connection only. The grant owns the
@@ -58,7 +58,7 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// unreachable either way.
     fn post_revocation(&self, held: &Keyed<B>) -> Result<Ticket> {
         // SAFETY: LOCAL_INV touches no local memory.
-        let r = unsafe { self.conn.post_chain(&[Sge::new(0, 0, 0)], &[held.revocation()], SendFlags::NONE) };
+        let r = unsafe { self.conn.submit_control(held.revocation()) };
         if let Err(e) = &r {
             self.conn.fail(Failure::local(e));
         }
@@ -139,7 +139,7 @@ impl Connection {
     ///   registered buffers and mapped files are refused too); [`Error::Verbs`] (allocating the
     ///   window or posting its bind; or the exact registration, e.g. past the memlock limit);
     ///   [`Error::Timeout`] (no send-queue room);
-    /// - a window bind's failure, as [`Connection::write_at`] (it fails the connection).
+    /// - a window bind's failure, as [`Connection::write`] (it fails the connection).
     ///
     /// With [`Error::FlushLost`] the buffer is leaked.
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
@@ -147,7 +147,7 @@ impl Connection {
         let remote = held.remote();
         // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
         // the connection, or a leak) keeps until the window is invalidated or the QP flushed.
-        let r = unsafe { self.post_chain(&[Sge::new(0, 0, 0)], &[bind], SendFlags::NONE) }.and_then(|id| self.wait(id));
+        let r = unsafe { self.submit_control(bind) }.and_then(|id| self.wait(id));
         match r {
             Ok(_) => Ok(Grant { conn: self, held: Some(held), remote }),
             Err(error @ Error::FlushLost { .. }) => {

@@ -3,7 +3,7 @@
 //!
 //! A peer process that exits closes its setup TCP stream or disconnects its CM id, and the
 //! connection watcher hears of it at once. A peer *host* that loses power, or a cut cable, says
-//! nothing: an idle connection would wait forever. With keepalive, the watcher thread posts a
+//! nothing: an idle connection would wait forever. With keepalive, the liveness thread posts a
 //! zero-length RDMA WRITE on the connection every `keepalive`. It names no memory on either side
 //! (a zero-length request's remote key is not checked), so it costs one packet and its ACK. The
 //! peer's NIC answers it without its application; an unreachable one does not, and the transport
@@ -38,7 +38,8 @@ use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Result};
 use crate::transfer::completion::{Core, Failure};
-use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr, WcStatus};
+use crate::transfer::request::Request;
+use crate::verbs::{SendWr, WcStatus};
 
 /// Probe work-request ids have the top bit set; a connection's own ids count up from 1.
 const PROBE_BIT: u64 = 1 << 63;
@@ -140,13 +141,8 @@ impl Keepalive {
         }
         let id = PROBE_BIT | st.next_id;
         st.next_id = (st.next_id + 1) & !PROBE_BIT;
-        // A zero-length WRITE: no SGE, and a remote key the responder does not check.
-        let wr = SendWr {
-            wr_id: id,
-            sges: &[],
-            op: SendOp::Write(RemoteAddr { addr: 0, rkey: 0 }),
-            flags: SendFlags::SIGNALED,
-        };
+        let probe = Request::probe();
+        let wr = probe.wr(id, true).expect("a send-queue request");
         let posted = core.with_send_for_probe(|core, slots| {
             // Only on an empty send queue (see the module docs).
             if core.failure().is_some() || slots.used() > 0 {

@@ -42,11 +42,16 @@ pub(crate) fn sge_of<L: Local + ?Sized>(local: &L, pd: &Pd) -> Result<Sge> {
     sge_of_parts(local.local_ptr(), local.local_len(), local.lkey_for(pd))
 }
 
-/// An SGE for `len` bytes at `ptr` under `lkey`, or the typed error saying why not.
+/// An SGE for `len` bytes at `ptr` under `lkey`, or the typed error saying why not (an empty
+/// range gets an empty entry, refused by `Connection::request`).
 pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>) -> Result<Sge> {
     let len32 = u32::try_from(len)
         .map_err(|_| Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {len} bytes")))?;
     let addr = ptr as u64;
+    if len == 0 {
+        // Refused by the request's check, which names the operation (no key to look up).
+        return Ok(Sge::new(addr, 0, 0));
+    }
     // Not `ok_or`: that builds (and drops) an Error on every call.
     let Some(lkey) = lkey else {
         return Err(Error::NotRegistered { addr });
@@ -132,36 +137,6 @@ unsafe impl Local for Vec<u8> {
 }
 // SAFETY: as above; operations take it by value or &mut.
 unsafe impl LocalMut for Vec<u8> {}
-
-/// The local memory of a chain of send-queue requests: one SGE per request (an empty SGE names
-/// no memory), or, for a single request, a scatter/gather list of several.
-#[derive(Clone, Copy)]
-pub(crate) enum Sges<'a> {
-    /// `sges[i]` is request `i`'s memory.
-    PerRequest(&'a [Sge]),
-    /// Every SGE belongs to the chain's one request.
-    Gather(&'a [Sge]),
-}
-
-impl<'a> Sges<'a> {
-    /// Request `i`'s scatter/gather list.
-    pub(crate) fn of(self, i: usize) -> &'a [Sge] {
-        match self {
-            Sges::PerRequest(s) if s[i].is_empty() => &[],
-            Sges::PerRequest(s) => std::slice::from_ref(&s[i]),
-            Sges::Gather(s) => s,
-        }
-    }
-
-    /// Bytes the first `n` requests name.
-    pub(crate) fn bytes(self, n: usize) -> u64 {
-        match self {
-            Sges::PerRequest(s) => s.iter().take(n).map(|s| u64::from(s.len())).sum(),
-            Sges::Gather(s) if n > 0 => s.iter().map(|s| u64::from(s.len())).sum(),
-            Sges::Gather(_) => 0,
-        }
-    }
-}
 
 // SAFETY: the memory stays mapped and registered as one region of `mr().pd()` while the value
 // lives; no reference to its bytes exists while it is exposed (only atomic copies), so the NIC

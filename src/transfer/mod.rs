@@ -7,7 +7,9 @@
 //!   [`Connection::pair`] connects two QPs of one process (loopback).
 //! - Blocking operations borrow local memory for the call ([`Local`]): [`Connection::write`],
 //!   `read`, `send`, `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`. They do not
-//!   return while the NIC may touch the memory.
+//!   return while the NIC may touch the memory. Every front end names a remote range the same
+//!   way — `(local, remote, offset)` — and a blocking or batched request's local side may be a
+//!   gather/scatter list of buffers ([`Gather`], [`Scatter`]): one request, several entries.
 //! - Non-blocking operations own it ([`IoBuf`], [`IoBufMut`]; sub-ranges as [`Slice`]):
 //!   [`Connection::post_write`] and friends return a [`Pending`] that keeps the buffer until its
 //!   completion is reaped. Dropping it parks the buffer with the connection; forgetting it leaks
@@ -49,7 +51,6 @@ mod exact_tests;
 mod exchange;
 #[cfg(test)]
 mod fault_tests;
-mod gather;
 mod grant;
 mod handshake;
 mod iobuf;
@@ -58,13 +59,17 @@ mod local;
 mod mapped;
 mod ops;
 mod options;
+mod parts;
 mod pending;
 mod poller;
 mod received;
+mod request;
 mod shared_recv;
 mod spin;
 mod stats;
+mod submit;
 mod tcp;
+mod wait;
 mod watch;
 
 pub use acceptor::HandshakeFailure;
@@ -82,6 +87,7 @@ pub use iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use options::{Options, WaitMode};
+pub use parts::{Gather, Scatter};
 pub use pending::Pending;
 pub use poller::Poller;
 pub use received::{Arrival, Received};

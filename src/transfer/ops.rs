@@ -3,67 +3,34 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::local::{sge_of, Local, LocalMut, Sges};
-use crate::transfer::received::{Posted, Received};
-use crate::transfer::{Completed, Connection};
-use crate::verbs::{RemoteAddr, SendFlags, SendOp, Sge, Verb};
+use crate::transfer::parts::{Gather, Parts, Scatter};
+use crate::transfer::received::Received;
+use crate::transfer::request::{Action, SgeList};
+use crate::transfer::Connection;
 
 /// The immediate a receive of no bytes (posted by `recv_imm`) delivered, or why there is none.
-pub(crate) fn immediate_of(got: Completed) -> Result<u32> {
-    let r = got.delivered(Posted::Recv(0))?;
-    r.imm.ok_or_else(|| Error::Protocol("expected an immediate, got an empty SEND without one".into()))
-}
-
-/// The remote word an atomic (`verb`) targets: in bounds and 8-byte aligned.
-pub(crate) fn atomic_target(verb: Verb, remote: &RemoteBuf, offset: u64) -> Result<RemoteAddr> {
-    let to = remote.at(offset, 8)?;
-    if to.addr % 8 != 0 {
-        return Err(Error::InvalidArgument(format!("{verb} needs an 8-byte-aligned remote word, got {:#x}", to.addr)));
-    }
-    Ok(to)
-}
-
-pub(crate) fn nonempty(len: usize, verb: Verb) -> Result<()> {
-    if len == 0 {
-        return Err(Error::InvalidArgument(format!("{verb} of zero bytes")));
-    }
-    Ok(())
+pub(crate) fn immediate_of(got: Received) -> Result<u32> {
+    got.imm.ok_or_else(|| Error::Protocol("expected an immediate, got an empty SEND without one".into()))
 }
 
 impl Connection {
-    pub(crate) fn one(&self, sge: Sge, what: SendOp) -> Result<Completed> {
-        let flags = self.inline_flag(&what, sge.len() as usize);
-        self.post_and_wait_borrowed(Sges::PerRequest(&[sge]), &[what], flags)
-    }
-
-    /// `INLINE` for an operation that carries a payload (SEND, WRITE, with or without immediate)
-    /// of at most [`Options::max_inline`](crate::transfer::Options::max_inline) bytes: the bytes
-    /// are copied into the work request at post time. Every single-request post decides here.
-    pub(crate) fn inline_flag(&self, what: &SendOp, len: usize) -> SendFlags {
-        let payload =
-            matches!(what, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
-        if payload && len <= self.options().max_inline as usize {
-            SendFlags::INLINE
-        } else {
-            SendFlags::NONE
-        }
-    }
-
-    /// RDMA WRITE of all of `local` to the start of `remote`.
+    /// RDMA WRITE of all of `local` — one buffer, or a gather list written as the
+    /// concatenation of its parts ([`Gather`]) — to `offset` bytes into `remote`
+    /// (bounds-checked here).
     ///
-    /// # Errors
-    /// As [`Connection::write_at`].
-    pub fn write<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf) -> Result<()> {
-        self.write_at(local, remote, 0)
-    }
-
-    /// RDMA WRITE of all of `local` to `offset` bytes into `remote` (bounds-checked here).
+    /// ```no_run
+    /// # fn f(conn: &mralloc::transfer::Connection, header: &mralloc::Buffer, payload: &mralloc::Buffer, remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
+    /// conn.write(payload, remote, 0)?;
+    /// conn.write(&[&header[..16], &payload[..]], remote, 4096)?; // one request, two parts
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// - The connection's earlier failure, at once ([`Error::Operation`], [`Error::Verbs`],
     ///   [`Error::Closed`]).
-    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` empty or
-    ///   over `u32::MAX` bytes), [`Error::NotRegistered`] (`local` not registered in
+    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` or a
+    ///   part empty, over 4 GiB - 1 bytes in all, more parts than the queue pair's
+    ///   scatter/gather entries), [`Error::NotRegistered`] (a part not registered in
     ///   [`Connection::pd`]), [`Error::OutOfBounds`] (the range does not fit in `remote`),
     ///   [`Error::Timeout`] (no send-queue room within
     ///   [`Options::op_timeout`](crate::transfer::Options::op_timeout)), [`Error::Verbs`] or
@@ -74,10 +41,8 @@ impl Connection {
     ///   [`Error::Timeout`] (no completion within `op_timeout`), [`Error::Verbs`] or [`Error::Io`]
     ///   (polling or waiting failed). It returns once the NIC is done with `local`; if the device
     ///   never flushes the request, the process aborts.
-    pub fn write_at<L: Local + ?Sized>(&self, local: &L, remote: &RemoteBuf, offset: u64) -> Result<()> {
-        let sge = self.checked(local, Verb::Write)?;
-        let to = remote.at(offset, sge.len().into())?;
-        self.one(sge, SendOp::Write(to)).map(|_| ())
+    pub fn write<G: Gather + ?Sized>(&self, local: &G, remote: &RemoteBuf, offset: u64) -> Result<()> {
+        self.run_borrowed(Action::Write { remote, offset, imm: None }, self.local_sges(local)?).map(|_| ())
     }
 
     /// RDMA WRITE that also delivers `imm` to the peer. It consumes one of the peer's posted
@@ -86,60 +51,52 @@ impl Connection {
     /// WRITE's bytes are in the target once that receive completes.
     ///
     /// # Errors
-    /// As [`Connection::write_at`] (the peer must have a receive posted).
-    pub fn write_with_imm<L: Local + ?Sized>(
+    /// As [`Connection::write`] (the peer must have a receive posted).
+    pub fn write_with_imm<G: Gather + ?Sized>(
         &self,
-        local: &L,
+        local: &G,
         remote: &RemoteBuf,
         offset: u64,
         imm: u32,
     ) -> Result<()> {
-        let sge = self.checked(local, Verb::WriteWithImm)?;
-        let to = remote.at(offset, sge.len().into())?;
-        self.one(sge, SendOp::WriteWithImm(to, imm)).map(|_| ())
+        self.run_borrowed(Action::Write { remote, offset, imm: Some(imm) }, self.local_sges(local)?).map(|_| ())
     }
 
-    /// RDMA READ of `local.len()` bytes from the start of `remote` into `local`.
+    /// RDMA READ from `offset` bytes into `remote`, filling all of `local` — one buffer, or a
+    /// scatter list filled in order ([`Scatter`]).
     ///
     /// # Errors
-    /// As [`Connection::read_at`].
-    pub fn read<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf) -> Result<()> {
-        self.read_at(local, remote, 0)
-    }
-
-    /// RDMA READ of `local.len()` bytes from `offset` bytes into `remote`.
-    ///
-    /// # Errors
-    /// As [`Connection::write_at`] (the peer must allow `REMOTE_READ`). Memory registered
+    /// As [`Connection::write`] (the peer must allow `REMOTE_READ`). Memory registered
     /// without `LOCAL_WRITE` (a read-only [`MappedFile`](crate::transfer::MappedFile)) fails the
     /// READ, and the connection, with [`Error::Operation`].
-    pub fn read_at<L: LocalMut + ?Sized>(&self, local: &mut L, remote: &RemoteBuf, offset: u64) -> Result<()> {
-        let sge = self.checked(&*local, Verb::Read)?;
-        let from = remote.at(offset, sge.len().into())?;
-        self.one(sge, SendOp::Read(from)).map(|_| ())
+    pub fn read<S: Scatter + ?Sized>(&self, local: &mut S, remote: &RemoteBuf, offset: u64) -> Result<()> {
+        self.run_borrowed(Action::Read { remote, offset }, self.local_sges(&*local)?).map(|_| ())
     }
 
-    /// SEND of all of `local` (the peer must post a receive: [`Connection::recv`]).
+    /// SEND of all of `local` — one buffer, or a gather list sent as one message, the
+    /// concatenation of its parts ([`Gather`]) — (the peer must post a receive:
+    /// [`Connection::recv`]). Small messages (up to
+    /// [`Options::max_inline`](crate::transfer::Options::max_inline) bytes in all) go inline.
     ///
     /// # Errors
-    /// As [`Connection::write_at`] (no remote range); the SEND fails with [`Error::Operation`]
+    /// As [`Connection::write`] (no remote range); the SEND fails with [`Error::Operation`]
     /// if the peer's receive is too small.
-    pub fn send<L: Local + ?Sized>(&self, local: &L) -> Result<()> {
-        let sge = self.checked(local, Verb::Send)?;
-        self.one(sge, SendOp::Send).map(|_| ())
+    pub fn send<G: Gather + ?Sized>(&self, local: &G) -> Result<()> {
+        self.run_borrowed(Action::Send { imm: None }, self.local_sges(local)?).map(|_| ())
     }
 
     /// SEND with immediate data.
     ///
     /// # Errors
     /// As [`Connection::send`].
-    pub fn send_with_imm<L: Local + ?Sized>(&self, local: &L, imm: u32) -> Result<()> {
-        let sge = self.checked(local, Verb::SendWithImm)?;
-        self.one(sge, SendOp::SendWithImm(imm)).map(|_| ())
+    pub fn send_with_imm<G: Gather + ?Sized>(&self, local: &G, imm: u32) -> Result<()> {
+        self.run_borrowed(Action::Send { imm: Some(imm) }, self.local_sges(local)?).map(|_| ())
     }
 
-    /// Posts a receive into `local` and waits for the message that consumes it. What arrived:
-    /// a SEND's bytes (at most `local.len()`, [`Arrival::Data`](crate::transfer::Arrival)), or,
+    /// Posts a receive into `local` — one buffer, or a scatter list filled in order
+    /// ([`Scatter`]; at most `qp().caps().max_recv_sge` parts) — and waits for the message that
+    /// consumes it. What arrived: a SEND's bytes (at most the posted length,
+    /// [`Arrival::Data`](crate::transfer::Arrival)), or,
     /// when the peer's WRITE with immediate consumed the receive, only its immediate
     /// ([`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0: no byte of `local` was
     /// written).
@@ -149,7 +106,7 @@ impl Connection {
     /// close's flush; only receives still empty then fail with [`Error::Disconnected`]).
     ///
     /// # Errors
-    /// - As [`Connection::write_at`] for `local` and the wait (no remote range, no send-queue
+    /// - As [`Connection::write`] for `local` and the wait (no remote range, no send-queue
     ///   room to wait for).
     /// - [`Error::InvalidArgument`] if `recv_depth` receives are already posted, [`Error::Verbs`]
     ///   if the device refuses the receive: nothing is posted.
@@ -158,12 +115,8 @@ impl Connection {
     ///   [`Error::Timeout`] if no SEND arrives in time (the connection is failed).
     /// - [`Error::Disconnected`] if the connection is found dead meanwhile (the peer closed it or
     ///   exited, its RDMA CM disconnected, the port went down).
-    pub fn recv<L: LocalMut + ?Sized>(&self, local: &mut L) -> Result<Received> {
-        let sge = self.checked(&*local, Verb::Recv)?;
-        // SAFETY: `local` is exclusively borrowed until the receive is claimed below (wait fails
-        // the QP and waits for the flush on any error; FlushLost aborts; unwinding waits too).
-        let t = unsafe { self.post_recv_raw(std::slice::from_ref(&sge))? };
-        self.wait_borrowed(t)?.delivered(Posted::Recv(sge.len() as usize))
+    pub fn recv<S: Scatter + ?Sized>(&self, local: &mut S) -> Result<Received> {
+        self.run_borrowed(Action::Recv, self.local_sges(&*local)?)
     }
 
     /// Posts a zero-length receive and waits for the peer's WRITE with immediate (or an empty
@@ -175,23 +128,15 @@ impl Connection {
     ///   receive, and the connection, with [`Error::Operation`]).
     /// - [`Error::FlushLost`] if the device never flushes the receive after a failure.
     pub fn recv_imm(&self) -> Result<u32> {
-        // SAFETY: a receive without memory.
-        let t = unsafe { self.post_recv_raw(&[])? };
-        immediate_of(self.wait(t)?)
+        self.check()?;
+        immediate_of(self.run_borrowed(Action::RecvImm, SgeList::Empty)?)
     }
 
-    fn atomic(
-        &self,
-        verb: Verb,
-        remote: &RemoteBuf,
-        offset: u64,
-        what: impl FnOnce(RemoteAddr) -> SendOp,
-    ) -> Result<u64> {
-        let to = atomic_target(verb, remote, offset)?;
+    fn atomic(&self, action: Action<'_>) -> Result<u64> {
         self.check()?; // before the lock (a fork()ed child: Forked)
         let scratch = self.scratch().lock();
         let sge = scratch.sge(0..8)?;
-        self.one(sge, what(to))?;
+        self.run_borrowed(action, SgeList::One(sge))?;
         Ok(u64::from_ne_bytes(scratch[..8].try_into().expect("8 bytes")))
     }
 
@@ -200,9 +145,9 @@ impl Connection {
     /// # Errors
     /// - [`Error::OutOfBounds`] if the 8-byte word at `offset` is not inside `remote`;
     ///   [`Error::InvalidArgument`] if it is not 8-byte aligned.
-    /// - Otherwise as [`Connection::write_at`]; the peer must grant `REMOTE_ATOMIC`.
+    /// - Otherwise as [`Connection::write`]; the peer must grant `REMOTE_ATOMIC`.
     pub fn fetch_add(&self, remote: &RemoteBuf, offset: u64, add: u64) -> Result<u64> {
-        self.atomic(Verb::FetchAdd, remote, offset, |r| SendOp::FetchAdd { remote: r, add })
+        self.atomic(Action::FetchAdd { remote, offset, add })
     }
 
     /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
@@ -211,12 +156,14 @@ impl Connection {
     /// # Errors
     /// As [`Connection::fetch_add`].
     pub fn compare_swap(&self, remote: &RemoteBuf, offset: u64, compare: u64, swap: u64) -> Result<u64> {
-        self.atomic(Verb::CompareSwap, remote, offset, |r| SendOp::CompareSwap { remote: r, compare, swap })
+        self.atomic(Action::CompareSwap { remote, offset, compare, swap })
     }
 
-    pub(crate) fn checked<L: Local + ?Sized>(&self, local: &L, verb: Verb) -> Result<Sge> {
+    /// `local` (one buffer or a list of parts) as a request's memory: checked against the
+    /// connection first (its failure, a fork()ed child), then registered in
+    /// [`Connection::pd`].
+    pub(crate) fn local_sges<P: Parts + ?Sized>(&self, local: &P) -> Result<SgeList> {
         self.check()?;
-        nonempty(local.local_len(), verb)?;
-        sge_of(local, self.pd())
+        local.sge_list(self.pd())
     }
 }

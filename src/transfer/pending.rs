@@ -13,10 +13,9 @@ use crate::remote::RemoteBuf;
 use crate::transfer::completion::{Filled, Ticket};
 use crate::transfer::iobuf::{IoBuf, IoTarget, Rejected};
 use crate::transfer::local::sge_of_parts;
-use crate::transfer::ops::nonempty;
 use crate::transfer::received::{Posted, Received};
+use crate::transfer::request::{Action, SgeList};
 use crate::transfer::Connection;
-use crate::verbs::{SendOp, Sge, Verb};
 
 /// An operation in flight that owns its local buffer.
 ///
@@ -101,60 +100,44 @@ impl<B: Send + 'static> Drop for Pending<'_, B> {
 }
 
 impl Connection {
-    /// A bounds-checked SGE for an owned buffer, or the typed error saying why not.
-    pub(crate) fn checked_owned<B: IoBuf>(&self, buf: &B, verb: Verb) -> Result<Sge> {
+    /// All of `buf` as a request's memory (checked as [`Connection::local_sges`] checks
+    /// borrowed memory).
+    pub(crate) fn owned_sges<B: IoBuf>(&self, buf: &B) -> Result<SgeList> {
         self.check()?;
-        nonempty(buf.bytes_len(), verb)?;
-        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(self.pd()))
+        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(self.pd())).map(SgeList::One)
     }
 
-    fn post_owned<B: IoBuf>(
-        &self,
-        buf: B,
-        verb: Verb,
-        what: impl FnOnce(u64) -> Result<SendOp>,
-    ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = self.checked_owned(&buf, verb);
-        self.post_prepared(buf, sge, what, None)
+    /// All of a READ or receive target `buf` as a request's memory.
+    pub(crate) fn target_sges<B: IoTarget>(&self, buf: &mut B) -> Result<SgeList> {
+        self.check()?;
+        let (ptr, len) = buf.target();
+        sge_of_parts(ptr.cast_const(), len, buf.target_lkey(self.pd())).map(SgeList::One)
     }
 
-    /// Posts one request on `buf` whose SGE was checked (`sge`); `fill` records, for a READ
-    /// target, that the NIC wrote all of it.
-    fn post_prepared<B: Send + 'static>(
+    /// Checks `action` on `sges` (`buf`'s memory, or why it has none), posts it and hands back
+    /// a [`Pending`] owning `buf`; `fill` records, for a READ or receive target, what the NIC
+    /// wrote. A refusal gives `buf` back untouched.
+    fn post_owned<B: Send + 'static>(
         &self,
         buf: B,
-        sge: Result<Sge>,
-        what: impl FnOnce(u64) -> Result<SendOp>,
+        sges: Result<SgeList>,
+        action: Action<'_>,
         fill: Option<Filled<B>>,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let prepared = sge.and_then(|sge| what(u64::from(sge.len())).map(|w| (sge, w)));
-        let (sge, w) = match prepared {
-            Ok(x) => x,
+        let req = match sges.and_then(|sges| self.request(action, sges)) {
+            Ok(req) => req,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        let len = sge.len() as usize;
-        let flags = self.inline_flag(&w, len);
         // SAFETY: `buf` moves into the returned Pending, which keeps it until the completion is
         // claimed, parks it with the connection, or leaks it; on FlushLost it is leaked here.
-        match unsafe { self.post_chain(&[sge], &[w], flags) } {
-            Ok(ticket) => {
-                let posted = if fill.is_some() { Posted::Read(len) } else { Posted::Send(len) };
-                Ok(Pending { conn: self, ticket, buf: Some(buf), posted, fill })
-            }
+        match unsafe { self.submit(std::slice::from_ref(&req)) } {
+            Ok(ticket) => Ok(Pending { conn: self, ticket, buf: Some(buf), posted: req.posted(), fill }),
             Err(error @ Error::FlushLost { .. }) => {
                 std::mem::forget(buf);
                 Err(Rejected { error, buf: None })
             }
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         }
-    }
-
-    /// A bounds-checked SGE for a READ or receive target, or the typed error saying why not.
-    pub(crate) fn checked_target<B: IoTarget>(&self, buf: &mut B, verb: Verb) -> Result<Sge> {
-        self.check()?;
-        let (ptr, len) = buf.target();
-        nonempty(len, verb)?;
-        sge_of_parts(ptr.cast_const(), len, buf.target_lkey(self.pd()))
     }
 
     /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`.
@@ -176,7 +159,8 @@ impl Connection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, Verb::Write, |len| Ok(SendOp::Write(remote.at(offset, len)?)))
+        let sges = self.owned_sges(&buf);
+        self.post_owned(buf, sges, Action::Write { remote, offset, imm: None }, None)
     }
 
     /// Starts an RDMA WRITE with immediate.
@@ -190,7 +174,8 @@ impl Connection {
         offset: u64,
         imm: u32,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, Verb::WriteWithImm, |len| Ok(SendOp::WriteWithImm(remote.at(offset, len)?, imm)))
+        let sges = self.owned_sges(&buf);
+        self.post_owned(buf, sges, Action::Write { remote, offset, imm: Some(imm) }, None)
     }
 
     /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`. The target may be
@@ -205,8 +190,8 @@ impl Connection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = self.checked_target(&mut buf, Verb::Read);
-        self.post_prepared(buf, sge, |len| Ok(SendOp::Read(remote.at(offset, len)?)), Some(B::filled))
+        let sges = self.target_sges(&mut buf);
+        self.post_owned(buf, sges, Action::Read { remote, offset }, Some(B::filled))
     }
 
     /// Starts a SEND of all of `buf`.
@@ -214,7 +199,8 @@ impl Connection {
     /// # Errors
     /// As [`Connection::post_write`] (no remote range).
     pub fn post_send<B: IoBuf>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        self.post_owned(buf, Verb::Send, |_| Ok(SendOp::Send))
+        let sges = self.owned_sges(&buf);
+        self.post_owned(buf, sges, Action::Send { imm: None }, None)
     }
 
     /// Posts `buf` as a receive buffer; the returned `Pending` completes when the peer's SEND
@@ -231,20 +217,7 @@ impl Connection {
     /// with [`Error::InvalidArgument`] when the receive queue is full, or [`Error::Verbs`] if
     /// the device refuses the receive.
     pub fn post_recv<B: IoTarget>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
-        let sge = match self.checked_target(&mut buf, Verb::Recv) {
-            Ok(s) => s,
-            Err(error) => return Err(Rejected { error, buf: Some(buf) }),
-        };
-        // SAFETY: as in post_owned (a refused receive post touches nothing).
-        match unsafe { self.post_recv_raw(std::slice::from_ref(&sge)) } {
-            Ok(ticket) => Ok(Pending {
-                conn: self,
-                ticket,
-                buf: Some(buf),
-                posted: Posted::Recv(sge.len() as usize),
-                fill: Some(B::filled),
-            }),
-            Err(error) => Err(Rejected { error, buf: Some(buf) }),
-        }
+        let sges = self.target_sges(&mut buf);
+        self.post_owned(buf, sges, Action::Recv, Some(B::filled))
     }
 }

@@ -126,7 +126,7 @@ impl SharedReceiver {
     /// - [`Error::Verbs`] if creating the queue, its CQ or completion channel, registering the
     ///   memory or posting a receive fails (e.g. `slots` above the device's `max_srq_wr`).
     /// - [`Error::Io`] if mapping the memory fails.
-    /// - [`Error::Io`] if the device monitor thread cannot be started.
+    /// - [`Error::Io`] if the liveness thread cannot be started.
     /// - [`Error::Forked`] in a fork()ed child of the process that opened `pd`'s device.
     /// - [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn new(pd: &Pd, slots: u32, slot_size: usize) -> Result<SharedReceiver> {

@@ -1,5 +1,6 @@
-//! The liveness watcher: one background thread that finds dead connections without waiting for
-//! an operation to time out.
+//! The connection watcher: finds dead connections without waiting for an operation to time out.
+//! It runs on the process's one liveness thread ([`crate::verbs::liveness`]), with the device
+//! monitor.
 //!
 //! An idle connection is not a dead one: a receive may wait for hours. What tells them apart is
 //! watched here, for every connection at once, with one `poll(2)`:
@@ -29,6 +30,7 @@ use crate::fork::ForkLock;
 use crate::transfer::cm::raw_event;
 use crate::transfer::completion::{Core, Failure};
 use crate::transfer::keepalive::{Keepalive, Tick};
+use crate::verbs::liveness;
 use crate::verbs::removal::{self, Subscription};
 use crate::verbs::{post_bare_send, set_qp_error, Context, Qp};
 
@@ -213,8 +215,8 @@ impl Drop for Registration {
 /// `ctx`, and `source` if there is one.
 ///
 /// # Errors
-/// [`Error::Io`] if the watcher thread, the device monitor thread (see
-/// [`crate::verbs::removal`]) or their wake-up descriptors cannot be created.
+/// [`Error::Io`] if the liveness thread (see [`crate::verbs::liveness`]) or a wake-up
+/// descriptor cannot be created.
 pub(crate) fn watch(ctx: &Context, links: Vec<Arc<Link>>, source: Option<Source>) -> Result<Registration> {
     let w = watcher()?;
     let token = {
@@ -357,9 +359,16 @@ impl State {
 
     fn source_event(&mut self, token: u64) {
         let Some(e) = self.entries.get_mut(&token) else { return };
-        let Some((why, keep)) = e.source.as_ref().map(Source::check) else { return };
+        let Some((mut why, keep)) = e.source.as_ref().map(Source::check) else { return };
         if !keep {
             e.source = None;
+        }
+        // Removing a device disconnects its CM connections too, and the `DISCONNECTED` may be
+        // read before the id's `DEVICE_REMOVAL`: the removal is the reason if the device is gone.
+        if why == Some(Disconnect::CmDisconnected)
+            && self.devices.get(&e.device).is_some_and(|dev| removal::removed_now(&dev.ctx))
+        {
+            why = Some(Disconnect::DeviceRemoved);
         }
         if why == Some(Disconnect::DeviceRemoved) {
             if let Some(dev) = self.devices.get(&e.device) {
@@ -376,8 +385,17 @@ struct Watcher {
     state: Mutex<State>,
     /// An eventfd: written when the set of descriptors changes.
     wake: RawFd,
-    /// The process whose thread runs it (a fork()ed child starts its own).
+    /// The process that made it (a fork()ed child makes its own).
     pid: u32,
+    /// The liveness thread's current round: what each descriptor it polls for the watcher
+    /// belongs to, and the connections with keepalive. Only that thread takes it.
+    round: Mutex<Round>,
+}
+
+#[derive(Default)]
+struct Round {
+    keys: Vec<Key>,
+    probing: Vec<Arc<Link>>,
 }
 
 /// Serialises starting a watcher.
@@ -411,12 +429,14 @@ fn watcher() -> Result<&'static Watcher> {
     if wake < 0 {
         return Err(io("creating the connection watcher's eventfd")(std::io::Error::last_os_error()));
     }
-    let w: &'static Watcher =
-        Box::leak(Box::new(Watcher { state: Mutex::new(State::default()), wake, pid: std::process::id() }));
-    std::thread::Builder::new()
-        .name("mralloc-watch".into())
-        .spawn(move || w.run())
-        .map_err(io("starting the connection watcher thread"))?;
+    let w: &'static Watcher = Box::leak(Box::new(Watcher {
+        state: Mutex::new(State::default()),
+        wake,
+        pid: std::process::id(),
+        round: Mutex::new(Round::default()),
+    }));
+    // Run by the process's one liveness thread, with the device monitor.
+    liveness::serve(w)?;
     WATCHER.store(std::ptr::from_ref(w).cast_mut(), Ordering::Release);
     Ok(w)
 }
@@ -460,75 +480,59 @@ impl Watcher {
         // Closing a device (the last reference) happens outside the lock.
         drop(gone);
     }
+}
 
-    fn run(&self) {
-        let mut fds: Vec<libc::pollfd> = Vec::new();
-        let mut keys: Vec<Key> = Vec::new();
-        let mut probing: Vec<Arc<Link>> = Vec::new();
-        loop {
-            fds.clear();
-            keys.clear();
-            probing.clear();
-            let mut add = |fd: RawFd, key: Key| {
-                if fd >= 0 {
-                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
-                    keys.push(key);
-                }
-            };
-            add(self.wake, Key::Wake);
-            {
-                let st = self.state.lock();
-                for (&k, d) in &st.devices {
-                    add(d.fd, Key::Device(k, d.id));
-                }
-                for (&t, e) in &st.entries {
-                    if let Some(s) = &e.source {
-                        add(s.fd(), Key::Entry(t));
-                    }
-                    probing.extend(e.links.iter().filter(|l| l.keepalive.is_some()).cloned());
-                }
+impl liveness::Watch for Watcher {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn add_fds(&self, fds: &mut Vec<libc::pollfd>) {
+        let mut round = self.round.lock();
+        let Round { keys, probing } = &mut *round;
+        keys.clear();
+        probing.clear();
+        let mut add = |fd: RawFd, key: Key| {
+            if fd >= 0 {
+                fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                keys.push(key);
             }
-            if probing.is_empty() {
-                self.poll_and_handle(&mut fds, &keys, -1);
-                continue;
+        };
+        add(self.wake, Key::Wake);
+        let st = self.state.lock();
+        for (&k, d) in &st.devices {
+            add(d.fd, Key::Device(k, d.id));
+        }
+        for (&t, e) in &st.entries {
+            if let Some(s) = &e.source {
+                add(s.fd(), Key::Entry(t));
             }
-            // What the device or the peer said comes before the probes: a QP the device failed
-            // flushes the probe too, and the event tells why. A wake-up means the set of
-            // descriptors changed: build it again before sleeping on it.
-            if self.poll_and_handle(&mut fds, &keys, 0) {
-                continue;
-            }
-            // Outside the lock (a probe's reap takes a connection's locks).
-            let timeout = keepalive_ticks(&probing);
-            self.poll_and_handle(&mut fds, &keys, timeout);
+            probing.extend(e.links.iter().filter(|l| l.keepalive.is_some()).cloned());
         }
     }
 
-    /// Polls `fds` (at most `timeout` ms, -1: no limit) and handles what it finds; returns
-    /// whether the wake-up descriptor was among it.
-    fn poll_and_handle(&self, fds: &mut [libc::pollfd], keys: &[Key], timeout: i32) -> bool {
-        // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports
-        // POLLNVAL; one reused by another file reports whatever it reports: either way the
-        // key is looked up again under the lock below before anything is read.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                tracing::error!("the connection watcher's poll failed: {e}");
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            return false;
-        }
-        if rc == 0 {
-            return false;
-        }
+    fn has_due(&self) -> bool {
+        !self.round.lock().probing.is_empty()
+    }
+
+    fn due(&self) -> i32 {
+        // Outside the state lock (a probe's reap takes a connection's locks).
+        let probing = std::mem::take(&mut self.round.lock().probing);
+        let timeout = keepalive_ticks(&probing);
+        self.round.lock().probing = probing;
+        timeout
+    }
+
+    fn handle(&self, fds: &[libc::pollfd]) -> bool {
+        let round = self.round.lock();
         let mut st = self.state.lock();
         // A panic here (a tracing subscriber's) must not end the watching for good.
-        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, fds, keys)));
+        let handled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, fds, &round.keys)));
         if handled.is_err() {
             tracing::error!("the connection watcher panicked handling an event; it goes on");
         }
-        fds.iter().zip(keys).any(|(p, k)| matches!(k, Key::Wake) && p.revents != 0)
+        fds.iter().zip(&round.keys).any(|(p, k)| matches!(k, Key::Wake) && p.revents != 0)
     }
 }
 

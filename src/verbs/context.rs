@@ -228,7 +228,7 @@ impl Context {
 
     /// The raw `ibv_context` pointer, for calls mralloc does not wrap. It stays valid while
     /// this `Context` (or anything made from it) lives. Once a connection is made on it,
-    /// mralloc's watcher thread reads the context's asynchronous events (its `async_fd` is
+    /// mralloc's liveness thread reads the context's asynchronous events (its `async_fd` is
     /// made non-blocking): do not call `ibv_get_async_event` on it yourself.
     pub fn as_raw(&self) -> *mut ffi::ibv_context {
         self.inner.ctx

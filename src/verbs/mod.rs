@@ -18,6 +18,7 @@ mod cq;
 mod device;
 mod endpoint;
 mod exposed;
+pub(crate) mod liveness;
 mod mr;
 mod mw;
 mod pd;

@@ -295,7 +295,7 @@ pub(crate) static LEAKED_MAPPINGS: std::sync::atomic::AtomicU64 = std::sync::ato
 /// use mralloc::verbs::{Access, RegisteredBuf};
 /// let inbox = RegisteredBuf::new(pd, 4096, Access::LOCAL_WRITE)?.expose(Access::REMOTE_WRITE)?;
 /// // `inbox.remote()` is what a peer is sent; here the far end of a loopback pair writes.
-/// peer.write(&src[..8], &inbox.remote())?;
+/// peer.write(&src[..8], &inbox.remote(), 0)?;
 /// println!("while exposed, only copies: {:?}", &inbox.to_vec()[..8]);
 /// let inbox = inbox.revoke()?; // the key is dead: the bytes are ours again
 /// println!("{:?}", &inbox[..8]);

@@ -8,7 +8,7 @@
 //! memory registrations and PDs and closed its contexts. Until then such a device keeps
 //! working, so nothing fails by itself.
 //!
-//! How mralloc finds out: one background thread per process (started with the first
+//! How mralloc finds out: the process's one liveness thread ([`crate::verbs::liveness`], started with the first
 //! connection, shared receive queue or bound heap) listens to the kernel's device events (a
 //! `NETLINK_KOBJECT_UEVENT` socket) and, when a uverbs device goes, checks every context it
 //! watches; it also checks every 5 s (every second without that socket: some containers), and
@@ -45,7 +45,7 @@ static REMOVALS: AtomicU64 = AtomicU64::new(0);
 /// Run after each removal (by the transfer layer, once RDMA CM is in use).
 static AFTER_REMOVAL: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Has `f` run on the monitor thread after each removal's subscribers.
+/// Has `f` run on the liveness thread after each removal's subscribers.
 pub(crate) fn set_after_removal(f: fn()) {
     AFTER_REMOVAL.store(f as *mut (), Ordering::Release);
 }
@@ -71,11 +71,11 @@ impl Drop for Subscription {
     }
 }
 
-/// Calls `f` (on the monitor thread) when `ctx`'s device is found removed; soon after (from
-/// the monitor thread) if it is already — also if it went before anything watched it.
+/// Calls `f` (on the liveness thread) when `ctx`'s device is found removed; soon after (from
+/// the liveness thread) if it is already — also if it went before anything watched it.
 ///
 /// # Errors
-/// [`Error::Io`] if the monitor thread cannot be started.
+/// [`Error::Io`] if the liveness thread cannot be started.
 pub(crate) fn subscribe(ctx: &Context, f: Callback) -> Result<Subscription> {
     let monitor = monitor()?;
     // Against what was there when the device was opened: also finds a removal before anything
@@ -117,6 +117,20 @@ pub(crate) fn declare(ctx: &Context) {
         m.pending.lock().push(Arc::downgrade(&ctx.inner));
         m.notify();
     }
+}
+
+/// Whether `ctx`'s device is removed, or found gone now (its sysfs entry or device node): for
+/// a finding that may be the removal's side effect (an RDMA CM `DISCONNECTED` the removal
+/// caused, read before the id's `DEVICE_REMOVAL`). A device found gone is declared removed.
+pub(crate) fn removed_now(ctx: &Context) -> bool {
+    if ctx.is_removed() {
+        return true;
+    }
+    let gone = ctx.inner.node.gone(ctx);
+    if gone {
+        declare(ctx);
+    }
+    gone
 }
 
 /// Marks a context removed; `true` if this call did.
@@ -218,25 +232,38 @@ struct State {
     subs: HashMap<u64, Sub>,
 }
 
-struct Monitor {
+/// The device monitor: passive state the liveness thread ([`crate::verbs::liveness`]) polls
+/// and runs.
+pub(crate) struct Monitor {
     state: Mutex<State>,
     /// Contexts declared removed, for the thread to call their subscribers.
     pending: Mutex<Vec<Weak<ContextInner>>>,
-    /// An eventfd: written when `pending` grows.
+    /// An eventfd: written when `pending` grows, or when the liveness thread must rebuild its
+    /// set of descriptors.
     wake: RawFd,
-    pid: u32,
+    /// The kernel's device events, if the socket could be opened.
+    uevents: Option<RawFd>,
+    /// The periodic check: every 5 s (every second without the uevent socket), on time however
+    /// many wake-ups come between.
+    period: Duration,
+    last_check: Mutex<std::time::Instant>,
+    pub(crate) pid: u32,
 }
 
 static START: ForkLock<()> = ForkLock::new(());
 static MONITOR: AtomicPtr<Monitor> = AtomicPtr::new(std::ptr::null_mut());
 
-fn current() -> Option<&'static Monitor> {
+pub(crate) fn current() -> Option<&'static Monitor> {
     // SAFETY: a non-null pointer came from Box::leak and is never freed.
     let m = unsafe { MONITOR.load(Ordering::Acquire).as_ref() }?;
     (m.pid == std::process::id()).then_some(m)
 }
 
-fn monitor() -> Result<&'static Monitor> {
+/// This process's monitor, started (with the liveness thread) if need be.
+///
+/// # Errors
+/// [`Error::Io`] if its eventfd or the liveness thread cannot be created.
+pub(crate) fn monitor() -> Result<&'static Monitor> {
     if let Some(m) = current() {
         return Ok(m);
     }
@@ -248,7 +275,7 @@ fn monitor() -> Result<&'static Monitor> {
     // SAFETY: plain syscall.
     let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if wake < 0 {
-        return Err(io("creating the device monitor's eventfd")(std::io::Error::last_os_error()));
+        return Err(io("creating the liveness thread's eventfd")(std::io::Error::last_os_error()));
     }
     let uevents = uevent_socket();
     if uevents.is_none() {
@@ -258,12 +285,12 @@ fn monitor() -> Result<&'static Monitor> {
         state: Mutex::new(State::default()),
         pending: Mutex::new(Vec::new()),
         wake,
+        uevents,
+        period: Duration::from_millis(if uevents.is_some() { 5000 } else { 1000 }),
+        last_check: Mutex::new(std::time::Instant::now()),
         pid: std::process::id(),
     }));
-    std::thread::Builder::new()
-        .name("mralloc-devices".into())
-        .spawn(move || m.run(uevents))
-        .map_err(io("starting the RDMA device monitor thread"))?;
+    crate::verbs::liveness::start(m).map_err(io("starting the liveness thread"))?;
     MONITOR.store(std::ptr::from_ref(m).cast_mut(), Ordering::Release);
     Ok(m)
 }
@@ -300,63 +327,66 @@ pub(crate) fn is_uverbs_removal(msg: &[u8]) -> bool {
 }
 
 impl Monitor {
-    fn notify(&self) {
+    /// Wakes the liveness thread: something is pending, or its descriptors changed.
+    pub(crate) fn notify(&self) {
         let one = 1u64;
         // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
         unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
     }
 
-    fn run(&self, uevents: Option<RawFd>) {
-        let mut buf = vec![0u8; 16 << 10];
-        // The periodic check runs on time however many wake-ups (other uevents) come between.
-        let period = Duration::from_millis(if uevents.is_some() { 5000 } else { 1000 });
-        let mut last_check = std::time::Instant::now();
-        loop {
-            let mut fds = [
-                libc::pollfd { fd: self.wake, events: libc::POLLIN, revents: 0 },
-                libc::pollfd { fd: uevents.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
-            ];
-            // With the socket, a slow check too: a container may get no uevents at all.
-            let timeout = period.saturating_sub(last_check.elapsed()).as_millis().max(1) as i32;
-            // SAFETY: a valid array of two pollfds (a negative fd is ignored).
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
-            if rc < 0 {
-                if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                continue;
-            }
-            let mut check = last_check.elapsed() >= period;
-            // A uverbs device went (watched or not): librdmacm is told too (after-removal hook).
-            let mut uverbs_went = false;
-            if fds[0].revents != 0 {
-                let mut n = 0u64;
-                // SAFETY: reads our eventfd's counter (non-blocking).
-                unsafe { libc::read(self.wake, std::ptr::addr_of_mut!(n).cast(), 8) };
-            }
-            if let Some(fd) = uevents.filter(|_| fds[1].revents != 0) {
-                loop {
-                    // SAFETY: a non-blocking socket we own; buf is ours.
-                    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
-                    if n < 0 {
-                        // ENOBUFS: events were dropped, one may have been ours.
-                        check |= std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOBUFS);
-                        break;
-                    }
-                    uverbs_went |= is_uverbs_removal(&buf[..n as usize]);
-                }
-                check |= uverbs_went;
-            }
-            if check {
-                last_check = std::time::Instant::now();
-            }
-            let declared: Vec<_> = std::mem::take(&mut *self.pending.lock());
-            // A panicking subscriber (or tracing subscriber) must not end the monitoring.
-            let found = if check { guarded(|| self.find_removed()).unwrap_or_default() } else { Vec::new() };
-            let removed: Vec<Context> =
-                declared.iter().chain(&found).filter_map(Weak::upgrade).map(|inner| Context { inner }).collect();
-            self.call(&removed, uverbs_went);
+    /// The descriptors the liveness thread polls for the monitor: its wake-up and the uevent
+    /// socket (-1 without one: ignored by poll).
+    pub(crate) fn fds(&self) -> [libc::pollfd; 2] {
+        [
+            libc::pollfd { fd: self.wake, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.uevents.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
+        ]
+    }
+
+    /// How long the liveness thread may sleep before the periodic check is due (ms, at least
+    /// 1: with the socket a slow check runs too, as a container may get no uevents at all).
+    pub(crate) fn timeout_ms(&self) -> i32 {
+        self.period.saturating_sub(self.last_check.lock().elapsed()).as_millis().clamp(1, i32::MAX as u128) as i32
+    }
+
+    /// After a poll (`fds` as [`Monitor::fds`] gave them, with what the poll found): reads the
+    /// wake-up and the kernel's device events, runs a check that is due, and calls the
+    /// subscribers of every context found or declared removed.
+    pub(crate) fn after_poll(&self, fds: &[libc::pollfd]) {
+        let mut check = self.last_check.lock().elapsed() >= self.period;
+        // A uverbs device went (watched or not): librdmacm is told too (after-removal hook).
+        let mut uverbs_went = false;
+        if fds[0].revents != 0 {
+            let mut n = 0u64;
+            // SAFETY: reads our eventfd's counter (non-blocking).
+            unsafe { libc::read(self.wake, std::ptr::addr_of_mut!(n).cast(), 8) };
         }
+        if let Some(fd) = self.uevents.filter(|_| fds[1].revents != 0) {
+            let mut buf = [0u8; 16 << 10];
+            loop {
+                // SAFETY: a non-blocking socket we own; buf is ours.
+                let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+                if n < 0 {
+                    // ENOBUFS: events were dropped, one may have been ours.
+                    check |= std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOBUFS);
+                    break;
+                }
+                uverbs_went |= is_uverbs_removal(&buf[..n as usize]);
+            }
+            check |= uverbs_went;
+        }
+        if check {
+            *self.last_check.lock() = std::time::Instant::now();
+        }
+        let declared: Vec<_> = std::mem::take(&mut *self.pending.lock());
+        if declared.is_empty() && !check {
+            return;
+        }
+        // A panicking subscriber (or tracing subscriber) must not end the monitoring.
+        let found = if check { guarded(|| self.find_removed()).unwrap_or_default() } else { Vec::new() };
+        let removed: Vec<Context> =
+            declared.iter().chain(&found).filter_map(Weak::upgrade).map(|inner| Context { inner }).collect();
+        self.call(&removed, uverbs_went);
     }
 
     /// The watched contexts whose device is gone, marked removed here (and logged after the
@@ -402,7 +432,7 @@ impl Monitor {
     }
 }
 
-/// Runs `f`, catching a panic (logged; `None`): the monitor thread must keep running.
+/// Runs `f`, catching a panic (logged; `None`): the liveness thread must keep running.
 fn guarded<T>(f: impl FnOnce() -> T) -> Option<T> {
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     if r.is_err() {

@@ -12,8 +12,8 @@
 use std::collections::VecDeque;
 
 use crate::error::Error;
-use crate::transfer::aio::request::Request;
 use crate::transfer::completion::Ticket;
+use crate::transfer::request::Request;
 use crate::transfer::Connection;
 
 #[derive(Default)]
@@ -56,11 +56,11 @@ impl Backlog {
     /// (under the same lock as this call) before it lets the memory go.
     pub(crate) unsafe fn pump(&mut self, conn: &Connection) -> bool {
         let mut any = false;
-        while let Some(&(t, req)) = self.waiting.front() {
-            let what = req.what.expect("only send-queue requests wait here");
+        while let Some((t, req)) = self.waiting.front() {
+            let t = *t;
             // SAFETY: the caller's contract: the memory stays valid until the place is taken
             // (then the operation owns the posted request) or cancelled (then it parks it).
-            match unsafe { conn.try_post_one(req.send_sge(), what) } {
+            match unsafe { conn.try_submit(req) } {
                 Ok(None) => break,
                 Ok(Some(id)) => self.resolved.push((t, Ok(id))),
                 Err(e) => self.resolved.push((t, Err(e))),

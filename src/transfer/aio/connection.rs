@@ -11,15 +11,15 @@ use tokio::sync::Notify;
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::op::{BufferBack, NoBytes, Op};
-use crate::transfer::aio::request::Request;
 use crate::transfer::aio::wire::Msg;
 use crate::transfer::aio::{control, driver, scratch, Shared};
 use crate::transfer::completion::Failure;
-use crate::transfer::ops::{atomic_target, immediate_of};
+use crate::transfer::ops::immediate_of;
 use crate::transfer::received::Posted;
+use crate::transfer::request::{Action, SgeList};
 use crate::transfer::spin::Spin;
 use crate::transfer::{Completed, Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
-use crate::verbs::{Endpoint, Pd, RemoteAddr, SendOp, Sge, Verb};
+use crate::verbs::{Endpoint, Pd};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
 /// share the connection, which closes when the last clone and the last operation are gone.
@@ -250,24 +250,16 @@ impl AsyncConnection {
         self.conn().stats()
     }
 
-    /// Starts `what` on all of `buf` (checked first: a refusal finishes the future at once).
-    fn start<B: IoBuf>(&self, buf: B, verb: Verb, what: impl FnOnce(u64) -> Result<Option<SendOp>>) -> Op<B> {
-        let sge = self.conn().checked_owned(&buf, verb);
-        self.start_checked(buf, sge, what)
-    }
-
-    /// Starts one request on `buf` whose SGE was checked (`sge`), or finishes the future with
-    /// the refusal.
-    fn start_checked<B: Send + 'static>(
-        &self,
-        buf: B,
-        sge: Result<Sge>,
-        what: impl FnOnce(u64) -> Result<Option<SendOp>>,
-    ) -> Op<B> {
-        let req = sge.and_then(|sge| what(u64::from(sge.len())).map(|what| Request { sge: Some(sge), what }));
-        match req {
-            Ok(req) => Op::start(self.shared.clone(), buf, req),
-            Err(e) => Op::refused(self.shared.clone(), buf, e),
+    /// Checks `action` on `sges` (`buf`'s memory, or why it has none) and starts it on `buf`;
+    /// a refusal finishes the future at once. Also returns what the completion is interpreted
+    /// against.
+    fn start<B: Send + 'static>(&self, buf: B, sges: Result<SgeList>, action: Action<'_>) -> (Op<B>, Posted) {
+        match sges.and_then(|sges| self.conn().request(action, sges)) {
+            Ok(req) => {
+                let posted = req.posted();
+                (Op::start(self.shared.clone(), buf, req), posted)
+            }
+            Err(e) => (Op::refused(self.shared.clone(), buf, e), Posted::Send(0)),
         }
     }
 
@@ -289,8 +281,8 @@ impl AsyncConnection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, Verb::Write, |len| Ok(Some(SendOp::Write(remote.at(offset, len)?))));
-        BufferBack(op)
+        let sges = self.conn().owned_sges(&buf);
+        BufferBack(self.start(buf, sges, Action::Write { remote, offset, imm: None }).0)
     }
 
     /// RDMA WRITE that also delivers `imm` to the peer (consuming one of its receives).
@@ -304,9 +296,8 @@ impl AsyncConnection {
         offset: u64,
         imm: u32,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op =
-            self.start(buf, Verb::WriteWithImm, |len| Ok(Some(SendOp::WriteWithImm(remote.at(offset, len)?, imm))));
-        BufferBack(op)
+        let sges = self.conn().owned_sges(&buf);
+        BufferBack(self.start(buf, sges, Action::Write { remote, offset, imm: Some(imm) }).0)
     }
 
     /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back. The
@@ -321,9 +312,8 @@ impl AsyncConnection {
         remote: &RemoteBuf,
         offset: u64,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let sge = self.conn().checked_target(&mut buf, Verb::Read);
-        let posted = Posted::Read(sge.as_ref().map_or(0, |s| s.len() as usize));
-        let op = self.start_checked(buf, sge, |len| Ok(Some(SendOp::Read(remote.at(offset, len)?))));
+        let sges = self.conn().target_sges(&mut buf);
+        let (op, posted) = self.start(buf, sges, Action::Read { remote, offset });
         TargetBack(Delivered { op, posted })
     }
 
@@ -332,8 +322,8 @@ impl AsyncConnection {
     /// # Errors
     /// As [`AsyncConnection::write`] (no remote range).
     pub fn send<B: IoBuf>(&self, buf: B) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, Verb::Send, |_| Ok(Some(SendOp::Send)));
-        BufferBack(op)
+        let sges = self.conn().owned_sges(&buf);
+        BufferBack(self.start(buf, sges, Action::Send { imm: None }).0)
     }
 
     /// SEND with immediate data.
@@ -345,8 +335,8 @@ impl AsyncConnection {
         buf: B,
         imm: u32,
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
-        let op = self.start(buf, Verb::SendWithImm, |_| Ok(Some(SendOp::SendWithImm(imm))));
-        BufferBack(op)
+        let sges = self.conn().owned_sges(&buf);
+        BufferBack(self.start(buf, sges, Action::Send { imm: Some(imm) }).0)
     }
 
     /// Posts `buf` as a receive (at call time) and completes when the peer's SEND fills it, or
@@ -363,9 +353,8 @@ impl AsyncConnection {
         &self,
         mut buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
-        let sge = self.conn().checked_target(&mut buf, Verb::Recv);
-        let posted = Posted::Recv(sge.as_ref().map_or(0, |s| s.len() as usize));
-        let op = self.start_checked(buf, sge, |_| Ok(None));
+        let sges = self.conn().target_sges(&mut buf);
+        let (op, posted) = self.start(buf, sges, Action::Recv);
         Delivered { op, posted }
     }
 
@@ -376,23 +365,17 @@ impl AsyncConnection {
     /// As [`AsyncConnection::recv`]; [`Error::Protocol`] if the peer sent an empty SEND without
     /// an immediate (a SEND with bytes fails the receive: it has no room).
     pub fn recv_imm(&self) -> impl Future<Output = Result<u32>> + Send + 'static {
-        let op = Op::start(self.shared.clone(), NoBytes, Request { sge: None, what: None });
+        let (op, posted) = self.start(NoBytes, Ok(SgeList::Empty), Action::RecvImm);
         async move {
             let (_, got) = op.await.map_err(|r| r.error)?;
-            immediate_of(got)
+            immediate_of(got.delivered(posted)?)
         }
     }
 
-    fn atomic(
-        &self,
-        verb: Verb,
-        remote: &RemoteBuf,
-        offset: u64,
-        what: impl FnOnce(RemoteAddr) -> SendOp,
-    ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        let started = atomic_target(verb, remote, offset).and_then(|to| {
-            let word = self.shared.words.take()?;
-            Ok(self.start(word, verb, |_| Ok(Some(what(to)))))
+    fn atomic(&self, action: Action<'_>) -> impl Future<Output = Result<u64>> + Send + 'static {
+        let started = self.shared.words.take().map(|word| {
+            let sges = self.conn().owned_sges(&word);
+            self.start(word, sges, action).0
         });
         async move {
             let (word, _) = started?.await.map_err(|r| r.error)?;
@@ -415,7 +398,7 @@ impl AsyncConnection {
         offset: u64,
         add: u64,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        self.atomic(Verb::FetchAdd, remote, offset, move |r| SendOp::FetchAdd { remote: r, add })
+        self.atomic(Action::FetchAdd { remote, offset, add })
     }
 
     /// Atomically replaces the 64-bit word at `offset` with `swap` if it equals `compare`;
@@ -430,7 +413,7 @@ impl AsyncConnection {
         compare: u64,
         swap: u64,
     ) -> impl Future<Output = Result<u64>> + Send + 'static {
-        self.atomic(Verb::CompareSwap, remote, offset, move |r| SendOp::CompareSwap { remote: r, compare, swap })
+        self.atomic(Action::CompareSwap { remote, offset, compare, swap })
     }
 
     /// Closes the connection: later operations fail with [`Error::Closed`]; completes once the

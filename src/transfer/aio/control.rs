@@ -22,7 +22,6 @@ use crate::heap::Buffer;
 use crate::remote::RemoteBuf;
 use crate::transfer::aio::lending::{access_of, Held, Lending, Lent, RemoteMemory};
 use crate::transfer::aio::op::{NoBytes, Op};
-use crate::transfer::aio::request::Request;
 use crate::transfer::aio::scratch::{Word, Words};
 use crate::transfer::aio::wire::{Msg, FRAME};
 use crate::transfer::aio::{AsyncConnection, Shared};
@@ -278,7 +277,7 @@ fn start_lend(
     let (keyed, bind) = Keyed::prepare(sh.conn(), buf, access)?;
     let remote = keyed.remote();
     let handle = cs.lending.lock().insert(Lent { keyed, announced: false });
-    let op = Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(bind) });
+    let op = Op::control(sh.clone(), bind);
     Ok((op, handle, remote))
 }
 
@@ -289,7 +288,7 @@ fn start_lend(
 /// exact registration the device refused to remove (the buffer is leaked).
 async fn unlend(cs: &ControlShared, sh: &Arc<Shared>, handle: u64) -> Option<Buffer> {
     let revocation = cs.lending.lock().lent.get(&handle).filter(|l| l.announced).map(|l| l.keyed.revocation())?;
-    Op::start(sh.clone(), NoBytes, Request { sge: None, what: Some(revocation) }).await.ok()?;
+    Op::control(sh.clone(), revocation).await.ok()?;
     let lent = cs.lending.lock().remove(handle)?;
     lent.keyed.into_buf().ok()
 }

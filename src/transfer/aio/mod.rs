@@ -13,7 +13,6 @@ mod listener;
 mod op;
 mod reactor;
 mod remote;
-mod request;
 mod scratch;
 mod wire;
 

@@ -10,10 +10,11 @@ use std::time::Duration;
 use crate::clock::Stopwatch;
 use crate::error::Error;
 use crate::transfer::aio::backlog::{Backlog, Cancelled};
-use crate::transfer::aio::request::Request;
 use crate::transfer::aio::Shared;
 use crate::transfer::completion::{Failure, Ticket};
+use crate::transfer::request::{Action, Request, SgeList};
 use crate::transfer::{Completed, IoBuf, Rejected};
+use crate::verbs::SendOp;
 
 enum Stage {
     /// Waiting in the connection's backlog for send-queue room (this place).
@@ -65,6 +66,16 @@ impl<B: Send + 'static> std::fmt::Debug for Op<B> {
 // The future never hands out pinned references to its fields: moving it is fine.
 impl<B: Send + 'static> Unpin for Op<B> {}
 
+impl Op<NoBytes> {
+    /// Starts a memory-less request of the connection's own (a window bind or invalidation).
+    pub(crate) fn control(shared: Arc<Shared>, op: SendOp) -> Op<NoBytes> {
+        match shared.conn().request(Action::Control(op), SgeList::Empty) {
+            Ok(req) => Op::start(shared, NoBytes, req),
+            Err(e) => Op::refused(shared, NoBytes, e),
+        }
+    }
+}
+
 impl<B: Send + 'static> Op<B> {
     /// Starts `req` on `buf`: posted at once if the send queue has room and no earlier request
     /// waits for it; else queued behind them. A refused post finishes the future with the error
@@ -76,39 +87,38 @@ impl<B: Send + 'static> Op<B> {
         // SAFETY (both posts): the request's memory is `op.buf`, owned by this future from here
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
-        let posted = match req.what {
-            None => unsafe { conn.post_recv_raw(req.sge.as_slice()) },
-            Some(what) => {
-                // Behind waiting requests, or without room (`Ok(None)`): queue.
-                let attempt = |backlog: &Backlog| {
-                    if backlog.is_empty() {
-                        unsafe { conn.try_post_one(req.send_sge(), what) }
-                    } else {
-                        Ok(None)
-                    }
-                };
-                let mut backlog = sh.backlog.lock();
-                let mut now = attempt(&backlog);
-                if matches!(now, Ok(None)) && backlog.is_empty() {
-                    // No room: completions not yet reaped may make some. Reaping may free
-                    // buffers, so not under the backlog's lock.
-                    drop(backlog);
-                    let _ = conn.core().drain();
-                    backlog = sh.backlog.lock();
-                    now = attempt(&backlog);
+        let posted = if req.is_recv() {
+            unsafe { conn.try_submit(&req) }.map(|t| t.expect("a receive is posted or refused"))
+        } else {
+            // Behind waiting requests, or without room (`Ok(None)`): queue.
+            let attempt = |backlog: &Backlog| {
+                if backlog.is_empty() {
+                    unsafe { conn.try_submit(&req) }
+                } else {
+                    Ok(None)
                 }
-                match now {
-                    Ok(Some(ticket)) => Ok(ticket),
-                    Err(e) => Err(e),
-                    Ok(None) => {
-                        op.stage = Stage::Queued(backlog.push(req));
-                        drop(backlog);
-                        // Room comes from reaping: the driver must reap (and post) even if
-                        // nobody polls this operation.
-                        sh.waiters.want_events();
-                        sh.pump();
-                        return op;
-                    }
+            };
+            let mut backlog = sh.backlog.lock();
+            let mut now = attempt(&backlog);
+            if matches!(now, Ok(None)) && backlog.is_empty() {
+                // No room: completions not yet reaped may make some. Reaping may free
+                // buffers, so not under the backlog's lock.
+                drop(backlog);
+                let _ = conn.core().drain();
+                backlog = sh.backlog.lock();
+                now = attempt(&backlog);
+            }
+            match now {
+                Ok(Some(ticket)) => Ok(ticket),
+                Err(e) => Err(e),
+                Ok(None) => {
+                    op.stage = Stage::Queued(backlog.push(req));
+                    drop(backlog);
+                    // Room comes from reaping: the driver must reap (and post) even if
+                    // nobody polls this operation.
+                    sh.waiters.want_events();
+                    sh.pump();
+                    return op;
                 }
             }
         };

@@ -1,0 +1,104 @@
+//! The process's one liveness thread (`mralloc-liveness`): it watches RDMA devices for removal
+//! (the [`removal`](crate::verbs::removal) monitor) and, once the transfer layer watches
+//! connections, runs that watcher too ([`Watch`]: the TCP streams and RDMA CM channels
+//! connections were set up over, devices' async events, keepalive probes) — one `poll(2)` over
+//! every descriptor, started once, whichever needs it first.
+//!
+//! A fork()ed child starts its own (the parent's thread is not in it).
+
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use crate::verbs::removal::Monitor;
+
+/// What a higher layer watches on the liveness thread. Called on that thread only.
+pub(crate) trait Watch: Sync {
+    /// The process that registered it (a fork()ed child's thread ignores its parent's).
+    fn pid(&self) -> u32;
+    /// Appends the descriptors to poll this round.
+    fn add_fds(&self, fds: &mut Vec<libc::pollfd>);
+    /// Work due before sleeping (keepalive probes), run after a first look at the descriptors;
+    /// returns how long the thread may then sleep (ms, -1: no limit of its own).
+    fn due(&self) -> i32;
+    /// Whether [`Watch::due`] has anything to do (else the thread sleeps on the descriptors at
+    /// once).
+    fn has_due(&self) -> bool;
+    /// Handles what the poll found on the descriptors it added (in order); returns whether its
+    /// set of descriptors changed (rebuilt before sleeping again).
+    fn handle(&self, fds: &[libc::pollfd]) -> bool;
+}
+
+/// The watch the transfer layer registered (a `&'static dyn Watch`, boxed once and leaked).
+static WATCH: AtomicPtr<&'static dyn Watch> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Has the liveness thread run `w` too (starting the thread if need be), from its next round on.
+///
+/// # Errors
+/// As [`crate::verbs::removal`]'s monitor: the thread or its eventfd cannot be created.
+pub(crate) fn serve(w: &'static dyn Watch) -> crate::Result<()> {
+    let m = crate::verbs::removal::monitor()?;
+    WATCH.store(Box::into_raw(Box::new(w)), Ordering::Release);
+    m.notify();
+    Ok(())
+}
+
+fn registered() -> Option<&'static dyn Watch> {
+    // SAFETY: a non-null pointer came from Box::into_raw and is never freed.
+    let w = *unsafe { WATCH.load(Ordering::Acquire).as_ref() }?;
+    (w.pid() == std::process::id()).then_some(w)
+}
+
+/// Starts the thread for `m` (once per process: the monitor's start-up serialises it).
+pub(crate) fn start(m: &'static Monitor) -> std::io::Result<()> {
+    std::thread::Builder::new().name("mralloc-liveness".into()).spawn(move || run(m)).map(|_| ())
+}
+
+fn run(m: &'static Monitor) {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        fds.clear();
+        fds.extend(m.fds());
+        let w = registered();
+        if let Some(w) = w {
+            w.add_fds(&mut fds);
+        }
+        let mut timeout = m.timeout_ms();
+        if let Some(w) = w.filter(|w| w.has_due()) {
+            // What the devices or the peers said comes before the probes: a QP the device
+            // failed flushes the probe too, and the event tells why. A changed set of
+            // descriptors is built again before sleeping on it.
+            if poll_and_handle(m, Some(w), &mut fds, 0) {
+                continue;
+            }
+            let due = w.due();
+            if due >= 0 {
+                timeout = timeout.min(due);
+            }
+        }
+        poll_and_handle(m, w, &mut fds, timeout);
+    }
+}
+
+/// Polls `fds` (at most `timeout` ms) and has the monitor and the watch handle what it found;
+/// returns whether a set of descriptors changed.
+fn poll_and_handle(m: &Monitor, w: Option<&'static dyn Watch>, fds: &mut [libc::pollfd], timeout: i32) -> bool {
+    // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports POLLNVAL; one
+    // reused by another file reports whatever it reports: the handlers look their keys up again
+    // before reading anything.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            tracing::error!("the liveness thread's poll failed: {e}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        return false;
+    }
+    let (mine, theirs) = fds.split_at(2);
+    // The monitor's periodic check is due on a timeout too.
+    m.after_poll(mine);
+    let woken = mine[0].revents != 0;
+    match w {
+        Some(w) if rc > 0 => w.handle(theirs) || woken,
+        _ => woken,
+    }
+}
