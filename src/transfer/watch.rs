@@ -435,8 +435,9 @@ fn watcher() -> Result<&'static Watcher> {
         pid: std::process::id(),
         round: Mutex::new(Round::default()),
     }));
-    // Run by the process's one liveness thread, with the device monitor.
-    liveness::serve(w)?;
+    // Run by the process's one liveness thread, which the device monitor starts.
+    removal::monitor()?;
+    liveness::serve(w);
     WATCHER.store(std::ptr::from_ref(w).cast_mut(), Ordering::Release);
     Ok(w)
 }

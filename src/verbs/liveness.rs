@@ -8,7 +8,20 @@
 
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-use crate::verbs::removal::Monitor;
+/// What the liveness thread is started for: the device monitor (see
+/// [`crate::verbs::removal`]), which also wakes it.
+pub(crate) trait Host: Sync {
+    /// Its descriptors: the thread's wake-up first.
+    fn fds(&self) -> [libc::pollfd; 2];
+    /// How long the thread may sleep before the host's periodic work is due (ms, >= 1).
+    fn timeout_ms(&self) -> i32;
+    /// After every poll (a timeout included), with what the poll found on its descriptors.
+    fn after_poll(&self, fds: &[libc::pollfd]);
+    /// Wakes the thread (it rebuilds its set of descriptors).
+    fn notify(&self);
+    /// The process that started it.
+    fn pid(&self) -> u32;
+}
 
 /// What a higher layer watches on the liveness thread. Called on that thread only.
 pub(crate) trait Watch: Sync {
@@ -30,15 +43,17 @@ pub(crate) trait Watch: Sync {
 /// The watch the transfer layer registered (a `&'static dyn Watch`, boxed once and leaked).
 static WATCH: AtomicPtr<&'static dyn Watch> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Has the liveness thread run `w` too (starting the thread if need be), from its next round on.
-///
-/// # Errors
-/// As [`crate::verbs::removal`]'s monitor: the thread or its eventfd cannot be created.
-pub(crate) fn serve(w: &'static dyn Watch) -> crate::Result<()> {
-    let m = crate::verbs::removal::monitor()?;
+/// The host the thread was started for (boxed once per process and leaked).
+static HOST: AtomicPtr<&'static dyn Host> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Has the liveness thread — already started by the device monitor, which the caller made sure
+/// of ([`crate::verbs::removal`]'s `monitor`) — run `w` too, from its next round on.
+pub(crate) fn serve(w: &'static dyn Watch) {
     WATCH.store(Box::into_raw(Box::new(w)), Ordering::Release);
-    m.notify();
-    Ok(())
+    // SAFETY: a non-null pointer came from Box::into_raw and is never freed.
+    if let Some(host) = unsafe { HOST.load(Ordering::Acquire).as_ref() }.filter(|h| h.pid() == std::process::id()) {
+        host.notify();
+    }
 }
 
 fn registered() -> Option<&'static dyn Watch> {
@@ -47,12 +62,13 @@ fn registered() -> Option<&'static dyn Watch> {
     (w.pid() == std::process::id()).then_some(w)
 }
 
-/// Starts the thread for `m` (once per process: the monitor's start-up serialises it).
-pub(crate) fn start(m: &'static Monitor) -> std::io::Result<()> {
-    std::thread::Builder::new().name("mralloc-liveness".into()).spawn(move || run(m)).map(|_| ())
+/// Starts the thread for `host` (once per process: the monitor's start-up serialises it).
+pub(crate) fn start(host: &'static dyn Host) -> std::io::Result<()> {
+    HOST.store(Box::into_raw(Box::new(host)), Ordering::Release);
+    std::thread::Builder::new().name("mralloc-liveness".into()).spawn(move || run(host)).map(|_| ())
 }
 
-fn run(m: &'static Monitor) {
+fn run(m: &'static dyn Host) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
         fds.clear();
@@ -80,7 +96,7 @@ fn run(m: &'static Monitor) {
 
 /// Polls `fds` (at most `timeout` ms) and has the monitor and the watch handle what it found;
 /// returns whether a set of descriptors changed.
-fn poll_and_handle(m: &Monitor, w: Option<&'static dyn Watch>, fds: &mut [libc::pollfd], timeout: i32) -> bool {
+fn poll_and_handle(m: &dyn Host, w: Option<&'static dyn Watch>, fds: &mut [libc::pollfd], timeout: i32) -> bool {
     // SAFETY: fds is a valid array of pollfd. A descriptor closed meanwhile reports POLLNVAL; one
     // reused by another file reports whatever it reports: the handlers look their keys up again
     // before reading anything.

@@ -247,7 +247,7 @@ pub(crate) struct Monitor {
     /// many wake-ups come between.
     period: Duration,
     last_check: Mutex<std::time::Instant>,
-    pub(crate) pid: u32,
+    pid: u32,
 }
 
 static START: ForkLock<()> = ForkLock::new(());
@@ -326,9 +326,27 @@ pub(crate) fn is_uverbs_removal(msg: &[u8]) -> bool {
     head.starts_with(b"remove@") && fields.any(|f| f == b"SUBSYSTEM=infiniband_verbs")
 }
 
+impl crate::verbs::liveness::Host for Monitor {
+    fn fds(&self) -> [libc::pollfd; 2] {
+        Monitor::fds(self)
+    }
+    fn timeout_ms(&self) -> i32 {
+        Monitor::timeout_ms(self)
+    }
+    fn after_poll(&self, fds: &[libc::pollfd]) {
+        Monitor::after_poll(self, fds)
+    }
+    fn notify(&self) {
+        Monitor::notify(self)
+    }
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
 impl Monitor {
     /// Wakes the liveness thread: something is pending, or its descriptors changed.
-    pub(crate) fn notify(&self) {
+    fn notify(&self) {
         let one = 1u64;
         // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
         unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
@@ -336,7 +354,7 @@ impl Monitor {
 
     /// The descriptors the liveness thread polls for the monitor: its wake-up and the uevent
     /// socket (-1 without one: ignored by poll).
-    pub(crate) fn fds(&self) -> [libc::pollfd; 2] {
+    fn fds(&self) -> [libc::pollfd; 2] {
         [
             libc::pollfd { fd: self.wake, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.uevents.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
@@ -345,14 +363,14 @@ impl Monitor {
 
     /// How long the liveness thread may sleep before the periodic check is due (ms, at least
     /// 1: with the socket a slow check runs too, as a container may get no uevents at all).
-    pub(crate) fn timeout_ms(&self) -> i32 {
+    fn timeout_ms(&self) -> i32 {
         self.period.saturating_sub(self.last_check.lock().elapsed()).as_millis().clamp(1, i32::MAX as u128) as i32
     }
 
     /// After a poll (`fds` as [`Monitor::fds`] gave them, with what the poll found): reads the
     /// wake-up and the kernel's device events, runs a check that is due, and calls the
     /// subscribers of every context found or declared removed.
-    pub(crate) fn after_poll(&self, fds: &[libc::pollfd]) {
+    fn after_poll(&self, fds: &[libc::pollfd]) {
         let mut check = self.last_check.lock().elapsed() >= self.period;
         // A uverbs device went (watched or not): librdmacm is told too (after-removal hook).
         let mut uverbs_went = false;
