@@ -15,6 +15,17 @@
 //! that went to the error state without a word to this side (rxe moves a responder's QP there
 //! on a bad request) still leaves its failure recorded.
 
+mod outcome;
+mod pause;
+mod queue;
+mod slots;
+
+pub use outcome::Completed;
+pub(crate) use outcome::{Failure, Filled, Outcome};
+use queue::Queue;
+pub(crate) use queue::{Parked, Ticket};
+pub(crate) use slots::SendSlots;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -23,195 +34,13 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
-use crate::transfer::received::{Posted, Received};
 use crate::transfer::spin::Spin;
-use crate::transfer::stats::{ConnectionStats, QueueCounts};
+use crate::transfer::stats::ConnectionStats;
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
 /// The operation name of a keepalive probe (its completion's, and a failure's): the completion
 /// path tells probes from the application's requests by it.
 pub(crate) const PROBE_OP: &str = "keepalive probe";
-
-/// What a successful completion reported, as the NIC said it: not yet interpreted against what
-/// was posted (a receive's `byte_len` may name bytes that went elsewhere — see
-/// [`Received`](crate::transfer::Received), which every operation reports instead).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completed {
-    /// The completion's `byte_len`, unchecked.
-    pub byte_len: u32,
-    /// Immediate data, if the peer attached some.
-    pub imm: Option<u32>,
-    /// The completion's opcode.
-    pub opcode: WcOpcode,
-}
-
-impl Completed {
-    /// What the request, posted as `posted`, delivered ([`Received::interpret`]).
-    ///
-    /// # Errors
-    /// [`Error::Protocol`] if the opcode does not belong to the request's queue.
-    pub(crate) fn delivered(&self, posted: Posted) -> Result<Received> {
-        Received::interpret(self.opcode, self.byte_len, self.imm, posted)
-    }
-
-    /// [`Completed::delivered`], and the target `buf` (of a READ or a receive) learns through
-    /// `fill` how many bytes of it the NIC wrote: the one place a target's contents follow a
-    /// completion.
-    ///
-    /// # Safety
-    /// `self` is the successful completion of the request posted as `posted` into `buf`.
-    ///
-    /// # Errors
-    /// As [`Completed::delivered`] (nothing is recorded written then).
-    pub(crate) unsafe fn deliver_into<B>(
-        &self,
-        buf: &mut B,
-        posted: Posted,
-        fill: Option<Filled<B>>,
-    ) -> Result<Received> {
-        let got = self.delivered(posted)?;
-        if let Some(fill) = fill {
-            // SAFETY: the caller's contract, and `got.len` is what the request wrote from the
-            // start of the target, bounded by the posted length (a READ: all of it; a receive:
-            // what a SEND delivered, 0 for a WRITE with immediate).
-            unsafe { fill(buf, got.len) };
-        }
-        Ok(got)
-    }
-}
-
-/// [`IoTarget::filled`](crate::transfer::IoTarget::filled) of a target type, as a plain
-/// function pointer (so that holders such as `Pending` need no bound on the type).
-pub(crate) type Filled<B> = unsafe fn(&mut B, usize);
-
-/// The first failure of a connection; every later post reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// A work request failed (its completion status), or mralloc's operation timeout expired
-    /// (`RESP_TIMEOUT_ERR`).
-    Op { op: &'static str, wr_id: u64, status: WcStatus, vendor_err: u32 },
-    /// A verbs call of the completion path failed (`ibv_poll_cq`, `ibv_req_notify_cq`,
-    /// `ibv_get_cq_event`, or a partially refused `ibv_post_send`).
-    Verbs { verb: &'static str, errno: i32 },
-    /// [`crate::transfer::Connection::close`] was called.
-    Closed,
-    /// The connection watcher found the connection dead.
-    Lost(Disconnect),
-}
-
-impl Failure {
-    pub(crate) fn error(&self) -> Error {
-        match *self {
-            Failure::Op { op, wr_id, status, vendor_err } => Error::Operation { op, wr_id, status, vendor_err },
-            Failure::Verbs { verb, errno } => Error::verbs_errno(verb, errno),
-            Failure::Closed => Error::Closed,
-            Failure::Lost(why) => Error::Disconnected(why),
-        }
-    }
-
-    /// The failure recorded for a local error (a failing verbs call) of the completion path.
-    pub(crate) fn local(e: &Error) -> Failure {
-        match e {
-            Error::Verbs { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
-            Error::PartialPost { verb, errno, .. } => Failure::Verbs { verb, errno: *errno },
-            Error::Timeout(_, what) => {
-                Failure::Op { op: what, wr_id: 0, status: WcStatus::RespTimeoutErr, vendor_err: 0 }
-            }
-            _ => Failure::Verbs { verb: "the completion path", errno: libc::EIO },
-        }
-    }
-}
-
-pub(crate) type Outcome = std::result::Result<Completed, Failure>;
-
-/// A posted request's claim on its outcome: its work request and the queue it is on. Posting
-/// returns one; every way of waiting takes one — busy polling, sleeping on the completion
-/// channel or for a poller thread ([`crate::transfer::Connection`]'s blocking wait), or a
-/// future (the async front end) — and an abandoned one parks its buffer here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Ticket {
-    pub(crate) wr_id: u64,
-    pub(crate) send: bool,
-}
-
-impl Ticket {
-    pub(crate) fn send(wr_id: u64) -> Ticket {
-        Ticket { wr_id, send: true }
-    }
-
-    pub(crate) fn recv(wr_id: u64) -> Ticket {
-        Ticket { wr_id, send: false }
-    }
-}
-
-/// A buffer owned by an operation nobody waits for.
-pub(crate) type Parked = Box<dyn Send>;
-
-/// A few (id, value) pairs: completions are claimed quickly, so these stay tiny and a linear
-/// scan beats hashing on the hot path.
-struct Small<T>(Vec<(u64, T)>);
-
-impl<T> Default for Small<T> {
-    fn default() -> Small<T> {
-        Small(Vec::with_capacity(8))
-    }
-}
-
-impl<T> Small<T> {
-    fn insert(&mut self, id: u64, v: T) {
-        self.0.push((id, v));
-    }
-    fn remove(&mut self, id: u64) -> Option<T> {
-        let i = self.0.iter().position(|(k, _)| *k == id)?;
-        Some(self.0.swap_remove(i).1)
-    }
-    fn contains(&self, id: u64) -> bool {
-        self.0.iter().any(|(k, _)| *k == id)
-    }
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-    fn take_all(&mut self) -> Vec<T> {
-        self.0.drain(..).map(|(_, v)| v).collect()
-    }
-}
-
-/// What a queue (send or receive) keeps about its requests.
-struct Queue {
-    /// Completions reaped but not yet claimed by their waiter.
-    done: Small<Outcome>,
-    /// Buffers of requests nobody waits for, released when their completion is reaped.
-    parked: Small<Parked>,
-    /// Parked buffers whose completion was reaped: dropped once the lock is released.
-    released: Vec<Parked>,
-    /// A flush reaped that no waiter will explain (see the module docs): recorded once the
-    /// lock is released.
-    orphan: Option<Failure>,
-    /// Slots in use (posted, not yet retired by a completion).
-    used: u32,
-    /// Send queue: for each signaled request, how many slots its completion retires and its
-    /// operation. (Receives retire one slot each.)
-    tails: Small<(u32, &'static str)>,
-    /// Reused poll buffer.
-    wcs: [WorkCompletion; 8],
-    /// What this queue posted and reaped (for `Connection::stats`).
-    counts: QueueCounts,
-}
-
-impl Default for Queue {
-    fn default() -> Queue {
-        Queue {
-            done: Small::default(),
-            parked: Small::default(),
-            released: Vec::new(),
-            orphan: None,
-            used: 0,
-            tails: Small::default(),
-            wcs: std::array::from_fn(|_| WorkCompletion::empty()),
-            counts: QueueCounts::default(),
-        }
-    }
-}
 
 /// Who reaps: an application thread (or a poller, or an async driver) runs released buffers'
 /// `Drop`s, also those the watcher kept; a posting path runs only those it released itself (it
@@ -691,78 +520,6 @@ impl Core {
         all.append(&mut self.deferred.lock());
         all
     }
-
-    /// How long a blocking wait that found its request incomplete polls before it sleeps
-    /// (event mode's adaptive spin, see `spin.rs`; zero in the other modes).
-    pub(crate) fn spin_budget(&self, send: bool) -> Duration {
-        self.spin.budget(send)
-    }
-
-    /// A blocking wait's spin ran out without its completion (`spin.rs`).
-    pub(crate) fn spin_expired(&self, send: bool) {
-        self.spin.expire(send);
-    }
-
-    /// A blocking wait claimed its completion; `watch` started at its first miss (`None`, or
-    /// not started: claimed at its first poll).
-    #[inline]
-    pub(crate) fn spin_claimed(&self, send: bool, watch: Option<&Stopwatch>) {
-        if self.mode != Mode::Event {
-            return;
-        }
-        if let Some(waited) = watch.and_then(Stopwatch::exact) {
-            self.spin.observe(send, waited);
-        }
-        self.spin.claimed(send);
-    }
-
-    /// Waits a little for progress, the way the connection's mode says: spin, sleep on the
-    /// completion channel, or sleep until the poller thread signals. `mark` ([`Core::mark`])
-    /// was taken before the caller last looked for its outcome.
-    pub(crate) fn pause(&self, spins: &mut u32, max: Duration, mark: u64) -> Result<()> {
-        match self.mode {
-            Mode::BusyPoll => {
-                *spins = spins.wrapping_add(1);
-                if *spins % 256 == 0 {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-            Mode::Event => {
-                let Some(ch) = &self.channel else { return Ok(()) };
-                // One thread sleeps on the channel at a time; the others nap until a reap (the
-                // sleeper's, once an event wakes it: it reaps both queues before sleeping
-                // again) may have brought theirs, at most 100 ms.
-                let Some(_g) = self.event_lock.try_lock() else {
-                    let mut g = self.wake_lock.lock();
-                    // Announced before the mark is read, and a reap bumps the mark before it
-                    // reads the count (all SeqCst): either this nap sees the new mark, or that
-                    // reap sees the napper and notifies under the lock this nap waits with.
-                    self.nappers.fetch_add(1, Ordering::SeqCst);
-                    if self.mark() == mark {
-                        self.wake.wait_for(&mut g, max.min(Duration::from_millis(100)));
-                    }
-                    self.nappers.fetch_sub(1, Ordering::SeqCst);
-                    return Ok(());
-                };
-                self.send_cq.arm()?;
-                self.recv_cq.arm()?;
-                // Completions that arrived before arming raise no event: collect them now. One
-                // another thread reaped since the caller last looked raised none either (nor
-                // will it): no sleep.
-                if self.progress()? == 0 && self.mark() == mark {
-                    ch.wait(max.min(Duration::from_millis(100)))?;
-                }
-            }
-            Mode::Poller => {
-                let mut g = self.wake_lock.lock();
-                // Bounded: a wake-up that raced this wait costs at most a millisecond.
-                self.wake.wait_for(&mut g, max.min(Duration::from_millis(1)));
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Drop for Core {
@@ -775,52 +532,5 @@ impl Drop for Core {
             std::mem::forget(held); // leaked before anything else runs (a logger may panic)
             tracing::error!("a connection's completion state went away holding {n} buffers; leaking them");
         }
-    }
-}
-
-/// The send queue's slot accounting, while its lock is held.
-pub(crate) struct SendSlots<'a>(&'a mut Queue);
-
-impl SendSlots<'_> {
-    /// Slots in use.
-    pub(crate) fn used(&self) -> u32 {
-        self.0.used
-    }
-
-    /// Records `k` requests posted as a chain ending in the signaled `tail`, whose completion
-    /// retires `retires` slots (`k`, plus any accepted requests of a partial post before it).
-    /// `bytes` is the local memory they name (for the counters).
-    pub(crate) fn posted(&mut self, tail: u64, k: u32, retires: u32, op: &'static str, bytes: u64) {
-        self.0.used += k;
-        self.0.tails.insert(tail, (retires, op));
-        self.0.counts.requests += u64::from(k);
-        self.0.counts.bytes += bytes;
-    }
-
-    /// Records the connection's own signaled marker `tail` (no memory, not counted as a
-    /// request), whose completion retires `retires` slots.
-    pub(crate) fn marker_posted(&mut self, tail: u64, retires: u32, op: &'static str) {
-        self.0.used += 1;
-        self.0.tails.insert(tail, (retires, op));
-    }
-
-    /// Records a keepalive probe `id` (signaled, memory-less, one slot, not counted as a
-    /// request); nobody waits for it: its completion is dropped when reaped.
-    pub(crate) fn probe_posted(&mut self, id: u64) {
-        self.0.used += 1;
-        self.0.tails.insert(id, (1, PROBE_OP));
-    }
-
-    /// Records `k` requests posted without a signaled tail (a partially accepted chain): their
-    /// slots are retired by a later tail. `bytes` as in [`SendSlots::posted`].
-    pub(crate) fn posted_untracked(&mut self, k: u32, bytes: u64) {
-        self.0.used += k;
-        self.0.counts.requests += u64::from(k);
-        self.0.counts.bytes += bytes;
-    }
-
-    /// Reaps the send CQ once.
-    pub(crate) fn reap(&mut self, core: &Core) -> Result<usize> {
-        core.reap(true, self.0)
     }
 }
