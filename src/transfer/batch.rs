@@ -42,6 +42,7 @@ impl Connection {
 
 impl<'b> Batch<'_, 'b> {
     /// Checks `action` on `sges` and adds it (nothing added on an error).
+    #[inline(always)]
     fn push(&mut self, action: Action<'_>, sges: Result<SgeList>) -> Result<&mut Self> {
         let req = self.conn.request(action, sges?)?;
         self.reqs.push(req);

@@ -82,6 +82,7 @@ impl Connection {
     /// Checks `action` on borrowed `sges`, posts it, waits for it and interprets its
     /// completion: the one place blocking operations post. Returns only when the NIC is done
     /// with the memory; aborts the process if the device never releases it.
+    #[inline(always)]
     pub(crate) fn run_borrowed(&self, action: Action<'_>, sges: SgeList) -> Result<Received> {
         let req = self.request(action, sges)?;
         if req.sges().is_empty() {

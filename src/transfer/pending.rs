@@ -117,6 +117,7 @@ impl Connection {
     /// Checks `action` on `sges` (`buf`'s memory, or why it has none), posts it and hands back
     /// a [`Pending`] owning `buf`; `fill` records, for a READ or receive target, what the NIC
     /// wrote. A refusal gives `buf` back untouched.
+    #[inline(always)]
     fn post_owned<B: Send + 'static>(
         &self,
         buf: B,

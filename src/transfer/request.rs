@@ -37,6 +37,7 @@ impl SgeList {
     }
 
     /// The entries, as posted.
+    #[inline]
     pub(crate) fn as_slice(&self) -> &[Sge] {
         match self {
             SgeList::Empty => &[],
@@ -46,6 +47,7 @@ impl SgeList {
     }
 
     /// Bytes in all (a `u64`: a list may name more than one request can carry).
+    #[inline]
     pub(crate) fn bytes(&self) -> u64 {
         self.as_slice().iter().map(|s| u64::from(s.len())).sum()
     }
@@ -97,7 +99,6 @@ pub(crate) struct Request {
     op: Option<SendOp>,
     sges: SgeList,
     flags: SendFlags,
-    posted: Posted,
 }
 
 // SAFETY: the only raw pointers a Request can hold are those of `SendOp::BindMw` (a window and a
@@ -109,26 +110,36 @@ unsafe impl Send for Request {}
 
 impl Request {
     /// Whether this is a receive-queue request.
+    #[inline]
     pub(crate) fn is_recv(&self) -> bool {
         self.op.is_none()
     }
 
     /// What its completion is interpreted against (see `received.rs`).
+    #[inline]
     pub(crate) fn posted(&self) -> Posted {
-        self.posted
+        let len = self.sges.bytes() as usize;
+        match self.op {
+            None => Posted::Recv(len),
+            Some(SendOp::Read(_)) => Posted::Read(len),
+            Some(_) => Posted::Send(len),
+        }
     }
 
     /// The local memory.
+    #[inline]
     pub(crate) fn sges(&self) -> &[Sge] {
         self.sges.as_slice()
     }
 
     /// Bytes of local memory it names (for the counters).
+    #[inline]
     pub(crate) fn bytes(&self) -> u64 {
         self.sges.bytes()
     }
 
     /// Its operation's name (a chain is reported by its tail's).
+    #[inline]
     pub(crate) fn name(&self) -> &'static str {
         self.op.map_or(Verb::Recv.name(), |op| op.name())
     }
@@ -136,14 +147,14 @@ impl Request {
     /// The connection's own memory-less marker (a SEND with no memory): signaled behind a
     /// partially accepted chain, its flush proves the chain flushed.
     pub(crate) fn marker() -> Request {
-        Request { op: Some(SendOp::Send), sges: SgeList::Empty, flags: SendFlags::NONE, posted: Posted::Send(0) }
+        Request { op: Some(SendOp::Send), sges: SgeList::Empty, flags: SendFlags::NONE }
     }
 
     /// A keepalive probe: a zero-length RDMA WRITE, with no memory and a remote key the
     /// responder does not check.
     pub(crate) fn probe() -> Request {
         let op = SendOp::Write(RemoteAddr { addr: 0, rkey: 0 });
-        Request { op: Some(op), sges: SgeList::Empty, flags: SendFlags::NONE, posted: Posted::Send(0) }
+        Request { op: Some(op), sges: SgeList::Empty, flags: SendFlags::NONE }
     }
 
     /// The send-queue work request, numbered `wr_id`, signaled if `signaled`: the one place one
@@ -176,7 +187,52 @@ impl Connection {
     ///   4 GiB - 1 bytes in all, an atomic whose local word is not 8 bytes or whose remote word
     ///   is not 8-byte aligned, memory given to a connection-internal request;
     /// - [`Error::OutOfBounds`]: the remote range does not fit in the remote buffer.
+    #[inline(always)]
     pub(crate) fn request(&self, action: Action<'_>, sges: SgeList) -> Result<Request> {
+        // The common case, one non-empty entry for an operation that takes memory, checks in a
+        // few instructions (a front end's constant action folds the matches away); the rest in
+        // `check_list`.
+        let total = match &sges {
+            SgeList::One(s) if !s.is_empty() && !matches!(action, Action::Control(_) | Action::RecvImm) => {
+                u64::from(s.len())
+            }
+            _ => self.check_list(&action, &sges)?,
+        };
+        let verb = || action.verb();
+        let len = total as usize;
+        if matches!(action, Action::FetchAdd { .. } | Action::CompareSwap { .. }) && len != 8 {
+            return Err(Error::InvalidArgument(format!("{} lands its old value in 8 bytes, got {len}", verb())));
+        }
+        let op = match action {
+            Action::Write { remote, offset, imm } => {
+                let to = remote.at(offset, total)?;
+                imm.map_or(SendOp::Write(to), |imm| SendOp::WriteWithImm(to, imm))
+            }
+            Action::Read { remote, offset } => SendOp::Read(remote.at(offset, total)?),
+            Action::Send { imm } => imm.map_or(SendOp::Send, SendOp::SendWithImm),
+            Action::Recv | Action::RecvImm => {
+                return Ok(Request { op: None, sges, flags: SendFlags::NONE });
+            }
+            Action::FetchAdd { remote, offset, add } => {
+                SendOp::FetchAdd { remote: atomic_target(verb(), remote, offset)?, add }
+            }
+            Action::CompareSwap { remote, offset, compare, swap } => {
+                let remote = atomic_target(verb(), remote, offset)?;
+                SendOp::CompareSwap { remote, compare, swap }
+            }
+            Action::Control(op) => op,
+        };
+        // A payload of at most `max_inline` bytes is copied into the work request at post time.
+        let payload = matches!(op, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
+        let flags =
+            if payload && len <= self.options().max_inline as usize { SendFlags::INLINE } else { SendFlags::NONE };
+        Ok(Request { op: Some(op), sges, flags })
+    }
+
+    /// [`Connection::request`]'s check of an entry list that is not one non-empty entry (or
+    /// belongs to a memory-less request): count, emptiness, total. Returns the total.
+    #[inline(never)]
+    fn check_list(&self, action: &Action<'_>, sges: &SgeList) -> Result<u64> {
         let verb = action.verb();
         let parts = sges.as_slice();
         let caps = self.qp().caps();
@@ -186,7 +242,7 @@ impl Connection {
             Action::Read { .. } => self.max_read_sge(),
             _ => caps.max_send_sge,
         } as usize;
-        match (&action, parts.len()) {
+        match (action, parts.len()) {
             (Action::Control(_) | Action::RecvImm, 0) => {}
             (Action::Control(_) | Action::RecvImm, n) => {
                 return Err(Error::InvalidArgument(format!("{verb} names no memory, got {n} entries")));
@@ -203,33 +259,6 @@ impl Connection {
         if total > u64::from(u32::MAX) {
             return Err(Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {total} bytes")));
         }
-        let len = total as usize;
-        if matches!(action, Action::FetchAdd { .. } | Action::CompareSwap { .. }) && len != 8 {
-            return Err(Error::InvalidArgument(format!("{verb} lands its old value in 8 bytes, got {len}")));
-        }
-        let (op, posted) = match action {
-            Action::Write { remote, offset, imm } => {
-                let to = remote.at(offset, total)?;
-                (imm.map_or(SendOp::Write(to), |imm| SendOp::WriteWithImm(to, imm)), Posted::Send(len))
-            }
-            Action::Read { remote, offset } => (SendOp::Read(remote.at(offset, total)?), Posted::Read(len)),
-            Action::Send { imm } => (imm.map_or(SendOp::Send, SendOp::SendWithImm), Posted::Send(len)),
-            Action::Recv | Action::RecvImm => {
-                return Ok(Request { op: None, sges, flags: SendFlags::NONE, posted: Posted::Recv(len) });
-            }
-            Action::FetchAdd { remote, offset, add } => {
-                (SendOp::FetchAdd { remote: atomic_target(verb, remote, offset)?, add }, Posted::Send(len))
-            }
-            Action::CompareSwap { remote, offset, compare, swap } => {
-                let remote = atomic_target(verb, remote, offset)?;
-                (SendOp::CompareSwap { remote, compare, swap }, Posted::Send(len))
-            }
-            Action::Control(op) => (op, Posted::Send(0)),
-        };
-        // A payload of at most `max_inline` bytes is copied into the work request at post time.
-        let payload = matches!(op, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
-        let flags =
-            if payload && len <= self.options().max_inline as usize { SendFlags::INLINE } else { SendFlags::NONE };
-        Ok(Request { op: Some(op), sges, flags, posted })
+        Ok(total)
     }
 }

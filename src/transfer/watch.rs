@@ -424,6 +424,9 @@ fn watcher() -> Result<&'static Watcher> {
         let what = what.to_string();
         move |source| Error::Io { what, source }
     };
+    // Run by the process's one liveness thread, which the device monitor starts (first: a
+    // failure here leaks nothing).
+    removal::monitor()?;
     // SAFETY: plain syscall.
     let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if wake < 0 {
@@ -435,8 +438,6 @@ fn watcher() -> Result<&'static Watcher> {
         pid: std::process::id(),
         round: Mutex::new(Round::default()),
     }));
-    // Run by the process's one liveness thread, which the device monitor starts.
-    removal::monitor()?;
     liveness::serve(w);
     WATCHER.store(std::ptr::from_ref(w).cast_mut(), Ordering::Release);
     Ok(w)
@@ -530,8 +531,11 @@ impl liveness::Watch for Watcher {
         // A panic here (a tracing subscriber's) must not end the watching for good.
         let handled =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, fds, &round.keys)));
-        if handled.is_err() {
-            tracing::error!("the connection watcher panicked handling an event; it goes on");
+        if let Err(payload) = handled {
+            std::mem::forget(payload);
+            let _ = std::panic::catch_unwind(|| {
+                tracing::error!("the connection watcher panicked handling an event; it goes on");
+            });
         }
         fds.iter().zip(&round.keys).any(|(p, k)| matches!(k, Key::Wake) && p.revents != 0)
     }
@@ -544,8 +548,11 @@ fn keepalive_ticks(links: &[Arc<Link>]) -> i32 {
     let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         links.iter().filter_map(|l| l.keepalive(Instant::now())).min()
     }))
-    .unwrap_or_else(|_| {
-        tracing::error!("the connection watcher panicked running keepalive probes; it goes on");
+    .unwrap_or_else(|payload| {
+        std::mem::forget(payload);
+        let _ = std::panic::catch_unwind(|| {
+            tracing::error!("the connection watcher panicked running keepalive probes; it goes on");
+        });
         Some(Instant::now() + std::time::Duration::from_millis(100))
     });
     match next {

@@ -70,28 +70,48 @@ pub(crate) fn start(host: &'static dyn Host) -> std::io::Result<()> {
 
 fn run(m: &'static dyn Host) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    // Rounds that skipped the due work because a set of descriptors changed.
+    let mut skipped = 0u32;
     loop {
-        fds.clear();
-        fds.extend(m.fds());
-        let w = registered();
-        if let Some(w) = w {
-            w.add_fds(&mut fds);
+        // Nothing may end this thread (a panicking tracing subscriber, say): every device and
+        // connection of the process depends on it. A round that panicked is logged, and the
+        // next one begins after a pause.
+        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| round(m, &mut fds, &mut skipped)));
+        if let Err(payload) = round {
+            std::mem::forget(payload);
+            let _ = std::panic::catch_unwind(|| tracing::error!("the liveness thread panicked; it goes on"));
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        let mut timeout = m.timeout_ms();
-        if let Some(w) = w.filter(|w| w.has_due()) {
-            // What the devices or the peers said comes before the probes: a QP the device
-            // failed flushes the probe too, and the event tells why. A changed set of
-            // descriptors is built again before sleeping on it.
-            if poll_and_handle(m, Some(w), &mut fds, 0) {
-                continue;
-            }
-            let due = w.due();
-            if due >= 0 {
-                timeout = timeout.min(due);
-            }
-        }
-        poll_and_handle(m, w, &mut fds, timeout);
     }
+}
+
+/// One round: the descriptors built afresh, due work run, one sleep.
+fn round(m: &'static dyn Host, fds: &mut Vec<libc::pollfd>, skipped: &mut u32) {
+    fds.clear();
+    fds.extend(m.fds());
+    let w = registered();
+    if let Some(w) = w {
+        w.add_fds(fds);
+    }
+    let mut limit = -1;
+    if let Some(w) = w.filter(|w| w.has_due()) {
+        // What the devices or the peers said comes before the probes: a QP the device failed
+        // flushes the probe too, and the event tells why. A changed set of descriptors is
+        // built again before sleeping on it — but a stream of changes does not keep the due
+        // work waiting for more than a few rounds.
+        if poll_and_handle(m, Some(w), fds, 0) && *skipped < 4 {
+            *skipped += 1;
+            return;
+        }
+        *skipped = 0;
+        limit = w.due();
+    }
+    // After the due work (it may take a while): the monitor's own schedule, as it is now.
+    let timeout = match limit {
+        -1 => m.timeout_ms(),
+        l => l.min(m.timeout_ms()),
+    };
+    poll_and_handle(m, w, fds, timeout);
 }
 
 /// Polls `fds` (at most `timeout` ms) and has the monitor and the watch handle what it found;
@@ -104,15 +124,24 @@ fn poll_and_handle(m: &dyn Host, w: Option<&'static dyn Watch>, fds: &mut [libc:
     if rc < 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EINTR) {
-            tracing::error!("the liveness thread's poll failed: {e}");
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tracing::error!("the liveness thread's poll failed: {e}");
+            }));
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
+        // The watch's descriptors can make every poll fail (more than RLIMIT_NOFILE of them,
+        // ENOMEM): the monitor's schedule runs regardless.
+        for p in fds.iter_mut() {
+            p.revents = 0;
+        }
+        m.after_poll(&fds[..2]);
         return false;
     }
     let (mine, theirs) = fds.split_at(2);
     // The monitor's periodic check is due on a timeout too.
     m.after_poll(mine);
-    let woken = mine[0].revents != 0;
+    // Readable, not merely reported (POLLNVAL on a descriptor closed under us would spin).
+    let woken = mine[0].revents & libc::POLLIN != 0;
     match w {
         Some(w) if rc > 0 => w.handle(theirs) || woken,
         _ => woken,

@@ -253,6 +253,7 @@ impl AsyncConnection {
     /// Checks `action` on `sges` (`buf`'s memory, or why it has none) and starts it on `buf`;
     /// a refusal finishes the future at once. Also returns what the completion is interpreted
     /// against.
+    #[inline(always)]
     fn start<B: Send + 'static>(&self, buf: B, sges: Result<SgeList>, action: Action<'_>) -> (Op<B>, Posted) {
         match sges.and_then(|sges| self.conn().request(action, sges)) {
             Ok(req) => {

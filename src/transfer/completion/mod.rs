@@ -22,7 +22,7 @@ mod slots;
 
 pub use outcome::Completed;
 pub(crate) use outcome::{Failure, Filled, Outcome};
-use queue::Queue;
+use queue::{Lifecycle, Queue};
 pub(crate) use queue::{Parked, Ticket};
 pub(crate) use slots::SendSlots;
 
@@ -298,15 +298,16 @@ impl Core {
         }
         for i in 0..n {
             let id = q.wcs[i].wr_id();
-            let (retired, op, known) = if send {
-                // An id that is no tail is an unsignaled request, which completes only when
-                // flushed: its slot is retired by its chain's tail.
-                match q.tails.remove(id) {
-                    Some((k, op)) => (k, op, true),
-                    None => (0, "send-queue request", false),
+            let at = q.tickets.find(id);
+            let (retired, op) = match at.map(|t| &*q.tickets.at(t)) {
+                Some(Lifecycle::Submitted { retires, op } | Lifecycle::Abandoned { retires, op, .. }) => {
+                    (*retires, *op)
                 }
-            } else {
-                (1, "recv", true)
+                // Receives retire one slot each.
+                _ if !send => (1, "recv"),
+                // An id that is no signaled request's completes only when flushed: its slot is
+                // retired by its chain's tail.
+                _ => (0, "send-queue request"),
             };
             q.used = q.used.saturating_sub(retired);
             let o = self.outcome(&q.wcs[i], op);
@@ -314,6 +315,9 @@ impl Core {
             if op == PROBE_OP {
                 // A keepalive probe is no request of the application's, and nobody waits for it;
                 // its failure is the connection's (its flush only if nothing explains it).
+                if let Some(t) = at {
+                    q.tickets.remove_at(t);
+                }
                 if flushed {
                     q.orphan = q.orphan.or(o.err());
                 } else if o.is_err() {
@@ -331,16 +335,20 @@ impl Core {
                 }
                 Err(_) => q.counts.errors += 1,
             }
-            let waited = match q.parked.remove(id) {
-                Some(buf) => {
-                    q.released.push(buf);
-                    false
-                }
-                None if known => {
-                    q.done.insert(id, o);
+            let waited = match at.map(|t| (t, &mut *q.tickets.at(t))) {
+                Some((_, l @ Lifecycle::Submitted { .. })) => {
+                    *l = Lifecycle::Completed(o);
                     true
                 }
-                None => false,
+                Some((t, Lifecycle::Abandoned { .. })) => {
+                    if let Lifecycle::Abandoned { buf, .. } = q.tickets.remove_at(t) {
+                        q.released.push(buf);
+                    }
+                    false
+                }
+                // Not signaled (flushed), or a second completion for one id (a device fault):
+                // nobody waits for it.
+                Some((_, Lifecycle::Completed(_))) | None => false,
             };
             if flushed && !waited {
                 q.orphan = q.orphan.or(o.err());
@@ -411,22 +419,22 @@ impl Core {
     /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
     pub(crate) fn try_claim(&self, Ticket { wr_id, send }: Ticket) -> Result<Option<Outcome>> {
         self.with(send, |c, q| {
-            if let Some(o) = q.done.remove(wr_id) {
+            if let Some(o) = q.tickets.claim(wr_id) {
                 return Ok(Some(o));
             }
             c.reap(send, q)?;
-            Ok(q.done.remove(wr_id))
+            Ok(q.tickets.claim(wr_id))
         })
     }
 
     /// Whether `wr_id` has completed, leaving its outcome for its waiter.
     pub(crate) fn is_done(&self, Ticket { wr_id, send }: Ticket) -> Result<bool> {
         self.with(send, |c, q| {
-            if q.done.contains(wr_id) {
+            if q.tickets.is_completed(wr_id) {
                 return Ok(true);
             }
             c.reap(send, q)?;
-            Ok(q.done.contains(wr_id))
+            Ok(q.tickets.is_completed(wr_id))
         })
     }
 
@@ -435,16 +443,28 @@ impl Core {
     /// reaped).
     pub(crate) fn park(&self, Ticket { wr_id, send }: Ticket, buf: Parked) -> bool {
         self.with_as(send, Reaper::Post, |_, q| {
-            if let Some(o) = q.done.remove(wr_id) {
-                // A flush reaped for a waiter that is gone now: nobody else will explain it.
-                if let Err(f @ Failure::Op { status: WcStatus::WrFlushErr, .. }) = o {
-                    q.orphan = q.orphan.or(Some(f));
+            match q.tickets.get_mut(wr_id) {
+                Some(l @ Lifecycle::Submitted { .. }) => {
+                    let Lifecycle::Submitted { retires, op } = *l else { unreachable!("matched above") };
+                    *l = Lifecycle::Abandoned { retires, op, buf };
+                    true
                 }
-                q.released.push(buf);
-                false
-            } else {
-                q.parked.insert(wr_id, buf);
-                true
+                Some(Lifecycle::Completed(_)) => {
+                    // A flush reaped for a waiter that is gone now: nobody else will explain it.
+                    if let Some(Lifecycle::Completed(Err(f @ Failure::Op { status: WcStatus::WrFlushErr, .. }))) =
+                        q.tickets.remove(wr_id)
+                    {
+                        q.orphan = q.orphan.or(Some(f));
+                    }
+                    q.released.push(buf);
+                    false
+                }
+                // Abandoned twice, or unknown (no signaled request posted as it): kept until the
+                // connection lets go of everything it holds.
+                Some(Lifecycle::Abandoned { .. }) | None => {
+                    q.tickets.keep(wr_id, buf);
+                    true
+                }
             }
         })
     }
@@ -479,7 +499,7 @@ impl Core {
     }
 
     /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
-    pub(crate) fn with_recv_slot(&self, depth: u32, post: impl FnOnce() -> Result<()>) -> Result<()> {
+    pub(crate) fn with_recv_slot(&self, depth: u32, id: u64, post: impl FnOnce() -> Result<()>) -> Result<()> {
         self.with_as(false, Reaper::Post, |_, q| {
             if q.used >= depth {
                 return Err(Error::InvalidArgument(format!(
@@ -490,32 +510,33 @@ impl Core {
             post()?;
             q.used += 1;
             q.counts.requests += 1;
+            q.tickets.submitted(id, 1, "recv");
             Ok(())
         })
     }
 
     /// Whether the signaled send-queue request `wr_id` is still waiting for its completion.
     pub(crate) fn send_in_flight(&self, wr_id: u64) -> bool {
-        self.send.lock().tails.contains(wr_id)
+        self.send.lock().tickets.in_flight(wr_id)
     }
 
     /// Whether no request is outstanding on either queue and nothing is parked.
     pub(crate) fn quiet(&self) -> bool {
         let s = self.send.lock();
         let r = self.recv.lock();
-        s.used == 0 && r.used == 0 && s.parked.is_empty() && r.parked.is_empty()
+        s.used == 0 && r.used == 0 && !s.tickets.any_abandoned() && !r.tickets.any_abandoned()
     }
 
     /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
     #[cfg(feature = "tokio")]
     pub(crate) fn has_parked(&self) -> bool {
-        !self.send.lock().parked.is_empty() || !self.recv.lock().parked.is_empty()
+        self.send.lock().tickets.any_abandoned() || self.recv.lock().tickets.any_abandoned()
     }
 
     /// Takes every buffer still held (parked, or kept until the connection is closed).
     pub(crate) fn take_held(&self) -> Vec<Parked> {
-        let mut all = self.send.lock().parked.take_all();
-        all.extend(self.recv.lock().parked.take_all());
+        let mut all = self.send.lock().tickets.take_abandoned();
+        all.extend(self.recv.lock().tickets.take_abandoned());
         all.append(&mut self.until_closed.lock());
         all.append(&mut self.deferred.lock());
         all

@@ -17,7 +17,7 @@ impl SendSlots<'_> {
     /// `bytes` is the local memory they name (for the counters).
     pub(crate) fn posted(&mut self, tail: u64, k: u32, retires: u32, op: &'static str, bytes: u64) {
         self.0.used += k;
-        self.0.tails.insert(tail, (retires, op));
+        self.0.tickets.submitted(tail, retires, op);
         self.0.counts.requests += u64::from(k);
         self.0.counts.bytes += bytes;
     }
@@ -26,14 +26,14 @@ impl SendSlots<'_> {
     /// request), whose completion retires `retires` slots.
     pub(crate) fn marker_posted(&mut self, tail: u64, retires: u32, op: &'static str) {
         self.0.used += 1;
-        self.0.tails.insert(tail, (retires, op));
+        self.0.tickets.submitted(tail, retires, op);
     }
 
     /// Records a keepalive probe `id` (signaled, memory-less, one slot, not counted as a
     /// request); nobody waits for it: its completion is dropped when reaped.
     pub(crate) fn probe_posted(&mut self, id: u64) {
         self.0.used += 1;
-        self.0.tails.insert(id, (1, PROBE_OP));
+        self.0.tickets.submitted(id, 1, PROBE_OP);
     }
 
     /// Records `k` requests posted without a signaled tail (a partially accepted chain): their
