@@ -12,8 +12,9 @@ compares it with api/public-api.txt, so every change to the surface is deliberat
 Walks from the crate root through public modules and re-exports (as a user reaches items:
 `mralloc::transfer::Connection`), and lists each item with its kind and, for functions and
 methods, its signature; for structs their public fields; for enums their variants; for traits
-their items; inherent methods and trait impls of the crate's own traits. Auto-trait and blanket
-impls are left out (rustdoc derives them), except Send/Sync, whose loss would break users.
+their items and every implementation of them (foreign types and blanket impls included);
+inherent methods and trait impls of the crate's types. Auto-trait impls and the copies rustdoc
+derives from blanket impls are left out, except Send/Sync, whose loss would break users.
 """
 import difflib
 import json
@@ -300,6 +301,15 @@ def api_of(json_path):
             sup = bounds(v["bounds"])
             out.add(f"{un}trait {p}{generics(v['generics'])}" + (f": {sup}" if sup else ""))
             impl_items(p, v, False)
+            # Its implementations, also those for foreign types (`[u8]`, `Vec<&L>`) and the
+            # blanket ones, which no type of the crate lists.
+            for im_id in v.get("implementations", []):
+                im = item(im_id)
+                if im is None or im["inner"]["impl"]["is_synthetic"]:
+                    continue
+                iv = im["inner"]["impl"]
+                neg = "!" if iv["is_negative"] else ""
+                out.add(f"impl{generics(iv['generics'])} {neg}{path_of(iv['trait'])} for {ty(iv['for'])}")
         elif k == "constant":
             out.add(f"const {p}: {ty(v['type'])}")
         elif k == "static":

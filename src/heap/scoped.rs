@@ -392,8 +392,9 @@ impl Heap {
 
     /// Allocates `len` bytes, zero-filled. A [`Buffer`] derefs to `&[u8]`, so its bytes must be
     /// initialised: memory from fresh chunk pages is zero already and is not written, reused
-    /// memory is zeroed. For memory the NIC fills (a READ target, a receive), use
-    /// [`Heap::alloc_uninit`], which never zeroes.
+    /// memory is zeroed. For memory the NIC fills through an owned operation (a `post_read` or
+    /// `post_recv` target, an async READ or receive), use [`Heap::alloc_uninit`], which never
+    /// zeroes; the blocking calls borrow initialised memory (a `Buffer`).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for zero or absurd lengths; [`Error::LimitExceeded`],

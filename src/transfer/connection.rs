@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Disconnect, Error, Result};
-use crate::transfer::completion::{Core, Failure, Mode};
+use crate::transfer::engine::completion::{Core, Failure, Mode};
+use crate::transfer::engine::stats::ConnectionStats;
 use crate::transfer::exact::Windows;
-use crate::transfer::keepalive::{Keepalive, MAX_KEEPALIVE};
-use crate::transfer::stats::ConnectionStats;
-use crate::transfer::watch::{watch, Link, Registration, Source};
+use crate::transfer::liveness::keepalive::{Keepalive, MAX_KEEPALIVE};
+use crate::transfer::liveness::watch::{watch, Link, Registration, Source};
 use crate::transfer::{Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf};
 

@@ -29,8 +29,8 @@ use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::heap::{chunk_of, mr_and_access_of};
 use crate::remote::RemoteBuf;
-use crate::transfer::iobuf::IoBufMut;
-use crate::transfer::iobuf::Rejected;
+use crate::transfer::request::iobuf::IoBufMut;
+use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::Connection;
 use crate::verbs::{Access, Mr, Mw, SendOp};
 

@@ -125,7 +125,7 @@ fn device_unwinding_out_of_a_blocking_receive_waits_for_its_flush() {
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_a_client_endpoint_the_device_refuses_ends_no_accept_call() {
-    use crate::transfer::control::REFUSE_CLIENT_ENDPOINT;
+    use crate::transfer::setup::control::REFUSE_CLIENT_ENDPOINT;
     use crate::transfer::Listener;
     let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
     let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };

@@ -2,10 +2,10 @@
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::completion::{Failure, Ticket};
+use crate::transfer::engine::completion::{Failure, Ticket};
 use crate::transfer::exact::Keyed;
-use crate::transfer::iobuf::IoBufMut;
-use crate::transfer::iobuf::Rejected;
+use crate::transfer::request::iobuf::IoBufMut;
+use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::Connection;
 use crate::verbs::Access;
 

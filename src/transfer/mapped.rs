@@ -8,7 +8,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
-use crate::transfer::local::{Local, LocalMut};
+use crate::transfer::request::local::{Local, LocalMut};
 use crate::verbs::{Access, Exposable, ExposeFailed, Mr, Pd, RemoteWritable};
 
 /// How a file is mapped.

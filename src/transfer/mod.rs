@@ -35,62 +35,41 @@
 //! bounds-checked locally. A failed completion fails the connection: later posts return the
 //! original error at once.
 
-mod acceptor;
-#[cfg(feature = "tokio")]
-mod aio;
-mod auth;
-mod batch;
-mod borrowed;
-mod cm;
-mod completion;
 mod connection;
-mod control;
+mod engine;
 mod exact;
 #[cfg(test)]
 mod exact_tests;
-mod exchange;
 #[cfg(test)]
 mod fault_tests;
+mod front;
 mod grant;
-mod handshake;
-mod iobuf;
-mod keepalive;
-mod local;
+mod liveness;
 mod mapped;
-mod ops;
 mod options;
-mod parts;
-mod pending;
-mod poller;
-mod received;
 mod request;
+mod setup;
 mod shared_recv;
-mod spin;
-mod stats;
-mod submit;
-mod tcp;
-mod wait;
-mod watch;
 
-pub use acceptor::HandshakeFailure;
+pub use connection::Connection;
+pub use engine::completion::Completed;
+pub use engine::poller::Poller;
+pub use engine::stats::ConnectionStats;
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
-pub use aio::{AsyncCmListener, AsyncConnection, AsyncListener, RemoteLimits, RemoteMemory, RemoteMemoryStats};
-pub use auth::Secret;
-pub use batch::Batch;
-pub use cm::{CmListener, MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
-pub use completion::Completed;
-pub use connection::Connection;
-pub use exchange::MAX_BLOB;
+pub use front::aio::{AsyncCmListener, AsyncConnection, AsyncListener, RemoteLimits, RemoteMemory, RemoteMemoryStats};
+pub use front::batch::Batch;
+pub use front::pending::Pending;
 pub use grant::Grant;
-pub use iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
-pub use local::{Local, LocalMut};
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use options::{Options, WaitMode};
-pub use parts::{Gather, Scatter};
-pub use pending::Pending;
-pub use poller::Poller;
-pub use received::{Arrival, Received};
+pub use request::iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
+pub use request::local::{Local, LocalMut};
+pub use request::parts::{Gather, Scatter};
+pub use request::received::{Arrival, Received};
+pub use setup::acceptor::HandshakeFailure;
+pub use setup::auth::Secret;
+pub use setup::cm::{CmListener, MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
+pub use setup::exchange::MAX_BLOB;
+pub use setup::tcp::Listener;
 pub use shared_recv::{SharedMessage, SharedReceiver};
-pub use stats::ConnectionStats;
-pub use tcp::Listener;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transfer::received::{Arrival, Posted, Received};
+use crate::transfer::request::received::{Arrival, Posted, Received};
 use crate::transfer::Connection;
 use crate::verbs::{Access, CompChannel, Cq, Pd, RegisteredBuf, Sge, Srq, WorkCompletion};
 

@@ -1,0 +1,255 @@
+//! Remote memory: what one side lends its peer (a registry of the buffers lent and their keys)
+//! and what it holds of the peer's ([`RemoteMemory`] handles).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::{Error, Result};
+use crate::heap::{Buffer, Heap};
+use crate::remote::RemoteBuf;
+use crate::transfer::exact::{grant_rights, Keyed};
+use crate::transfer::front::aio::wire::{Msg, READ, WRITE};
+use crate::verbs::{Access, Pd};
+
+/// How much memory an [`crate::transfer::AsyncConnection`] lends its peer
+/// ([`crate::transfer::AsyncConnection::serve_remote_memory`]); a request beyond them is refused
+/// with [`crate::Error::RemoteRefused`] at the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteLimits {
+    /// Largest single request, in bytes (default 64 MiB).
+    pub max_request: u64,
+    /// Most bytes lent at once through the connection (default 256 MiB).
+    pub max_bytes: u64,
+    /// Most buffers lent at once through the connection (default 1024).
+    pub max_buffers: usize,
+}
+
+impl Default for RemoteLimits {
+    fn default() -> RemoteLimits {
+        RemoteLimits { max_request: 64 << 20, max_bytes: 256 << 20, max_buffers: 1024 }
+    }
+}
+
+/// Counts of remote memory on one connection
+/// ([`crate::transfer::AsyncConnection::remote_memory_stats`]). More fields may come in later
+/// versions (`#[non_exhaustive]`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RemoteMemoryStats {
+    /// Buffers of this side's heap the peer may access now (requested by it, or pushed).
+    pub lent_buffers: usize,
+    /// Their bytes.
+    pub lent_bytes: u64,
+    /// [`RemoteMemory`] handles of this side that are alive.
+    pub held_buffers: u64,
+    /// Their bytes.
+    pub held_bytes: u64,
+}
+
+/// Memory lent to the peer: the buffer and its key (a window bound through the connection,
+/// over the heap chunk or an exact registration: see `transfer::exact`). An entry is dropped
+/// only once the window was invalidated, or the QP is in the error state and flushed; dropping
+/// it deallocates the window and deregisters an exact registration before the buffer is freed
+/// (or leaks the buffer).
+pub(crate) struct Lent {
+    pub(crate) keyed: Keyed<Buffer>,
+    /// Whether the peer was told the handle (its bind completed): only then may the peer's
+    /// messages release it. Before, the entry belongs to the bind in flight.
+    pub(crate) announced: bool,
+}
+
+/// The owner side's state for one connection.
+#[derive(Default)]
+pub(crate) struct Lending {
+    /// The heap requests are served from, and the limits; `None`: requests are refused.
+    pub(crate) serving: Option<(Heap, RemoteLimits)>,
+    pub(crate) lent: HashMap<u64, Lent>,
+    pub(crate) bytes: u64,
+    /// Buffers the peer handed over that the application has not taken yet (counted against
+    /// the limits, so a peer cannot grow them without bound).
+    pub(crate) handed: (usize, u64),
+    next_handle: u64,
+}
+
+impl Lending {
+    /// Registers `lent` under a fresh handle.
+    pub(crate) fn insert(&mut self, lent: Lent) -> u64 {
+        self.next_handle += 1;
+        self.bytes += lent.keyed.buf().size() as u64;
+        self.lent.insert(self.next_handle, lent);
+        self.next_handle
+    }
+
+    /// Marks `handle` as told to the peer.
+    pub(crate) fn announce(&mut self, handle: u64) {
+        if let Some(l) = self.lent.get_mut(&handle) {
+            l.announced = true;
+        }
+    }
+
+    /// Whether lending `len` more bytes stays within `limits`; `Err` carries the bytes left.
+    pub(crate) fn room(&self, len: u64, limits: &RemoteLimits) -> std::result::Result<(), u64> {
+        let bytes = self.bytes.saturating_add(self.handed.1);
+        let left = limits.max_bytes.saturating_sub(bytes);
+        if self.lent.len() + self.handed.0 >= limits.max_buffers || len > left {
+            return Err(left);
+        }
+        Ok(())
+    }
+
+    /// Takes the entry `handle` out of the registry (`None`: unknown or already released).
+    pub(crate) fn remove(&mut self, handle: u64) -> Option<Lent> {
+        let lent = self.lent.remove(&handle)?;
+        self.bytes -= lent.keyed.buf().size() as u64;
+        Some(lent)
+    }
+
+    /// Everything lent, taken out of the registry.
+    pub(crate) fn take_all(&mut self) -> HashMap<u64, Lent> {
+        self.bytes = 0;
+        std::mem::take(&mut self.lent)
+    }
+}
+
+/// Checks that `heap` can lend through connections in `pd`: built with memory-window binding,
+/// bound to `pd`.
+pub(crate) fn check_lending_heap(heap: &Heap, pd: &Pd) -> Result<()> {
+    if !heap.access().contains(Access::MW_BIND) {
+        return Err(Error::InvalidArgument("lending remote memory needs a heap built with Access::MW_BIND".into()));
+    }
+    if heap.alloc(1)?.keys_for(pd).is_none() {
+        return Err(Error::InvalidArgument("the heap is not bound to the connection's PD".into()));
+    }
+    Ok(())
+}
+
+/// The wire's access bits for `access` (remote read and/or write; `None` for anything else).
+pub(crate) fn access_bits(access: Access) -> Option<u8> {
+    if !grant_rights(access) {
+        return None;
+    }
+    let mut b = 0;
+    if access.contains(Access::REMOTE_READ) {
+        b |= READ;
+    }
+    if access.contains(Access::REMOTE_WRITE) {
+        b |= WRITE;
+    }
+    Some(b)
+}
+
+/// The rights of the wire's access bits.
+pub(crate) fn access_of(bits: u8) -> Access {
+    let mut a = Access::NONE;
+    if bits & READ != 0 {
+        a |= Access::REMOTE_READ;
+    }
+    if bits & WRITE != 0 {
+        a |= Access::REMOTE_WRITE;
+    }
+    a
+}
+
+/// Counts of live [`RemoteMemory`] handles.
+#[derive(Default)]
+pub(crate) struct Held {
+    pub(crate) buffers: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+}
+
+/// Memory of the peer's heap that this side may access, until the handle is dropped: requested
+/// with [`crate::transfer::AsyncConnection::request_remote`] or pushed by the peer
+/// ([`crate::transfer::AsyncConnection::pushed`]). Use [`RemoteMemory::remote`] with the
+/// connection's one-sided operations.
+///
+/// Dropping the handle tells the peer, which revokes the rkey and frees the memory;
+/// [`crate::transfer::AsyncConnection::hand_over`] gives it back with its contents instead.
+/// The rkey works through this connection only (its queue pair), and only on exactly this
+/// memory. If the connection fails or closes, the peer frees it on its own, once the rkey has
+/// stopped working (the connection's queue pair in the error state and flushed).
+pub struct RemoteMemory {
+    remote: RemoteBuf,
+    handle: u64,
+    access: Access,
+    link: Option<Link>,
+}
+
+/// What a live handle tells when it goes.
+struct Link {
+    out: UnboundedSender<Msg>,
+    held: Arc<Held>,
+}
+
+impl std::fmt::Debug for RemoteMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteMemory")
+            .field("remote", &self.remote)
+            .field("handle", &self.handle)
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+impl RemoteMemory {
+    pub(crate) fn new(
+        remote: RemoteBuf,
+        handle: u64,
+        access: Access,
+        out: UnboundedSender<Msg>,
+        held: Arc<Held>,
+    ) -> RemoteMemory {
+        held.buffers.fetch_add(1, Ordering::Relaxed);
+        held.bytes.fetch_add(remote.len, Ordering::Relaxed);
+        RemoteMemory { remote, handle, access, link: Some(Link { out, held }) }
+    }
+
+    /// Address, length and rkey, for [`crate::transfer::AsyncConnection::write`] and friends.
+    pub fn remote(&self) -> RemoteBuf {
+        self.remote
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.remote.len
+    }
+
+    /// Never true: remote memory is at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.remote.len == 0
+    }
+
+    /// The rights granted (remote read and/or write).
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// The peer's name for this memory (unique on the connection while the handle lives).
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// Gives the handle up without telling the peer; returns the handle's name.
+    pub(crate) fn detach(mut self) -> (u64, Option<UnboundedSender<Msg>>) {
+        (self.handle, self.unlink())
+    }
+
+    /// Stops counting this handle as held; the sender to tell its connection, if still linked.
+    fn unlink(&mut self) -> Option<UnboundedSender<Msg>> {
+        let l = self.link.take()?;
+        l.held.buffers.fetch_sub(1, Ordering::Relaxed);
+        l.held.bytes.fetch_sub(self.remote.len, Ordering::Relaxed);
+        Some(l.out)
+    }
+}
+
+impl Drop for RemoteMemory {
+    fn drop(&mut self) {
+        if let Some(out) = self.unlink() {
+            // The connection may be gone: then the peer released it when it noticed.
+            let _ = out.send(Msg::Release { handle: self.handle });
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! The TCP exchange's endpoint and blob swap, optionally authenticated with a shared secret.
+//!
+//! With a secret `K` on both sides (HMAC-SHA-256 under `K`, a fresh 32-byte nonce per side
+//! from the kernel's CSPRNG, every MAC under its own label):
+//!
+//! ```text
+//! client                                              server
+//!   Challenge { Nc }                           ──▶
+//!                                              ◀──    Proof { Ns, MAC(K, "server-proof", Nc, Ns) }
+//!   checks the proof: only then prepares its QP and sends its endpoint and blob
+//!   Hello { ep_c, blob_c, MAC(K, "client-hello", Nc, Ns, ep_c, blob_c) }  ──▶
+//!                          checks the MAC: only then prepares its QP and sends its blob
+//!                                              ◀──    Welcome { ep_s, blob_s, MAC(K, "server-welcome", Nc, Ns, ep_s, blob_s) }
+//!   checks the MAC: only then connects its QP
+//! ```
+//!
+//! The secret never travels; a peer without it gets no QP, no endpoint and no blob from a
+//! side that has it, and learns nothing it could reuse: every MAC covers both nonces, so a
+//! recorded exchange replayed against a new nonce fails, and the labels keep one role's MAC
+//! from passing as another's. MACs are compared in constant time. It authenticates, it does
+//! not encrypt: the blobs (e.g. an rkey) cross the network in clear. A side that detects a
+//! failure sends `Refused` (so both sides report [`Error::Authentication`]) and gives up.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::error::{AuthFailure, Error, Result};
+use crate::transfer::setup::exchange::{Kind, Message, Refusal, MAC_LEN, NONCE_LEN, VERSION};
+use crate::verbs::Endpoint;
+
+/// A shared secret that both ends of a TCP connection setup must hold
+/// ([`crate::transfer::Options::secret`]). Cheap to clone; its `Debug` output never shows the
+/// bytes. Use at least 16 random bytes (e.g. from a key file).
+#[derive(Clone)]
+pub struct Secret(Arc<[u8]>);
+
+impl Secret {
+    /// A secret made of `bytes`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `bytes` is empty.
+    pub fn new(bytes: impl AsRef<[u8]>) -> Result<Secret> {
+        let bytes = bytes.as_ref();
+        if bytes.is_empty() {
+            return Err(Error::InvalidArgument("a shared secret must not be empty".into()));
+        }
+        Ok(Secret(bytes.into()))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+type Nonce = [u8; NONCE_LEN];
+
+/// A fresh nonce from the kernel's CSPRNG (`getrandom(2)`).
+fn nonce() -> Result<Nonce> {
+    let mut n = [0u8; NONCE_LEN];
+    let mut filled = 0;
+    while filled < n.len() {
+        let tail = &mut n[filled..];
+        // SAFETY: the pointer and length describe `tail`, a live, writable part of `n`.
+        let got = unsafe { libc::getrandom(tail.as_mut_ptr().cast(), tail.len(), 0) };
+        if got < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Io { what: "reading random bytes for a nonce (getrandom)".into(), source: e });
+        }
+        filled += got as usize;
+    }
+    Ok(n)
+}
+
+/// The MAC one role sends: HMAC-SHA-256 under the secret over a label naming the protocol
+/// version and the role, both nonces, and (for `Hello` / `Welcome`) the sender's endpoint,
+/// control endpoint (32 zero bytes if none) and length-prefixed blob.
+fn mac(secret: &Secret, role: &str, nc: &Nonce, ns: &Nonce, sent: Option<&Message>) -> Result<Hmac<Sha256>> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&secret.0)
+        .map_err(|_| Error::InvalidArgument("the shared secret cannot key HMAC-SHA-256".into()))?;
+    m.update(format!("mralloc exchange v{VERSION} {role}\0").as_bytes());
+    m.update(nc);
+    m.update(ns);
+    if let Some(sent) = sent {
+        let bytes = |e: Option<Endpoint>| e.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes());
+        m.update(&bytes(sent.endpoint));
+        m.update(&bytes(sent.control));
+        m.update(&(sent.blob.len() as u64).to_be_bytes());
+        m.update(&sent.blob);
+    }
+    Ok(m)
+}
+
+fn tag(m: Hmac<Sha256>) -> [u8; MAC_LEN] {
+    m.finalize().into_bytes().into()
+}
+
+/// Checks `got` against the expected MAC in constant time; on a mismatch tells the peer and
+/// fails.
+fn verify(s: &mut impl Write, expected: Hmac<Sha256>, got: &[u8; MAC_LEN]) -> Result<()> {
+    if expected.verify_slice(got).is_err() {
+        return Err(refuse(s, Refusal::WrongSecret));
+    }
+    Ok(())
+}
+
+/// Tells the peer why this side gives up (best effort: it may be gone) and returns the error
+/// this side reports.
+fn refuse(s: &mut impl Write, why: Refusal) -> Error {
+    let _ = Message::refused(why).send(s);
+    Error::Authentication(match why {
+        Refusal::SecretRequired => AuthFailure::NoPeerSecret,
+        Refusal::NoSecret => AuthFailure::NoLocalSecret,
+        Refusal::WrongSecret => AuthFailure::WrongSecret,
+    })
+}
+
+/// Checks that `m` is a `kind` message; a `Refused` one becomes the authentication error it
+/// reports.
+pub(crate) fn expect(m: Message, kind: Kind) -> Result<Message> {
+    if let Some(why) = m.refusal {
+        return Err(Error::Authentication(why.failure()));
+    }
+    if m.kind != kind {
+        return Err(Error::Protocol(format!("expected a {kind:?} message, got {:?}", m.kind)));
+    }
+    Ok(m)
+}
+
+/// What an exchange produced: what `prepare` returned, this side's endpoint, the peer's
+/// endpoint, control endpoint (if it offered a control channel) and blob.
+pub(crate) struct Exchanged<T> {
+    pub prepared: T,
+    pub me: Endpoint,
+    pub peer: Endpoint,
+    pub peer_control: Option<Endpoint>,
+    pub peer_blob: Vec<u8>,
+}
+
+/// What `prepare` returns: its product, this side's endpoint and control endpoint (if any).
+pub(crate) type Prepared<T> = (T, Endpoint, Option<Endpoint>);
+
+/// The client's side up to the peer's `Welcome`. `prepare` (creating this side's QP) runs only
+/// once the server proved it holds the secret (at once without one).
+pub(crate) fn client<S: Read + Write, T>(
+    s: &mut S,
+    secret: Option<&Secret>,
+    blob: &[u8],
+    prepare: impl FnOnce() -> Result<Prepared<T>>,
+) -> Result<Exchanged<T>> {
+    let nonces = match secret {
+        None => None,
+        Some(k) => {
+            let nc = nonce()?;
+            Message { nonce: nc, ..Message::new(Kind::Challenge, None, Vec::new()) }.send(s)?;
+            let proof = expect(Message::recv(s)?, Kind::Proof)?;
+            let ns = proof.nonce;
+            verify(s, mac(k, "server-proof", &nc, &ns, None)?, &proof.mac)?;
+            Some((k, nc, ns))
+        }
+    };
+    let (prepared, me, control) = prepare()?;
+    let mut hello = Message { control, ..Message::new(Kind::Hello, Some(me), blob.to_vec()) };
+    if let Some((k, nc, ns)) = &nonces {
+        hello.mac = tag(mac(k, "client-hello", nc, ns, Some(&hello))?);
+    }
+    hello.send(s)?;
+    let welcome = expect(Message::recv(s)?, Kind::Welcome)?;
+    let peer = welcome.endpoint.ok_or_else(|| Error::Protocol("a Welcome message without an endpoint".into()))?;
+    if let Some((k, nc, ns)) = &nonces {
+        verify(s, mac(k, "server-welcome", nc, ns, Some(&welcome))?, &welcome.mac)?;
+    }
+    Ok(Exchanged { prepared, me, peer, peer_control: welcome.control, peer_blob: welcome.blob })
+}
+
+/// The server's side up to sending its `Welcome`. `prepare` (creating this side's QP, and
+/// returning the blob to send) runs only once the client proved it holds the secret (at once
+/// without one); this side's blob goes only to such a client.
+pub(crate) fn server<S: Read + Write, T>(
+    s: &mut S,
+    secret: Option<&Secret>,
+    prepare: impl FnOnce() -> Result<(Prepared<T>, Vec<u8>)>,
+) -> Result<Exchanged<T>> {
+    let first = Message::recv(s)?;
+    let (hello, nonces) = match (first.kind, secret) {
+        (Kind::Hello, None) => (first, None),
+        (Kind::Hello, Some(_)) => return Err(refuse(s, Refusal::SecretRequired)),
+        (Kind::Challenge, None) => return Err(refuse(s, Refusal::NoSecret)),
+        (Kind::Challenge, Some(k)) => {
+            let (nc, ns) = (first.nonce, nonce()?);
+            let proof = tag(mac(k, "server-proof", &nc, &ns, None)?);
+            Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(s)?;
+            let hello = expect(Message::recv(s)?, Kind::Hello)?;
+            verify(s, mac(k, "client-hello", &nc, &ns, Some(&hello))?, &hello.mac)?;
+            (hello, Some((k, nc, ns)))
+        }
+        (kind, _) => {
+            if let Some(why) = first.refusal {
+                return Err(Error::Authentication(why.failure()));
+            }
+            return Err(Error::Protocol(format!("expected a Hello or Challenge message, got {kind:?}")));
+        }
+    };
+    let peer = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
+    let ((prepared, me, control), blob) = prepare()?;
+    // A control channel needs both sides: offer one only to a client that offered its own.
+    let control = control.filter(|_| hello.control.is_some());
+    let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob) };
+    if let Some((k, nc, ns)) = &nonces {
+        welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some(&welcome))?);
+    }
+    welcome.send(s)?;
+    Ok(Exchanged { prepared, me, peer, peer_control: hello.control, peer_blob: hello.blob })
+}
+
+#[cfg(test)]
+#[path = "auth_tests.rs"]
+mod tests;
