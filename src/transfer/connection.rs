@@ -59,8 +59,6 @@ pub struct Connection {
     /// What the setup path must keep alive as long as the connection (its TCP stream, its RDMA
     /// CM id and channel), dropped after the QP is destroyed.
     kept: Vec<Box<dyn Send + Sync>>,
-    /// The control channel (see the `control` module), until the async front end takes it.
-    control: Option<Box<Connection>>,
     /// What the connection watcher fails this connection through.
     link: Arc<Link>,
     /// The other end of a [`Connection::pair`]: told when this end goes away (no stream or CM
@@ -171,7 +169,6 @@ impl Connection {
             scratch: Mutex::new(scratch),
             watch: None,
             kept,
-            control: None,
             link,
             pair_peer: None,
             windows: Arc::new(Windows::new()),
@@ -192,7 +189,8 @@ impl Connection {
     /// - [`Error::InvalidArgument`] if a queue depth is too large for a CQ (above `i32::MAX`).
     /// - [`Error::Io`] if mapping the landing buffer fails.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {
-        Connection::pair_with(pd, opts, false)
+        let (a, b) = Connection::pair_with(pd, opts, false)?;
+        Ok((a.into_blocking(), b.into_blocking()))
     }
 
     /// The PD local memory must be registered in.
@@ -234,9 +232,9 @@ impl Connection {
     /// Starts the connection watcher on this connection and its control channel (if any): the
     /// device's events, and `source` (its setup TCP stream or CM channel, which the connection
     /// must own) if it has one. Call once setup is complete.
-    pub(crate) fn start_watch(&mut self, source: Option<Source>) -> Result<()> {
+    pub(crate) fn start_watch(&mut self, source: Option<Source>, control: Option<&Connection>) -> Result<()> {
         let mut links = vec![self.link.clone()];
-        links.extend(self.control.as_ref().map(|c| c.link.clone()));
+        links.extend(control.map(|c| c.link.clone()));
         self.watch = Some(watch(self.pd.context(), links, source)?);
         Ok(())
     }
@@ -245,20 +243,6 @@ impl Connection {
     pub(crate) fn tie(a: &mut Connection, b: &mut Connection) {
         a.pair_peer = Some(Arc::downgrade(&b.link));
         b.pair_peer = Some(Arc::downgrade(&a.link));
-        if let (Some(ca), Some(cb)) = (a.control.as_deref_mut(), b.control.as_deref_mut()) {
-            Connection::tie(ca, cb);
-        }
-    }
-
-    /// Attaches the control channel set up with this connection.
-    pub(crate) fn set_control(&mut self, control: Connection) {
-        self.control = Some(Box::new(control));
-    }
-
-    /// Takes the control channel (the async front end drives it).
-    #[cfg(feature = "tokio")]
-    pub(crate) fn take_control(&mut self) -> Option<Connection> {
-        self.control.take().map(|c| *c)
     }
 
     /// The peer's endpoint.
@@ -408,7 +392,6 @@ impl Drop for Connection {
             // their destruction here anyway, and a CM id must not be disconnected.
             std::mem::forget(std::mem::take(&mut self.kept));
             std::mem::forget(Arc::clone(&self.core));
-            std::mem::forget(self.control.take());
             // Its Poller's last handle would join a thread the child does not have.
             std::mem::forget(std::mem::take(&mut self.opts));
             return;

@@ -22,15 +22,16 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
+use crate::transfer::setup::control::Established;
 use crate::transfer::setup::handshake::{serve, Failed};
-use crate::transfer::{Connection, Options};
+use crate::transfer::Options;
 use crate::verbs::Pd;
 
 /// Where a handshake's outcome goes: the accept call that offered the blob.
 pub(crate) enum Reply {
-    Blocking(std::sync::mpsc::SyncSender<Result<Connection>>),
+    Blocking(std::sync::mpsc::SyncSender<Result<Established>>),
     #[cfg(feature = "tokio")]
-    Async(tokio::sync::oneshot::Sender<Result<Connection>>),
+    Async(tokio::sync::oneshot::Sender<Result<Established>>),
 }
 
 impl Reply {
@@ -43,7 +44,7 @@ impl Reply {
         }
     }
 
-    fn send(self, r: Result<Connection>) {
+    fn send(self, r: Result<Established>) {
         // A receiver that is gone (a cancelled async accept) drops the connection: the client
         // sees its setup stream close.
         match self {

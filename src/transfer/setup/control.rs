@@ -6,6 +6,7 @@
 //! endpoint, and neither side then creates one.
 
 use crate::error::Result;
+use crate::transfer::liveness::watch::Source;
 use crate::transfer::{Connection, Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
 
@@ -36,6 +37,47 @@ pub(crate) fn options(opts: &Options) -> Options {
 #[cfg(test)]
 pub(crate) static REFUSE_CLIENT_ENDPOINT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// A connection as setup made it: the data connection and, when both sides offered one, its
+/// control channel — which only the async front end drives: a blocking connection has none,
+/// and the blocking type knows nothing of it.
+pub(crate) struct Established {
+    conn: Connection,
+    control: Option<Connection>,
+}
+
+impl Established {
+    /// Starts watching both (see [`Connection::start_watch`]); `source` is the setup stream or
+    /// CM channel the data connection keeps.
+    pub(crate) fn start_watch(&mut self, source: Option<Source>) -> Result<()> {
+        self.conn.start_watch(source, self.control.as_ref())
+    }
+
+    /// Keeps `x` (a TCP stream, CM objects) with the data connection.
+    pub(crate) fn keep(&mut self, x: impl Send + Sync + 'static) {
+        self.conn.keep(x);
+    }
+
+    /// Ties two ends of a pair, and their control channels.
+    pub(crate) fn tie(a: &mut Established, b: &mut Established) {
+        Connection::tie(&mut a.conn, &mut b.conn);
+        if let (Some(x), Some(y)) = (a.control.as_mut(), b.control.as_mut()) {
+            Connection::tie(x, y);
+        }
+    }
+
+    /// The blocking front end's connection (it offered no control channel, so there is none).
+    pub(crate) fn into_blocking(self) -> Connection {
+        debug_assert!(self.control.is_none(), "a blocking setup offered no control channel");
+        self.conn
+    }
+
+    /// The data connection and its control channel, for the async front end.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn into_parts(self) -> (Connection, Option<Connection>) {
+        (self.conn, self.control)
+    }
+}
+
 /// A data QP with its CQs and, if asked for, the control channel's.
 pub(crate) struct Prepared {
     pub(crate) data: (Qp, Cq, Cq),
@@ -64,7 +106,7 @@ impl Prepared {
         peer: Endpoint,
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
-    ) -> Result<Connection> {
+    ) -> Result<Established> {
         self.connect_to(opts, &peer, peer_control.as_ref())?;
         self.wrap(pd, opts, peer, peer_control, peer_blob)
     }
@@ -95,26 +137,26 @@ impl Prepared {
         peer: Endpoint,
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
-    ) -> Result<Connection> {
-        let mut conn = Connection::wrap(pd, opts, self.data, peer, peer_blob)?;
-        if let (Some(mine), Some(theirs)) = (self.control, peer_control) {
-            let control = Connection::wrap(pd, &options(opts), mine, theirs, Vec::new())?;
-            conn.set_control(control);
-        }
-        Ok(conn)
+    ) -> Result<Established> {
+        let conn = Connection::wrap(pd, opts, self.data, peer, peer_blob)?;
+        let control = match (self.control, peer_control) {
+            (Some(mine), Some(theirs)) => Some(Connection::wrap(pd, &options(opts), mine, theirs, Vec::new())?),
+            _ => None,
+        };
+        Ok(Established { conn, control })
     }
 }
 
 impl Connection {
     /// As [`Connection::pair`], each end with a control channel if `control`.
-    pub(crate) fn pair_with(pd: &Pd, opts: &Options, control: bool) -> Result<(Connection, Connection)> {
+    pub(crate) fn pair_with(pd: &Pd, opts: &Options, control: bool) -> Result<(Established, Established)> {
         let a = Prepared::new(pd, opts, control)?;
         let b = Prepared::new(pd, opts, control)?;
         let ((ea, ca), (eb, cb)) = (a.endpoints(), b.endpoints());
         let mut a = a.finish(pd, opts, eb, cb, Vec::new())?;
         let mut b = b.finish(pd, opts, ea, ca, Vec::new())?;
         // One process: the device's events, and each end's drop, tell the other.
-        Connection::tie(&mut a, &mut b);
+        Established::tie(&mut a, &mut b);
         a.start_watch(None)?;
         b.start_watch(None)?;
         Ok((a, b))

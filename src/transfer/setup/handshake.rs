@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
 use crate::transfer::setup::auth::{self, expect};
-use crate::transfer::setup::control::Prepared;
+use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::setup::exchange::{Kind, Message};
-use crate::transfer::{Connection, Options};
+use crate::transfer::Options;
 use crate::verbs::Pd;
 
 pub(crate) fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
@@ -73,7 +73,7 @@ pub(crate) fn serve(
     opts: &Options,
     control: bool,
     blob: impl FnOnce() -> Result<Vec<u8>>,
-) -> std::result::Result<Connection, Failed> {
+) -> std::result::Result<Established, Failed> {
     // Set by a step of this side's own (queue pair, connection, watcher): its failure is not
     // the client's, whatever its error type.
     let local = std::cell::Cell::new(false);
@@ -116,7 +116,7 @@ pub(crate) struct Failed {
 
 /// The connection keeps its setup stream open for life, and the watcher reads it: its closing
 /// is how the peer's end going away shows here.
-pub(crate) fn keep_watched(conn: &mut Connection, s: Timed) -> Result<()> {
+pub(crate) fn keep_watched(conn: &mut Established, s: Timed) -> Result<()> {
     let fd = s.s.as_raw_fd();
     conn.keep(s.s);
     conn.start_watch(Some(Source::Tcp(fd)))

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::transfer::setup::acceptor::{deadline_after, no_answer, Accepting, HandshakeFailure, Reply};
 use crate::transfer::setup::auth::{self, expect};
-use crate::transfer::setup::control::Prepared;
+use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::setup::exchange::{Kind, Message};
 use crate::transfer::setup::handshake::{io, keep_watched, Timed};
 use crate::transfer::{Connection, Options};
@@ -111,7 +111,7 @@ impl Listener {
         self.accepting.offer(blob.to_vec(), Reply::Blocking(tx));
         // The handshake that takes the offer always answers (its thread catches nothing, but a
         // panic there drops the sender).
-        rx.recv().unwrap_or_else(|_| Err(no_answer()))
+        rx.recv().unwrap_or_else(|_| Err(no_answer())).map(Established::into_blocking)
     }
 
     /// How many client setups are running now: TCP connections taken and not yet handed to an
@@ -186,7 +186,7 @@ impl Connection {
     ///   setup: the last failure is reported); [`Error::Timeout`] if no address was tried
     ///   before the deadline; [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
-        Connection::connect_offering(addr, pd, opts, blob, false)
+        Connection::connect_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
     }
 
     /// As [`Connection::connect_with`]; with `control`, offers a control channel (set up if the
@@ -197,7 +197,7 @@ impl Connection {
         opts: Options,
         blob: &[u8],
         control: bool,
-    ) -> Result<Connection> {
+    ) -> Result<Established> {
         let until = deadline_after(opts.connect_timeout);
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
         if addrs.is_empty() {

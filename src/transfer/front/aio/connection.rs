@@ -18,6 +18,7 @@ use crate::transfer::front::aio::{control, driver, scratch, Shared};
 use crate::transfer::front::ops::immediate_of;
 use crate::transfer::request::received::Posted;
 use crate::transfer::request::{Action, SgeList};
+use crate::transfer::setup::control::Established;
 use crate::transfer::{Completed, Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
 use crate::verbs::{Endpoint, Pd};
 
@@ -163,7 +164,7 @@ impl AsyncConnection {
         pd: &Pd,
         opts: Options,
         blob: &[u8],
-        connect: fn(&[SocketAddr], &Pd, Options, &[u8]) -> Result<Connection>,
+        connect: fn(&[SocketAddr], &Pd, Options, &[u8]) -> Result<Established>,
     ) -> Result<AsyncConnection> {
         let addrs = resolve(addr).await?;
         let (pd, blob) = (pd.clone(), blob.to_vec());
@@ -181,20 +182,32 @@ impl AsyncConnection {
         Ok((AsyncConnection::wrap(a)?, AsyncConnection::wrap(b)?))
     }
 
-    /// Makes a connection set up with [`WaitMode::Event`] async.
-    pub(crate) fn wrap(conn: Connection) -> Result<AsyncConnection> {
-        AsyncConnection::wrap_serving(conn, None)
+    /// Makes a connection set up with [`WaitMode::Event`] async (with its control channel, if
+    /// setup made one).
+    pub(crate) fn wrap(est: Established) -> Result<AsyncConnection> {
+        AsyncConnection::wrap_serving(est, None)
     }
 
     /// As `wrap`, lending from `serving` (if any) from the peer's first control message on.
     pub(crate) fn wrap_serving(
-        mut conn: Connection,
+        est: Established,
+        serving: Option<(crate::heap::Heap, crate::transfer::RemoteLimits)>,
+    ) -> Result<AsyncConnection> {
+        let (conn, control) = est.into_parts();
+        AsyncConnection::wrap_parts(conn, control, serving)
+    }
+
+    /// An async connection over `conn`; `control` (its control channel) becomes one too, driven
+    /// by the control task.
+    fn wrap_parts(
+        conn: Connection,
+        control: Option<Connection>,
         serving: Option<(crate::heap::Heap, crate::transfer::RemoteLimits)>,
     ) -> Result<AsyncConnection> {
         let channel = conn.core().channel().cloned().ok_or_else(|| {
             Error::InvalidArgument("an async connection needs CQs on a completion channel (WaitMode::Event)".into())
         })?;
-        let control = conn.take_control().map(AsyncConnection::wrap).transpose()?.map(control::new);
+        let control = control.map(|c| AsyncConnection::wrap_parts(c, None, None)).transpose()?.map(control::new);
         let (control_stop, stop_control) = tokio::sync::watch::channel(());
         let stop = Arc::new(Notify::new());
         let shared = Arc::new(Shared {

@@ -20,7 +20,7 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
-use crate::transfer::setup::control::{self, Prepared};
+use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 
@@ -58,13 +58,10 @@ fn established(
     peer_control: Option<u32>,
     blob: Vec<u8>,
     hold: CmHold,
-) -> Result<Connection> {
+) -> Result<Established> {
     let peer = peer_endpoint(&prepared.data.0, peer_qpn);
-    let mut conn = Connection::wrap(pd, opts, prepared.data, peer, blob)?;
-    if let (Some(mine), Some(qpn)) = (prepared.control, peer_control) {
-        let peer = peer_endpoint(&mine.0, qpn);
-        conn.set_control(Connection::wrap(pd, &control::options(opts), mine, peer, Vec::new())?);
-    }
+    let control = prepared.control.as_ref().zip(peer_control).map(|(mine, qpn)| peer_endpoint(&mine.0, qpn));
+    let mut conn = prepared.wrap(pd, opts, peer, control, blob)?;
     // The channel now only brings DISCONNECTED / DEVICE_REMOVAL: the watcher reads it.
     hold._channel.set_nonblocking()?;
     let channel = hold._channel.0;
@@ -98,7 +95,7 @@ impl Connection {
     /// - [`Error::Verbs`] if an RDMA CM or verbs call fails; as [`Connection::pair`] for
     ///   creating the queue pair.
     pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
-        Connection::connect_cm_offering(addr, pd, opts, blob, false)
+        Connection::connect_cm_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
     }
 
     /// As [`Connection::connect_cm_with`]; with `control`, offers a control channel (set up if
@@ -109,7 +106,7 @@ impl Connection {
         opts: Options,
         blob: &[u8],
         control: bool,
-    ) -> Result<Connection> {
+    ) -> Result<Established> {
         let max = if control { MAX_ASYNC_CM_BLOB } else { MAX_CM_BLOB };
         check_blob(blob, max, "an RDMA CM connect blob")?;
         Connection::connect_cm_framed(addr, pd, opts, control, |offer| frame(blob, offer))
@@ -123,7 +120,7 @@ impl Connection {
         opts: Options,
         control: bool,
         private: impl FnOnce(Option<u32>) -> Vec<u8>,
-    ) -> Result<Connection> {
+    ) -> Result<Established> {
         check_no_secret(&opts)?;
         let target = resolve(addr)?;
         let deadline = Instant::now() + opts.connect_timeout;
@@ -269,7 +266,7 @@ impl CmListener {
         self.id.1.check("this RDMA CM listener")?;
         check_accept_blob(blob, false)?;
         let req = self.next_request()?;
-        accept_request(req, &self.pd, &self.opts, blob, false)
+        accept_request(req, &self.pd, &self.opts, blob, false).map(Established::into_blocking)
     }
 
     /// Waits for the next connect request. Only one waiting call gets the listening id's
@@ -375,7 +372,7 @@ pub(crate) fn accept_request(
     opts: &Options,
     blob: &[u8],
     control: bool,
-) -> Result<Connection> {
+) -> Result<Established> {
     let CmRequest { child, own, private, qp_num } = req;
     // From here on the id and its channel drop together, the id first (on every error path).
     let hold = CmHold { id: child, _channel: own };
