@@ -2,4 +2,5 @@
 //! `crate::verbs::liveness`) and keepalive probes.
 
 pub(crate) mod keepalive;
+pub(crate) mod source;
 pub(crate) mod watch;

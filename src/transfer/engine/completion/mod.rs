@@ -15,6 +15,7 @@
 //! that went to the error state without a word to this side (rxe moves a responder's QP there
 //! on a bad request) still leaves its failure recorded.
 
+mod held;
 mod outcome;
 mod pause;
 mod queue;
@@ -35,7 +36,6 @@ use parking_lot::{Condvar, Mutex};
 use crate::clock::Stopwatch;
 use crate::error::{Disconnect, Error, Result};
 use crate::transfer::engine::spin::Spin;
-use crate::transfer::engine::stats::ConnectionStats;
 use crate::verbs::{CompChannel, Cq, WcOpcode, WcStatus, WorkCompletion};
 
 /// The operation name of a keepalive probe (its completion's, and a failure's): the completion
@@ -470,13 +470,6 @@ impl Core {
         })
     }
 
-    /// Keeps `buf` until the connection is closed: dropped by the connection's drop once its
-    /// queue pair is in the error state and flushed (after which it serves no remote access),
-    /// or leaked if the flush never comes.
-    pub(crate) fn park_until_closed(&self, buf: Parked) {
-        self.until_closed.lock().push(buf);
-    }
-
     /// Runs `f` with the send queue locked, so that posting and slot accounting are one step.
     /// Drops only what `f` itself released by reaping (posting paths may hold locks of their
     /// own: the watcher's kept buffers wait for a reap).
@@ -487,16 +480,6 @@ impl Core {
     /// [`Core::with_send`] for the connection watcher: runs no buffer's `Drop`.
     pub(crate) fn with_send_for_probe<R>(&self, f: impl FnOnce(&Core, &mut SendSlots<'_>) -> R) -> R {
         self.with_as(true, Reaper::Watcher, |c, q| f(c, &mut SendSlots(q)))
-    }
-
-    /// The connection's counters now.
-    pub(crate) fn stats(&self) -> ConnectionStats {
-        let (send, send_used) = {
-            let q = self.send.lock();
-            (q.counts, q.used)
-        };
-        let q = self.recv.lock();
-        ConnectionStats::from_queues(send, send_used, q.counts, q.used)
     }
 
     /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
@@ -514,45 +497,5 @@ impl Core {
             q.tickets.submitted(id, 1, "recv");
             Ok(())
         })
-    }
-
-    /// Whether the signaled send-queue request `wr_id` is still waiting for its completion.
-    pub(crate) fn send_in_flight(&self, wr_id: u64) -> bool {
-        self.send.lock().tickets.in_flight(wr_id)
-    }
-
-    /// Whether no request is outstanding on either queue and nothing is parked.
-    pub(crate) fn quiet(&self) -> bool {
-        let s = self.send.lock();
-        let r = self.recv.lock();
-        s.used == 0 && r.used == 0 && !s.tickets.any_abandoned() && !r.tickets.any_abandoned()
-    }
-
-    /// Whether buffers wait for completions not yet reaped (someone must keep reaping).
-    #[cfg(feature = "tokio")]
-    pub(crate) fn has_parked(&self) -> bool {
-        self.send.lock().tickets.any_abandoned() || self.recv.lock().tickets.any_abandoned()
-    }
-
-    /// Takes every buffer still held (parked, or kept until the connection is closed).
-    pub(crate) fn take_held(&self) -> Vec<Parked> {
-        let mut all = self.send.lock().tickets.take_abandoned();
-        all.extend(self.recv.lock().tickets.take_abandoned());
-        all.append(&mut self.until_closed.lock());
-        all.append(&mut self.deferred.lock());
-        all
-    }
-}
-
-impl Drop for Core {
-    fn drop(&mut self) {
-        // The connection takes every held buffer after closing or destroying its QP. Anything here
-        // means that did not happen (a panic on the way): the NIC may still use it, so leak it.
-        let held = self.take_held();
-        if !held.is_empty() {
-            let n = held.len();
-            std::mem::forget(held); // leaked before anything else runs (a logger may panic)
-            tracing::error!("a connection's completion state went away holding {n} buffers; leaking them");
-        }
     }
 }
