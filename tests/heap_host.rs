@@ -445,6 +445,11 @@ fn child_uses_a_heap_of_its_own(heap: &Heap, buf: &mralloc::Buffer, live: u64) -
     if !matches!(heap.alloc_uninit(1 << 20), Err(mralloc::Error::Forked(_))) {
         return 6;
     }
+    // reserve would grow the parent's arena in the child (new chunks on the parent's PDs).
+    let mapped = heap.stats().mapped_bytes;
+    if !matches!(heap.reserve(4 << 20), Err(mralloc::Error::Forked(_))) || heap.stats().mapped_bytes != mapped {
+        return 10;
+    }
     // 6. Dropping the parent's buffer and a handle of its heap here releases nothing (and does
     // not crash on the absent data).
     // SAFETY: an owned copy of the parent's buffer, dropped once here; the original is never

@@ -35,8 +35,13 @@ impl Heap {
     /// heap's [`crate::heap::HeapBuilder::limit`]; [`Error::Registration`], [`Error::Io`] or
     /// [`Error::OutOfMemory`] if a chunk could not be mapped, bound or registered (the chunks
     /// made before the failure stay with the heap). Nothing stays allocated either way.
+    /// [`Error::Forked`] in a fork()ed child of the process that made the heap (nothing is
+    /// mapped: the heap is the parent's).
     pub fn reserve(&self, bytes: usize) -> Result<()> {
         const PAGE: usize = 4096;
+        // Checked before anything of the heap is touched (a parent thread may have held its
+        // arena's locks at the fork).
+        self.born().check("this heap")?;
         let s = self.shared();
         let mapped = || s.owner.counters.mapped.load(Ordering::Relaxed) as usize;
         let start = mapped();
