@@ -403,6 +403,14 @@ fn device_one_liveness_thread_watches_devices_connections_and_probes() {
         (Connection::connect_cm(cm_addr, &pd, Options::default()).unwrap(), d.join().unwrap())
     });
     let pair = Connection::pair(&pd, &Options::default()).unwrap();
+    // Where each peer is, as setup saw it (TCP: the stream's other end; CM: the peer address).
+    assert_eq!(a.peer_addr(), Some(addr));
+    let b_sees = b.peer_addr().expect("the client's TCP address");
+    assert!(b_sees.ip().is_loopback() && b_sees.port() != addr.port(), "{b_sees}");
+    let cm_ip: std::net::IpAddr = ip.parse().unwrap();
+    assert_eq!(c.peer_addr().map(|p| (p.ip(), p.port())), Some((cm_ip, cm_addr.1)));
+    assert_eq!(d.peer_addr().map(|p| p.ip()), Some(cm_ip));
+    assert_eq!(pair.0.peer_addr(), None);
     // Probes went out and came back (several intervals), and the connections work.
     std::thread::sleep(Duration::from_secs(1));
     let mut msg = heap.alloc(64).unwrap();

@@ -47,6 +47,8 @@ pub struct Connection {
     pd: Pd,
     peer: Endpoint,
     peer_blob: Vec<u8>,
+    /// The peer's IP address and port, as setup saw it (none for a pair).
+    peer_addr: Option<std::net::SocketAddr>,
     opts: Options,
     core: Arc<Core>,
     next_id: AtomicU64,
@@ -163,6 +165,7 @@ impl Connection {
             pd: pd.clone(),
             peer,
             peer_blob,
+            peer_addr: None,
             opts,
             core,
             next_id: AtomicU64::new(1),
@@ -254,6 +257,20 @@ impl Connection {
     /// [`crate::RemoteBuf`]); empty if none.
     pub fn peer_blob(&self) -> &[u8] {
         &self.peer_blob
+    }
+
+    /// The peer's IP address and port as the setup saw it: the other end of the TCP stream
+    /// ([`crate::transfer::Listener`], [`Connection::connect`]) or the RDMA CM peer address
+    /// ([`crate::transfer::CmListener`], [`Connection::connect_cm`]); `None` for a
+    /// [`Connection::pair`]. For logs and access control: the peer's RDMA endpoint is
+    /// [`Connection::peer`].
+    pub fn peer_addr(&self) -> Option<std::net::SocketAddr> {
+        self.peer_addr
+    }
+
+    /// Records where the peer is (setup).
+    pub(crate) fn set_peer_addr(&mut self, addr: Option<std::net::SocketAddr>) {
+        self.peer_addr = addr;
     }
 
     /// The queue pair (for inspection).

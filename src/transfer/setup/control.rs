@@ -52,6 +52,11 @@ impl Established {
         self.conn.start_watch(source, self.control.as_ref())
     }
 
+    /// Records the peer's IP address and port (see [`Connection::peer_addr`]).
+    pub(crate) fn set_peer_addr(&mut self, addr: Option<std::net::SocketAddr>) {
+        self.conn.set_peer_addr(addr);
+    }
+
     /// Keeps `x` (a TCP stream, CM objects) with the data connection.
     pub(crate) fn keep(&mut self, x: impl Send + Sync + 'static) {
         self.conn.keep(x);

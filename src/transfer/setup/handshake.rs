@@ -118,6 +118,7 @@ pub(crate) struct Failed {
 /// is how the peer's end going away shows here.
 pub(crate) fn keep_watched(conn: &mut Established, s: Timed) -> Result<()> {
     let fd = s.s.as_raw_fd();
+    conn.set_peer_addr(s.s.peer_addr().ok());
     conn.keep(s.s);
     conn.start_watch(Some(Source::Tcp(fd)))
 }

@@ -253,6 +253,11 @@ impl AsyncConnection {
         self.conn().options()
     }
 
+    /// The peer's IP address and port (see [`Connection::peer_addr`]).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.conn().peer_addr()
+    }
+
     /// The error that failed the connection, if any.
     pub fn error(&self) -> Option<Error> {
         self.conn().error()

@@ -32,8 +32,8 @@ pub(crate) use raw::raw_event;
 #[cfg(feature = "tokio")]
 use raw::try_event;
 use raw::{
-    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_endpoint, resolve, sockaddr, Channel,
-    CmHold, Id,
+    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_addr_of, peer_endpoint, resolve,
+    sockaddr, Channel, CmHold, Id,
 };
 
 /// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
@@ -62,6 +62,8 @@ fn established(
     let peer = peer_endpoint(&prepared.data.0, peer_qpn);
     let control = prepared.control.as_ref().zip(peer_control).map(|(mine, qpn)| peer_endpoint(&mine.0, qpn));
     let mut conn = prepared.wrap(pd, opts, peer, control, blob)?;
+    // SAFETY: the connection's live id.
+    conn.set_peer_addr(unsafe { peer_addr_of(hold.id.0) });
     // The channel now only brings DISCONNECTED / DEVICE_REMOVAL: the watcher reads it.
     hold._channel.set_nonblocking()?;
     let channel = hold._channel.0;

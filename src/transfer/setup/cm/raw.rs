@@ -284,6 +284,39 @@ pub(crate) fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
     ss
 }
 
+/// The address a CM id's peer has (`rdma_get_peer_addr`), if it is an IP one.
+///
+/// # Safety
+/// `id` is a live CM id.
+pub(crate) unsafe fn peer_addr_of(id: *mut ffi::rdma_cm_id) -> Option<SocketAddr> {
+    if id.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's live id; the address is a field of its route, valid while it lives.
+    let sa: *const libc::sockaddr = std::ptr::from_ref(unsafe { ffi::rdma_get_peer_addr(&*id) }).cast();
+    // SAFETY: a sockaddr of its family's size, as the id's route holds it.
+    unsafe {
+        match i32::from((*sa).sa_family) {
+            libc::AF_INET => {
+                let sin = sa.cast::<libc::sockaddr_in>().read_unaligned();
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                Some(SocketAddr::from((ip, u16::from_be(sin.sin_port))))
+            }
+            libc::AF_INET6 => {
+                let sin6 = sa.cast::<libc::sockaddr_in6>().read_unaligned();
+                let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                    ip,
+                    u16::from_be(sin6.sin6_port),
+                    sin6.sin6_flowinfo,
+                    sin6.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+}
+
 pub(crate) fn resolve(addr: impl ToSocketAddrs) -> Result<SocketAddr> {
     addr.to_socket_addrs()
         .map_err(|source| Error::Io { what: "resolving the RDMA CM address".into(), source })?
