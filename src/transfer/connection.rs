@@ -54,7 +54,8 @@ pub struct Connection {
     next_id: AtomicU64,
     /// 8-byte landing zone for atomics' old values.
     scratch: Mutex<RegisteredBuf>,
-    /// Keeps the connection (and its control channel) watched: dropped first, before what it
+    /// Keeps the connection (and the control channel set up with it, if any) watched: dropped
+    /// first, before what it
     /// names (the QP, the TCP stream or CM channel in `kept`) goes away — in `Drop`, and by
     /// field order should that unwind.
     watch: Option<Registration>,
@@ -232,9 +233,10 @@ impl Connection {
         &mut self.opts
     }
 
-    /// Starts the connection watcher on this connection and its control channel (if any): the
-    /// device's events, and `source` (its setup TCP stream or CM channel, which the connection
-    /// must own) if it has one. Call once setup is complete.
+    /// Starts the connection watcher on this connection and on `control`, the control channel
+    /// set up with it (the async front end keeps that one): the device's events, and `source`
+    /// (its setup TCP stream or CM channel, which the connection must own) if it has one. Call
+    /// once setup is complete.
     pub(crate) fn start_watch(&mut self, source: Option<Source>, control: Option<&Connection>) -> Result<()> {
         let mut links = vec![self.link.clone()];
         links.extend(control.map(|c| c.link.clone()));

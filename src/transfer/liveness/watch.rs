@@ -402,15 +402,19 @@ impl Watcher {
     }
 
     fn remove(&self, token: u64) {
-        let gone = {
+        let (entry, gone) = {
             let mut st = self.state.lock();
             let Some(e) = st.entries.remove(&token) else { return };
             let dev = st.devices.get_mut(&e.device).expect("a watched connection's device is registered");
             dev.refs -= 1;
-            (dev.refs == 0).then(|| st.devices.remove(&e.device))
+            let gone = (dev.refs == 0).then(|| st.devices.remove(&e.device));
+            (e, gone)
         };
         self.notify();
-        // Closing a device (the last reference) happens outside the lock.
+        // Outside the lock: the entry's links may be the last holders of a connection's
+        // completion state (its CQs are destroyed with it), and closing a device (the last
+        // reference) is a verbs call too.
+        drop(entry);
         drop(gone);
     }
 }
