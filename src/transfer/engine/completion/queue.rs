@@ -60,9 +60,18 @@ impl Tickets {
         self.by_id.push_back((id, Lifecycle::Submitted { retires, op }));
     }
 
-    /// Where `id` is in the table.
-    #[inline]
+    /// Where `id` is in the table: at the front, almost always (completions come in order).
+    #[inline(always)]
     pub(super) fn find(&self, id: u64) -> Option<usize> {
+        match self.by_id.front() {
+            Some((k, _)) if *k == id => Some(0),
+            _ => self.find_further(id),
+        }
+    }
+
+    /// [`Tickets::find`] past the front.
+    #[inline(never)]
+    fn find_further(&self, id: u64) -> Option<usize> {
         self.by_id.iter().position(|(k, _)| *k == id)
     }
 
@@ -92,7 +101,8 @@ impl Tickets {
     /// Takes the ticket at `i` out of the table.
     #[inline]
     pub(super) fn remove_at(&mut self, i: usize) -> Lifecycle {
-        let (_, l) = self.by_id.remove(i).expect("an index found in the table");
+        let taken = if i == 0 { self.by_id.pop_front() } else { self.by_id.remove(i) };
+        let (_, l) = taken.expect("an index found in the table");
         if matches!(l, Lifecycle::Abandoned { .. }) {
             self.abandoned -= 1;
         }
@@ -100,8 +110,22 @@ impl Tickets {
     }
 
     /// Takes `id`'s outcome if it has completed (else leaves it be).
-    #[inline]
+    #[inline(always)]
     pub(super) fn claim(&mut self, id: u64) -> Option<Outcome> {
+        // The common cases touch only the front: the ticket waited for is the oldest.
+        match self.by_id.front() {
+            Some((k, Lifecycle::Completed(_))) if *k == id => match self.by_id.pop_front() {
+                Some((_, Lifecycle::Completed(o))) => Some(o),
+                _ => None,
+            },
+            Some((k, _)) if *k == id => None,
+            _ => self.claim_further(id),
+        }
+    }
+
+    /// [`Tickets::claim`] of a ticket past the front.
+    #[inline(never)]
+    fn claim_further(&mut self, id: u64) -> Option<Outcome> {
         let i = self.find(id)?;
         if !matches!(self.by_id[i].1, Lifecycle::Completed(_)) {
             return None;
