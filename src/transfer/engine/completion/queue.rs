@@ -198,3 +198,88 @@ impl Default for Queue {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::Completed;
+    use crate::verbs::WcOpcode;
+
+    fn done(n: u32) -> Outcome {
+        Ok(Completed { byte_len: n, imm: None, opcode: WcOpcode::RdmaWrite })
+    }
+
+    /// Marks ticket `id` completed, as a reap does.
+    fn reap(t: &mut Tickets, id: u64) -> bool {
+        let Some(i) = t.find(id) else { return false };
+        match t.at(i) {
+            Lifecycle::Submitted { .. } => {
+                t.complete(i, done(id as u32));
+                true
+            }
+            Lifecycle::Abandoned { .. } => {
+                assert!(matches!(t.remove_at(i), Lifecycle::Abandoned { .. }));
+                false
+            }
+            Lifecycle::Completed(_) => false,
+        }
+    }
+
+    #[test]
+    fn tickets_are_claimed_in_and_out_of_order_and_nothing_is_lost() {
+        let mut t = Tickets::default();
+        // Many posted (a queue that never drains: receives kept posted), claimed in order,
+        // with new ones posted meanwhile.
+        let mut next = 1u64;
+        for _ in 0..256 {
+            t.submitted(next, 1, "recv");
+            next += 1;
+        }
+        let mut oldest = 1u64;
+        for _ in 0..10_000 {
+            assert_eq!(t.claim(oldest), None, "not completed yet");
+            assert!(t.in_flight(oldest) && !t.is_completed(oldest));
+            assert!(reap(&mut t, oldest));
+            assert!(t.is_completed(oldest) && !t.in_flight(oldest));
+            assert_eq!(t.claim(oldest).unwrap().unwrap().byte_len, oldest as u32);
+            assert_eq!(t.claim(oldest), None, "claimed once");
+            oldest += 1;
+            t.submitted(next, 1, "recv");
+            next += 1;
+            assert_eq!(t.by_id.len(), 256);
+        }
+        // Out of order: complete three, claim the middle one first.
+        let (a, b, c) = (oldest, oldest + 1, oldest + 2);
+        for id in [a, b, c] {
+            assert!(reap(&mut t, id));
+        }
+        assert!(t.claim(b).is_some() && t.claim(b).is_none());
+        assert!(t.claim(c).is_some() && t.claim(a).is_some());
+        assert!(t.find(a).is_none() && t.find(b).is_none() && t.find(c).is_none());
+        assert_eq!(t.find(c + 1), Some(0));
+    }
+
+    #[test]
+    fn abandoned_tickets_keep_their_buffers_until_reaped_or_taken() {
+        let mut t = Tickets::default();
+        for id in 1..=4 {
+            t.submitted(id, 2, "RDMA WRITE");
+        }
+        let i = t.find(2).unwrap();
+        t.abandon(i, Box::new(vec![2u8]));
+        let i = t.find(4).unwrap();
+        t.abandon(i, Box::new(vec![4u8]));
+        assert!(t.any_abandoned());
+        assert!(t.in_flight(2) && !t.is_completed(2));
+        // Reaped: an abandoned ticket leaves the table (its buffer is released by the caller).
+        assert!(reap(&mut t, 1) && !reap(&mut t, 2));
+        assert!(t.find(2).is_none() && t.any_abandoned());
+        // The connection takes back what is still held; completed outcomes stay for waiters.
+        let held = t.take_abandoned();
+        assert_eq!(held.len(), 1);
+        assert!(!t.any_abandoned());
+        assert!(t.find(4).is_none() && t.is_completed(1) && t.in_flight(3));
+        assert!(t.claim(1).is_some());
+        assert_eq!(t.find(3), Some(0));
+    }
+}
