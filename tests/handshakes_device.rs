@@ -339,3 +339,46 @@ fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
         assert_eq!(listener.failed_handshakes(), 1);
     });
 }
+
+/// A client may start before its server: a refused TCP connect (nothing listens yet) is tried
+/// again until `connect_timeout`; one that nobody ever answers fails once that deadline passed.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_client_started_before_its_server_connects_once_it_listens() {
+    let (pd, heap) = setup();
+    // A port nothing listens on (taken, then let go).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let client = std::thread::spawn({
+        let pd = pd.clone();
+        move || {
+            let started = Instant::now();
+            let conn = Connection::connect(addr, &pd, Options::default());
+            (conn, started.elapsed())
+        }
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(!client.is_finished(), "the refused connect gave up instead of trying again");
+    let listener = Listener::bind(addr, &pd, Options::default()).unwrap();
+    let server = listener.accept().unwrap();
+    let (conn, took) = client.join().unwrap();
+    let conn = conn.unwrap();
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    let mut msg = heap.alloc(64).unwrap();
+    msg.copy_from_slice(&pattern(5, 64));
+    let mut inbox = heap.alloc(64).unwrap();
+    std::thread::scope(|s| {
+        let r = s.spawn(|| server.recv(&mut inbox).unwrap());
+        conn.send(&msg).unwrap();
+        assert_eq!(r.join().unwrap().len, 64);
+    });
+    assert_bytes_eq(&inbox, &msg, "the message over the late server's connection");
+    drop((conn, server, listener));
+    // Nobody ever listens: the deadline ends it, with the refusal as the reason.
+    let opts = Options { connect_timeout: Duration::from_millis(800), ..Options::default() };
+    let started = Instant::now();
+    let e = Connection::connect(addr, &pd, opts).unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, Error::Io { .. }), "{e:?}");
+    assert!(took >= Duration::from_millis(700) && took < Duration::from_secs(5), "{took:?}");
+}

@@ -5,7 +5,7 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::transfer::setup::acceptor::{deadline_after, no_answer, Accepting, HandshakeFailure, Reply};
@@ -183,8 +183,10 @@ impl Connection {
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
     /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address
     ///   `addr` resolves to is tried in turn, within [`Options::connect_timeout`] for the whole
-    ///   setup: the last failure is reported); [`Error::Timeout`] if no address was tried
-    ///   before the deadline; [`Error::InvalidArgument`] if it resolves to nothing.
+    ///   setup: the last failure is reported; while every address refuses the connection —
+    ///   nothing listens there yet — they are tried again until that deadline, so a client may
+    ///   start before its server); [`Error::Timeout`] if no address was tried before the
+    ///   deadline; [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
     }
@@ -203,21 +205,36 @@ impl Connection {
         if addrs.is_empty() {
             return Err(Error::InvalidArgument("the address resolved to nothing".into()));
         }
-        // Each address in turn, within the one deadline; the last failure is reported.
+        // Each address in turn, within the one deadline; the last failure is reported. While
+        // every address refuses (nothing listens there yet: the peer is starting), all are
+        // tried again after a pause that grows to half a second, until the deadline.
         let mut last = None;
         let mut stream = None;
-        for target in &addrs {
+        let mut pause = Duration::from_millis(10);
+        'tries: loop {
+            let mut refused = true;
+            for target in &addrs {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break 'tries;
+                }
+                match TcpStream::connect_timeout(target, left) {
+                    Ok(s) => {
+                        stream = Some(s);
+                        break 'tries;
+                    }
+                    Err(e) => {
+                        refused &= e.kind() == std::io::ErrorKind::ConnectionRefused;
+                        last = Some((*target, e));
+                    }
+                }
+            }
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if !refused || left.is_zero() {
                 break;
             }
-            match TcpStream::connect_timeout(target, left) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some((*target, e)),
-            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(Duration::from_millis(500));
         }
         let s = match (stream, last) {
             (Some(s), _) => s,
