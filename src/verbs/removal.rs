@@ -34,6 +34,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::fork::ForkLock;
 use crate::verbs::context::ContextInner;
+use crate::verbs::liveness::Host;
 use crate::verbs::Context;
 
 /// Called once for a removed context.
@@ -326,25 +327,7 @@ pub(crate) fn is_uverbs_removal(msg: &[u8]) -> bool {
     head.starts_with(b"remove@") && fields.any(|f| f == b"SUBSYSTEM=infiniband_verbs")
 }
 
-impl crate::verbs::liveness::Host for Monitor {
-    fn fds(&self) -> [libc::pollfd; 2] {
-        Monitor::fds(self)
-    }
-    fn timeout_ms(&self) -> i32 {
-        Monitor::timeout_ms(self)
-    }
-    fn after_poll(&self, fds: &[libc::pollfd]) {
-        Monitor::after_poll(self, fds)
-    }
-    fn notify(&self) {
-        Monitor::notify(self)
-    }
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-}
-
-impl Monitor {
+impl Host for Monitor {
     /// Wakes the liveness thread: something is pending, or its descriptors changed.
     fn notify(&self) {
         let one = 1u64;
@@ -407,6 +390,12 @@ impl Monitor {
         self.call(&removed, uverbs_went);
     }
 
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
+impl Monitor {
     /// The watched contexts whose device is gone, marked removed here (and logged after the
     /// lock).
     fn find_removed(&self) -> Vec<Weak<ContextInner>> {

@@ -85,19 +85,16 @@ impl Connection {
     #[inline(always)]
     pub(crate) fn run_borrowed(&self, action: Action<'_>, sges: SgeList) -> Result<Received> {
         let req = self.request(action, sges)?;
-        if req.sges().is_empty() {
-            // No memory to guard (a receive for an immediate): a lost flush is an error.
-            // SAFETY: the request names no memory.
-            let t = unsafe { self.submit(std::slice::from_ref(&req))? };
-            return self.wait(t)?.delivered(req.posted());
-        }
+        // No memory to guard (a receive for an immediate): there a lost flush is an error.
+        let borrowed = !req.sges().is_empty();
         // SAFETY: the memory is borrowed by our caller for this whole call, and we do not return
         // before the request's completion (or its flush) is claimed; FlushLost aborts.
         let t = match unsafe { self.submit(std::slice::from_ref(&req)) } {
-            Err(Error::FlushLost { wr_id, .. }) => abort_borrowed(wr_id),
+            Err(Error::FlushLost { wr_id, .. }) if borrowed => abort_borrowed(wr_id),
             r => r?,
         };
-        self.wait_borrowed(t)?.delivered(req.posted())
+        let got = if borrowed { self.wait_borrowed(t)? } else { self.wait(t)? };
+        got.delivered(req.posted())
     }
 
     /// Waits for `t`, posted on *borrowed* memory: unwinding out of the wait waits for the

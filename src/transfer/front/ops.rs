@@ -128,7 +128,6 @@ impl Connection {
     ///   receive, and the connection, with [`Error::Operation`]).
     /// - [`Error::FlushLost`] if the device never flushes the receive after a failure.
     pub fn recv_imm(&self) -> Result<u32> {
-        self.check()?;
         immediate_of(self.run_borrowed(Action::RecvImm, SgeList::Empty)?)
     }
 
