@@ -51,7 +51,10 @@ pub struct Connection {
     peer_addr: Option<std::net::SocketAddr>,
     opts: Options,
     core: Arc<Core>,
+    /// The next send-queue work-request id.
     next_id: AtomicU64,
+    /// The next receive's id (its own sequence: see [`RECV_BIT`]).
+    next_recv_id: AtomicU64,
     /// 8-byte landing zone for atomics' old values.
     scratch: Mutex<RegisteredBuf>,
     /// Keeps the connection (and the control channel set up with it, if any) watched: dropped
@@ -84,6 +87,10 @@ impl std::fmt::Debug for Connection {
             .finish()
     }
 }
+
+/// Set in every receive's work-request id: receives are told from send-queue requests (and
+/// keepalive probes, bit 63) in messages and errors.
+const RECV_BIT: u64 = 1 << 62;
 
 impl Connection {
     /// Creates the QP (INIT) and CQs for a connection in `pd`.
@@ -138,7 +145,7 @@ impl Connection {
             WaitMode::Event => Mode::Event,
             WaitMode::Poller(_) => Mode::Poller,
         };
-        let core = Arc::new(Core::new(send_cq, recv_cq, mode, opts.spin));
+        let core = Arc::new(Core::new(send_cq, recv_cq, (opts.send_depth, opts.recv_depth), mode, opts.spin));
         // What the device was told (an RDMA CM connection's ACK timeout comes from the path, not
         // the options), else what the options asked for.
         let keepalive =
@@ -170,6 +177,7 @@ impl Connection {
             opts,
             core,
             next_id: AtomicU64::new(1),
+            next_recv_id: AtomicU64::new(RECV_BIT | 1),
             scratch: Mutex::new(scratch),
             watch: None,
             kept,
@@ -382,6 +390,12 @@ impl Connection {
 
     pub(crate) fn next_wr_id(&self) -> u64 {
         self.next_wr_ids(1)
+    }
+
+    /// The next receive's work-request id. Each queue numbers its own requests, so the ids a
+    /// queue has in flight are consecutive (what its ticket table is indexed by).
+    pub(crate) fn next_recv_id(&self) -> u64 {
+        self.next_recv_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// `k` consecutive work-request ids; returns the first.

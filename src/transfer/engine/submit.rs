@@ -127,7 +127,7 @@ impl Connection {
     /// As [`Connection::submit`].
     unsafe fn submit_recv(&self, req: &Request) -> Result<Ticket> {
         self.check()?;
-        let id = self.next_wr_id();
+        let id = self.next_recv_id();
         self.core().with_recv_slot(self.options().recv_depth, id, || {
             // SAFETY: the caller keeps the memory valid until the receive is claimed.
             unsafe { self.qp().post_recv(id, req.sges()) }

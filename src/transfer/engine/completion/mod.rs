@@ -100,14 +100,15 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub(crate) fn new(send_cq: Cq, recv_cq: Cq, mode: Mode, spin: Duration) -> Core {
+    /// `depths`: the send and receive queues' depths (the requests each has in flight at most).
+    pub(crate) fn new(send_cq: Cq, recv_cq: Cq, depths: (u32, u32), mode: Mode, spin: Duration) -> Core {
         let channel = send_cq.channel().cloned();
         Core {
             send_cq,
             recv_cq,
             failed: OnceLock::new(),
-            send: Mutex::new(Queue::default()),
-            recv: Mutex::new(Queue::default()),
+            send: Mutex::new(Queue::new(depths.0)),
+            recv: Mutex::new(Queue::new(depths.1)),
             until_closed: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),

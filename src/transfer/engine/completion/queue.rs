@@ -1,8 +1,6 @@
 //! A connection's per-queue bookkeeping: tickets, the outcomes reaped for them, the buffers
 //! parked on them, the send queue's slots.
 
-use std::collections::VecDeque;
-
 use crate::transfer::engine::completion::{Failure, Outcome};
 use crate::transfer::engine::stats::QueueCounts;
 use crate::verbs::WorkCompletion;
@@ -43,66 +41,102 @@ pub(super) enum Lifecycle {
     Completed(Outcome),
 }
 
-/// A queue's tickets by work-request id, in posting order: a queue completes its requests in
-/// that order, so the one a completion names is at the front, or near it (lookups scan from
-/// there; removals keep the order).
-#[derive(Default)]
+/// A queue's tickets by work-request id: a ring indexed by the id's low bits, so a lookup is
+/// one load and a compare. A queue's ids are consecutive (each queue numbers its own requests)
+/// and it completes them in order, so the requests in flight — at most the queue's depth —
+/// never share a ring slot; a ticket that does (an outcome nobody claimed for a long time, a
+/// keepalive probe's id) waits in `spill`, which is looked at only when it is not empty.
 pub(super) struct Tickets {
-    by_id: VecDeque<(u64, Lifecycle)>,
+    ring: Box<[Option<(u64, Lifecycle)>]>,
+    mask: u64,
+    /// Tickets whose ring slot was taken.
+    spill: Vec<(u64, Lifecycle)>,
     /// How many are `Abandoned` (so "anything parked?" costs nothing).
     abandoned: usize,
 }
 
+/// Where a ticket is: `i < ring.len()` in the ring, else `spill[i - ring.len()]`.
+type At = usize;
+
 impl Tickets {
-    /// A request posted as `id` (signaled: its completion will be reaped). Ids grow with every
-    /// post, so this keeps the order.
-    pub(super) fn submitted(&mut self, id: u64, retires: u32, op: &'static str) {
-        self.by_id.push_back((id, Lifecycle::Submitted { retires, op }));
+    /// A table for a queue of `depth` requests in flight.
+    pub(super) fn new(depth: u32) -> Tickets {
+        let n = (depth.max(8) as usize).next_power_of_two() * 2;
+        Tickets { ring: (0..n).map(|_| None).collect(), mask: n as u64 - 1, spill: Vec::new(), abandoned: 0 }
     }
 
-    /// Where `id` is in the table: at the front, almost always (completions come in order).
+    /// A request posted as `id` (signaled: its completion will be reaped). A ticket in its
+    /// slot (one left unclaimed for a whole turn of the ring) moves to the spill.
+    pub(super) fn submitted(&mut self, id: u64, retires: u32, op: &'static str) {
+        let slot = &mut self.ring[(id & self.mask) as usize];
+        if slot.is_some() {
+            self.spill.extend(slot.take());
+        }
+        *slot = Some((id, Lifecycle::Submitted { retires, op }));
+    }
+
+    /// Where `id` is in the table.
     #[inline(always)]
-    pub(super) fn find(&self, id: u64) -> Option<usize> {
-        match self.by_id.front() {
-            Some((k, _)) if *k == id => Some(0),
-            _ => self.find_further(id),
+    pub(super) fn find(&self, id: u64) -> Option<At> {
+        let i = (id & self.mask) as usize;
+        match &self.ring[i] {
+            Some((k, _)) if *k == id => Some(i),
+            _ if self.spill.is_empty() => None,
+            _ => self.find_spilled(id),
         }
     }
 
-    /// [`Tickets::find`] past the front.
     #[inline(never)]
-    fn find_further(&self, id: u64) -> Option<usize> {
-        self.by_id.iter().position(|(k, _)| *k == id)
+    fn find_spilled(&self, id: u64) -> Option<At> {
+        self.spill.iter().position(|(k, _)| *k == id).map(|j| self.ring.len() + j)
     }
 
-    /// The ticket at `i` ([`Tickets::find`]).
+    fn entry(&mut self, at: At) -> &mut (u64, Lifecycle) {
+        let n = self.ring.len();
+        if at < n {
+            self.ring[at].as_mut().expect("a ticket found in the table")
+        } else {
+            &mut self.spill[at - n]
+        }
+    }
+
+    /// The ticket at `at` ([`Tickets::find`]).
     #[inline]
-    pub(super) fn at(&self, i: usize) -> &Lifecycle {
-        &self.by_id[i].1
+    pub(super) fn at(&self, at: At) -> &Lifecycle {
+        let n = self.ring.len();
+        if at < n {
+            &self.ring[at].as_ref().expect("a ticket found in the table").1
+        } else {
+            &self.spill[at - n].1
+        }
     }
 
-    /// The ticket at `i` completed with `o` (it was `Submitted`).
+    /// The ticket at `at` completed with `o` (it was `Submitted`).
     #[inline]
-    pub(super) fn complete(&mut self, i: usize, o: Outcome) {
-        debug_assert!(matches!(self.by_id[i].1, Lifecycle::Submitted { .. }));
-        self.by_id[i].1 = Lifecycle::Completed(o);
+    pub(super) fn complete(&mut self, at: At, o: Outcome) {
+        let e = self.entry(at);
+        debug_assert!(matches!(e.1, Lifecycle::Submitted { .. }));
+        e.1 = Lifecycle::Completed(o);
     }
 
-    /// Nobody waits for the `Submitted` ticket at `i` any more: `buf` stays until its
+    /// Nobody waits for the `Submitted` ticket at `at` any more: `buf` stays until its
     /// completion is reaped.
-    pub(super) fn abandon(&mut self, i: usize, buf: Parked) {
-        let Lifecycle::Submitted { retires, op } = self.by_id[i].1 else {
-            unreachable!("only a submitted ticket is abandoned")
-        };
-        self.by_id[i].1 = Lifecycle::Abandoned { retires, op, buf };
+    pub(super) fn abandon(&mut self, at: At, buf: Parked) {
+        let e = self.entry(at);
+        let Lifecycle::Submitted { retires, op } = e.1 else { unreachable!("only a submitted ticket is abandoned") };
+        e.1 = Lifecycle::Abandoned { retires, op, buf };
         self.abandoned += 1;
     }
 
-    /// Takes the ticket at `i` out of the table.
+    /// Takes the ticket at `at` out of the table.
     #[inline]
-    pub(super) fn remove_at(&mut self, i: usize) -> Lifecycle {
-        let taken = if i == 0 { self.by_id.pop_front() } else { self.by_id.remove(i) };
-        let (_, l) = taken.expect("an index found in the table");
+    pub(super) fn remove_at(&mut self, at: At) -> Lifecycle {
+        let n = self.ring.len();
+        let (_, l) = if at < n {
+            self.ring[at].take().expect("a ticket found in the table")
+        } else {
+            self.spill.swap_remove(at - n)
+        };
         if matches!(l, Lifecycle::Abandoned { .. }) {
             self.abandoned -= 1;
         }
@@ -112,25 +146,25 @@ impl Tickets {
     /// Takes `id`'s outcome if it has completed (else leaves it be).
     #[inline(always)]
     pub(super) fn claim(&mut self, id: u64) -> Option<Outcome> {
-        // The common cases touch only the front: the ticket waited for is the oldest.
-        match self.by_id.front() {
-            Some((k, Lifecycle::Completed(_))) if *k == id => match self.by_id.pop_front() {
+        let i = (id & self.mask) as usize;
+        match &self.ring[i] {
+            Some((k, Lifecycle::Completed(_))) if *k == id => match self.ring[i].take() {
                 Some((_, Lifecycle::Completed(o))) => Some(o),
                 _ => None,
             },
             Some((k, _)) if *k == id => None,
-            _ => self.claim_further(id),
+            _ if self.spill.is_empty() => None,
+            _ => self.claim_spilled(id),
         }
     }
 
-    /// [`Tickets::claim`] of a ticket past the front.
     #[inline(never)]
-    fn claim_further(&mut self, id: u64) -> Option<Outcome> {
-        let i = self.find(id)?;
-        if !matches!(self.by_id[i].1, Lifecycle::Completed(_)) {
+    fn claim_spilled(&mut self, id: u64) -> Option<Outcome> {
+        let at = self.find_spilled(id)?;
+        if !matches!(self.at(at), Lifecycle::Completed(_)) {
             return None;
         }
-        match self.remove_at(i) {
+        match self.remove_at(at) {
             Lifecycle::Completed(o) => Some(o),
             _ => None,
         }
@@ -138,12 +172,12 @@ impl Tickets {
 
     /// Whether `id` has completed, its outcome not claimed yet.
     pub(super) fn is_completed(&self, id: u64) -> bool {
-        self.find(id).is_some_and(|i| matches!(self.by_id[i].1, Lifecycle::Completed(_)))
+        self.find(id).is_some_and(|i| matches!(self.at(i), Lifecycle::Completed(_)))
     }
 
     /// Whether `id` is posted and not reaped yet.
     pub(super) fn in_flight(&self, id: u64) -> bool {
-        self.find(id).is_some_and(|i| !matches!(self.by_id[i].1, Lifecycle::Completed(_)))
+        self.find(id).is_some_and(|i| !matches!(self.at(i), Lifecycle::Completed(_)))
     }
 
     /// Whether any buffer waits for its completion.
@@ -155,16 +189,29 @@ impl Tickets {
     /// Takes every abandoned ticket's buffer (the connection is done with the queue pair).
     pub(super) fn take_abandoned(&mut self) -> Vec<Parked> {
         let mut bufs = Vec::new();
-        let mut kept = VecDeque::with_capacity(self.by_id.len());
-        for (id, l) in self.by_id.drain(..) {
-            match l {
-                Lifecycle::Abandoned { buf, .. } => bufs.push(buf),
-                l => kept.push_back((id, l)),
+        let take = |e: &mut Option<(u64, Lifecycle)>, bufs: &mut Vec<Parked>| {
+            if matches!(e, Some((_, Lifecycle::Abandoned { .. }))) {
+                if let Some((_, Lifecycle::Abandoned { buf, .. })) = e.take() {
+                    bufs.push(buf);
+                }
             }
+        };
+        for e in self.ring.iter_mut() {
+            take(e, &mut bufs);
         }
-        self.by_id = kept;
+        let mut spilled: Vec<Option<(u64, Lifecycle)>> = self.spill.drain(..).map(Some).collect();
+        for e in spilled.iter_mut() {
+            take(e, &mut bufs);
+        }
+        self.spill = spilled.into_iter().flatten().collect();
         self.abandoned = 0;
         bufs
+    }
+
+    /// Tickets in the table (tests).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.ring.iter().flatten().count() + self.spill.len()
     }
 }
 
@@ -186,10 +233,11 @@ pub(super) struct Queue {
     pub(super) counts: QueueCounts,
 }
 
-impl Default for Queue {
-    fn default() -> Queue {
+impl Queue {
+    /// A queue of `depth` requests in flight.
+    pub(super) fn new(depth: u32) -> Queue {
         Queue {
-            tickets: Tickets::default(),
+            tickets: Tickets::new(depth),
             released: Vec::new(),
             orphan: None,
             used: 0,
@@ -227,7 +275,7 @@ mod tests {
 
     #[test]
     fn tickets_are_claimed_in_and_out_of_order_and_nothing_is_lost() {
-        let mut t = Tickets::default();
+        let mut t = Tickets::new(256);
         // Many posted (a queue that never drains: receives kept posted), claimed in order,
         // with new ones posted meanwhile.
         let mut next = 1u64;
@@ -246,7 +294,7 @@ mod tests {
             oldest += 1;
             t.submitted(next, 1, "recv");
             next += 1;
-            assert_eq!(t.by_id.len(), 256);
+            assert_eq!(t.len(), 256);
         }
         // Out of order: complete three, claim the middle one first.
         let (a, b, c) = (oldest, oldest + 1, oldest + 2);
@@ -256,12 +304,12 @@ mod tests {
         assert!(t.claim(b).is_some() && t.claim(b).is_none());
         assert!(t.claim(c).is_some() && t.claim(a).is_some());
         assert!(t.find(a).is_none() && t.find(b).is_none() && t.find(c).is_none());
-        assert_eq!(t.find(c + 1), Some(0));
+        assert!(t.find(c + 1).is_some());
     }
 
     #[test]
     fn abandoned_tickets_keep_their_buffers_until_reaped_or_taken() {
-        let mut t = Tickets::default();
+        let mut t = Tickets::new(4);
         for id in 1..=4 {
             t.submitted(id, 2, "RDMA WRITE");
         }
@@ -280,6 +328,34 @@ mod tests {
         assert!(!t.any_abandoned());
         assert!(t.find(4).is_none() && t.is_completed(1) && t.in_flight(3));
         assert!(t.claim(1).is_some());
-        assert_eq!(t.find(3), Some(0));
+        assert!(t.find(3).is_some());
+    }
+
+    #[test]
+    fn a_ticket_left_for_a_turn_of_the_ring_is_kept_aside_and_still_found() {
+        let mut t = Tickets::new(8);
+        let turn = t.ring.len() as u64;
+        // Ticket 1 completes and nobody claims it; an abandoned one (2) stays in flight.
+        t.submitted(1, 1, "SEND");
+        t.submitted(2, 1, "SEND");
+        assert!(reap(&mut t, 1));
+        let i = t.find(2).unwrap();
+        t.abandon(i, Box::new(7u8));
+        // A whole turn later, new tickets land on their slots: both old ones move aside.
+        for id in 3..=turn + 2 {
+            t.submitted(id, 1, "SEND");
+            assert!(reap(&mut t, id));
+            assert!(t.claim(id).is_some());
+        }
+        assert_eq!(t.spill.len(), 2);
+        assert!(t.in_flight(2) && t.any_abandoned());
+        assert!(t.is_completed(1));
+        // Still found, claimed once, reaped once.
+        assert!(t.claim(1).is_some() && t.claim(1).is_none());
+        assert!(!reap(&mut t, 2) && t.find(2).is_none() && !t.any_abandoned());
+        assert!(t.spill.is_empty());
+        // The slots those two had work as before.
+        t.submitted(turn + 1, 1, "SEND");
+        assert!(t.in_flight(turn + 1) && t.find(turn + 1).unwrap() < t.ring.len());
     }
 }
