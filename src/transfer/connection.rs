@@ -12,7 +12,8 @@ use crate::transfer::engine::completion::{Core, Failure, Mode};
 use crate::transfer::engine::stats::ConnectionStats;
 use crate::transfer::exact::Windows;
 use crate::transfer::liveness::keepalive::{Keepalive, MAX_KEEPALIVE};
-use crate::transfer::liveness::watch::{watch, Link, Registration, Source};
+use crate::transfer::liveness::link::Link;
+use crate::transfer::liveness::watch::{watch, Registration, Source};
 use crate::transfer::{Options, WaitMode};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf};
 

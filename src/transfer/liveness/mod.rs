@@ -2,5 +2,6 @@
 //! `crate::verbs::liveness`) and keepalive probes.
 
 pub(crate) mod keepalive;
+pub(crate) mod link;
 pub(crate) mod source;
 pub(crate) mod watch;
