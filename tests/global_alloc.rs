@@ -103,6 +103,19 @@ fn malloc_conf_override_is_in_effect() {
     assert_eq!(t, 0, "mralloc's malloc_conf (oversize_threshold:0) was not linked in");
 }
 
+/// An unbound `Global` is the process's plain allocator: no huge-page advice on its chunks
+/// (with THP `defrag=madvise`, advised faults may compact memory synchronously).
+#[test]
+fn unbound_global_asks_for_no_huge_pages() {
+    let big = vec![1u8; 8 << 20];
+    let small = Box::new([1u8; 64]);
+    for (p, what) in [(big.as_ptr(), "8 MiB"), (small.as_ptr(), "64 B")] {
+        assert!(in_chunk(p, 1), "the {what} value is in a hooked chunk");
+        let flags = vm_flags(p as usize);
+        assert!(!flags.iter().any(|f| f == "hg"), "the {what} value's chunk was advised huge pages: {flags:?}");
+    }
+}
+
 #[test]
 fn strings_boxes_and_big_blocks_are_in_chunks() {
     let s = String::from("registered by default");

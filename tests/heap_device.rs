@@ -10,6 +10,11 @@ use mralloc::heap::{chunk_of, nodes_of_pages, online_nodes, Buffer, Heap, NumaPo
 use mralloc::verbs::{Access, Pd, SendOp, SendWr};
 use mralloc::Error;
 
+/// Whether the kernel has transparent huge pages (`MADV_HUGEPAGE` is refused without).
+fn thp_available() -> bool {
+    std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+}
+
 fn remote_heap(pd: &Pd) -> Heap {
     Heap::builder().bind(pd).access(Access::ALL_REMOTE).max_chunk(16 << 20).build().expect("bound heap")
 }
@@ -80,8 +85,20 @@ fn device_late_bind_registers_existing_chunks() {
     let heap = Heap::builder().access(Access::ALL_REMOTE).build().unwrap();
     let early = filled(&heap, 300_000, 7);
     assert_eq!(early.lkey(), None);
+    assert!(!vm_flags(early.as_ptr() as usize).iter().any(|f| f == "hg"), "unbound: no huge-page advice");
     heap.bind(&lb.pd).unwrap();
     assert!(early.lkey().is_some(), "bind registers chunks made before it");
+    // Bound: huge pages pay (fewer pages to pin), for the chunks made before too.
+    if thp_available() {
+        let later = heap.alloc(4 << 20).unwrap();
+        for (b, what) in [(&early, "early"), (&later, "later")] {
+            let flags = vm_flags(b.as_ptr() as usize);
+            assert!(
+                flags.iter().any(|f| f == "hg"),
+                "the {what} chunk of a bound heap has no huge-page advice: {flags:?}"
+            );
+        }
+    }
     let dst = heap.alloc(300_000).unwrap();
     let back = heap.alloc(300_000).unwrap();
     write_read(&lb, &early, dst, &back, "late bind");

@@ -108,6 +108,19 @@ fn alloc_zero_fills_reused_dirty_memory() {
     }
 }
 
+/// Huge pages pay for registration (fewer pages to pin); an unbound heap registers nothing,
+/// and advised faults may compact memory synchronously (THP `defrag=madvise`): no advice.
+#[test]
+fn an_unbound_heap_asks_for_no_huge_pages() {
+    let heap = Heap::builder().build().unwrap();
+    let big = heap.alloc(4 << 20).unwrap();
+    let small = heap.alloc(64).unwrap();
+    for (b, what) in [(big.as_ptr() as usize, "4 MiB"), (small.as_ptr() as usize, "64 B")] {
+        let flags = common::vm_flags(b);
+        assert!(!flags.iter().any(|f| f == "hg"), "the {what} buffer's chunk was advised huge pages: {flags:?}");
+    }
+}
+
 #[test]
 fn unbound_heap_has_chunks_but_no_keys() {
     let heap = Heap::builder().build().unwrap();

@@ -58,10 +58,16 @@ impl Owner {
         // Register every chunk into its record's staging field; publish only when all
         // succeeded (readers never see a registration a rollback could withdraw).
         let mut failed: Option<(HookError, usize)> = None;
+        // The first binding: the data chunks mapped unbound get the huge-page advice now (a
+        // hint: pages already there are collapsed by the kernel in the background, if at all).
+        let first = bound.pds.iter().all(Option::is_none);
         for (_, rec) in chunk::owned_by(self.id) {
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
             let meta = rec.meta.load(Ordering::Relaxed);
+            if first && self.hugepages && !meta {
+                chunk::advise_hugepages(base, len);
+            }
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, len, self.access_for(meta)) {
                 Ok(mr) => {

@@ -1,8 +1,8 @@
 //! Chunks: the big, registered mappings jemalloc carves allocations from.
 //!
 //! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, prepared for
-//! `fork()` (see `crate::fork`: copied into children, or kept out of them), optionally advised
-//! to use transparent huge pages, then registered with every PD its heap is bound to (and, for
+//! `fork()` (see `crate::fork`: copied into children, or kept out of them), advised to use
+//! transparent huge pages if its heap is bound to a device (and asks for them), then registered with every PD its heap is bound to (and, for
 //! memory a fork child needs, marked `MADV_DOFORK` again where rdma-core marked it otherwise:
 //! [`keep_in_children`]). Its record lives in a fixed, statically allocated table (never on a heap,
 //! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
@@ -249,10 +249,15 @@ pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) -> Re
         crate::fork::advise_fork(base, len)?;
     }
     if hugepages {
-        // SAFETY: [base, base+len) is a mapping we own; advice never changes its contents.
-        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+        advise_hugepages(base, len);
     }
     Ok(())
+}
+
+/// Asks for transparent huge pages on `[base, base+len)` (a hint: ignored where THP is off).
+pub(crate) fn advise_hugepages(base: usize, len: usize) {
+    // SAFETY: [base, base+len) is a mapping the heap owns; advice never changes its contents.
+    unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
 }
 
 /// After `[base, base+len)` was registered: where the process's registrations are not copied

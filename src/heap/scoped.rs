@@ -88,7 +88,10 @@ impl HeapBuilder {
         self
     }
 
-    /// Advise transparent huge pages for chunks (default on; no effect where THP is off).
+    /// Advise transparent huge pages for the data chunks of the heap while it is bound to a device
+    /// (default on; no effect where THP is off): fewer pages to pin per registration. An unbound
+    /// heap's chunks get no advice (THP's `defrag=madvise` may compact memory at every advised
+    /// fault); binding advises the chunks it finds.
     pub fn hugepages(mut self, on: bool) -> Self {
         self.hugepages = on;
         self

@@ -245,3 +245,26 @@ pub fn captured_hello(pd: &mralloc::verbs::Pd) -> Vec<u8> {
     assert_eq!(&hello[..4], b"mRdx", "a connection message");
     hello
 }
+
+/// The `VmFlags` of the mapping holding `addr` (from /proc/self/smaps), e.g. `hg` for
+/// `MADV_HUGEPAGE`.
+#[allow(dead_code)]
+pub fn vm_flags(addr: usize) -> Vec<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                inside = lo <= addr && addr < hi;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.split_whitespace().map(str::to_string).collect();
+            }
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
