@@ -89,6 +89,17 @@ impl ChunkRec {
         (self.mrs[slot].load(Ordering::Acquire) == mr).then_some(mr)
     }
 
+    /// The local key of this chunk's registration with `pd`, if it has one (as
+    /// [`ChunkRec::mr_in`] finds it).
+    #[inline]
+    pub(crate) fn lkey_in(&self, pd: *mut ffi::ibv_pd) -> Option<u32> {
+        (0..MAX_PDS).find_map(|slot| {
+            self.mr_in(slot, pd)?;
+            // Written before the registration was published (`mr_in` read it with acquire).
+            Some((self.keys[slot].load(Ordering::Relaxed) >> 32) as u32)
+        })
+    }
+
     /// Whether the chunk is (or may still be) registered with any PD.
     pub(crate) fn registered(&self) -> bool {
         self.leaked.load(Ordering::Relaxed)
@@ -147,6 +158,16 @@ pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
     } else {
         None
     }
+}
+
+/// The record of the chunk holding all of `[addr, addr + len)` (`len` at least 1), if a heap
+/// handed it out.
+#[inline]
+pub(crate) fn find_range(addr: usize, len: usize) -> Option<&'static ChunkRec> {
+    let r = rec(PAGEMAP.get(addr)?);
+    let base = r.base.load(Ordering::Acquire);
+    let end = addr.checked_add(len)?;
+    (addr >= base && end <= base + r.len.load(Ordering::Acquire) && r.owner.load(Ordering::Acquire) != 0).then_some(r)
 }
 
 /// Records a new chunk for `owner` and publishes it in the page map. `None` when the table is

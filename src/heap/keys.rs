@@ -51,13 +51,9 @@ pub fn keys_of_for<T>(ptr: *const T, pd: &Pd) -> Option<Keys> {
 
 /// The lkey of `[ptr, ptr+len)` if it lies inside one registered chunk of a heap bound to `pd`
 /// (a range spanning beyond its chunk is not one memory region: `None`).
+#[inline]
 pub(crate) fn lkey_within_chunk(ptr: *const u8, len: usize, pd: &Pd) -> Option<u32> {
-    let first = keys_of_for(ptr, pd)?;
-    let end = (ptr as usize).checked_add(len.max(1))?;
-    if end > first.chunk_base + first.chunk_len {
-        return None;
-    }
-    Some(first.lkey)
+    chunk::find_range(ptr as usize, len.max(1))?.lkey_in(pd.as_raw())
 }
 
 /// The registered chunk (`base`, `len`) holding `ptr`, from any heap; `None` for foreign memory.
