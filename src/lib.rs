@@ -57,7 +57,9 @@
 //!   [`transfer::IoBufMut`]; a sub-range is an owned [`transfer::Slice`]). A borrow would not be
 //!   enough: `mem::forget` ends a borrow without running any destructor. Dropping the handle
 //!   parks the buffer with the connection until the completion arrives; forgetting it leaks the
-//!   buffer; [`transfer::Pending::wait`] gives it back.
+//!   buffer; [`transfer::Pending::wait`] gives it back. A gather/scatter list is owned the same
+//!   way — a `Vec<B>` or `[B; N]` of owned buffers, parked, leaked or given back whole — and a
+//!   list of references is refused like one reference.
 //!
 //! ```compile_fail,E0277
 //! # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap) -> mralloc::Result<()> {

@@ -8,9 +8,11 @@
 //! - Blocking operations borrow local memory for the call ([`Local`]): [`Connection::write`],
 //!   `read`, `send`, `recv`, `write_with_imm`/`recv_imm`, `fetch_add`, `compare_swap`. They do not
 //!   return while the NIC may touch the memory. Every front end names a remote range the same
-//!   way — `(local, remote, offset)` — and a blocking or batched request's local side may be a
-//!   gather/scatter list of buffers ([`Gather`], [`Scatter`]): one request, several entries.
-//! - Non-blocking operations own it ([`IoBuf`], [`IoBufMut`]; sub-ranges as [`Slice`]):
+//!   way — `(local, remote, offset)` — and every request's local side may be a
+//!   gather/scatter list of buffers: one request, several entries (borrowed for blocking and
+//!   batched requests, [`Gather`] / [`Scatter`]; owned for the others, below).
+//! - Non-blocking operations own it ([`IoBuf`], [`IoBufMut`]; sub-ranges as [`Slice`]; a list
+//!   as `Vec<B>` or `[B; N]` of them):
 //!   [`Connection::post_write`] and friends return a [`Pending`] that keeps the buffer until its
 //!   completion is reaped. Dropping it parks the buffer with the connection; forgetting it leaks
 //!   the buffer. References are not accepted, so safe code cannot free memory the NIC may touch.

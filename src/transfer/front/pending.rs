@@ -1,18 +1,31 @@
 //! Non-blocking operations on owned memory.
 //!
-//! `post_*` takes the local buffer **by value** ([`IoBuf`] / [`IoBufMut`]) and returns a
-//! [`Pending`] that owns it until the completion has been reaped; [`Pending::wait`] gives it back.
-//! Safe code therefore cannot free or reuse memory the NIC may still touch: dropping a `Pending`
-//! parks its buffer with the connection (freed when the completion, or the flush after a failure,
-//! is reaped — never blocking), and `mem::forget` on it only leaks the buffer. (Borrowed memory
-//! goes through the blocking calls or a [`crate::transfer::Batch`], which return only after
-//! their completions.)
+//! `post_*` takes the local memory **by value** — one buffer ([`IoBuf`] / [`IoTarget`]), or a
+//! gather/scatter list of them (`Vec<B>`, `[B; N]`) that one work request carries in order —
+//! and returns a [`Pending`] that owns it until the completion has been reaped;
+//! [`Pending::wait`] gives it back (the whole list). Safe code therefore cannot free or reuse
+//! memory the NIC may still touch: dropping a `Pending` parks its memory (every part of a list)
+//! with the connection (freed when the completion, or the flush after a failure, is reaped —
+//! never blocking), and `mem::forget` on it only leaks it. (Borrowed memory goes through the
+//! blocking calls or a [`crate::transfer::Batch`], which return only after their completions.)
+//!
+//! ```no_run
+//! # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap) -> mralloc::Result<()> {
+//! let (header, payload) = (heap.alloc(16)?, heap.alloc(1 << 20)?);
+//! let pending = conn.post_send(vec![header, payload])?; // one SEND, two entries
+//! let (parts, _) = pending.wait()?; // both buffers back, in order
+//! let inbox = conn.post_recv([heap.alloc(16)?, heap.alloc(1 << 20)?])?;
+//! let ([head, body], got) = inbox.wait()?; // filled in order; `got.len` bytes in all
+//! # drop((parts, head, body, got)); Ok(()) }
+//! ```
 
 use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::engine::completion::{Filled, Ticket};
-use crate::transfer::request::iobuf::{IoBuf, IoTarget, Rejected};
-use crate::transfer::request::local::sge_of_parts;
+use crate::transfer::request::iobuf::Rejected;
+#[cfg(doc)]
+use crate::transfer::request::iobuf::{IoBuf, IoTarget};
+use crate::transfer::request::owned::{OwnedGather, OwnedScatter};
 use crate::transfer::request::received::{Posted, Received};
 use crate::transfer::request::{Action, SgeList};
 use crate::transfer::Connection;
@@ -100,18 +113,19 @@ impl<B: Send + 'static> Drop for Pending<'_, B> {
 }
 
 impl Connection {
-    /// All of `buf` as a request's memory (checked as [`Connection::local_sges`] checks
-    /// borrowed memory).
-    pub(crate) fn owned_sges<B: IoBuf>(&self, buf: &B) -> Result<SgeList> {
+    /// All of `buf` (one owned buffer or a list) as a request's memory (checked as
+    /// [`Connection::local_sges`] checks borrowed memory).
+    #[inline]
+    pub(crate) fn owned_sges<B: OwnedGather>(&self, buf: &B) -> Result<SgeList> {
         self.check()?;
-        sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(self.pd())).map(SgeList::One)
+        buf.sge_list(self.pd())
     }
 
-    /// All of a READ or receive target `buf` as a request's memory.
-    pub(crate) fn target_sges<B: IoTarget>(&self, buf: &mut B) -> Result<SgeList> {
+    /// All of a READ or receive target `buf` (one owned target or a list) as a request's memory.
+    #[inline]
+    pub(crate) fn target_sges<B: OwnedScatter>(&self, buf: &mut B) -> Result<SgeList> {
         self.check()?;
-        let (ptr, len) = buf.target();
-        sge_of_parts(ptr.cast_const(), len, buf.target_lkey(self.pd())).map(SgeList::One)
+        buf.target_list(self.pd())
     }
 
     /// Checks `action` on `sges` (`buf`'s memory, or why it has none), posts it and hands back
@@ -141,20 +155,32 @@ impl Connection {
         }
     }
 
-    /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`.
+    /// Starts an RDMA WRITE of all of `buf` to `offset` in `remote`: one owned buffer
+    /// ([`IoBuf`]), or a gather list of them (`Vec<B>`, `[B; N]`) written as the concatenation
+    /// of its parts, which the `Pending` gives back whole.
+    ///
+    /// ```no_run
+    /// # fn f(conn: &mralloc::transfer::Connection, heap: &mralloc::Heap, remote: &mralloc::RemoteBuf) -> mralloc::Result<()> {
+    /// use mralloc::transfer::IoBuf;
+    /// let (header, payload) = (heap.alloc(64)?, heap.alloc(1 << 20)?);
+    /// let pending = conn.post_write([header.into_slice(..16)?, payload.into_slice(..)?], remote, 0)?;
+    /// let ([header, payload], _) = pending.wait()?;
+    /// # drop((header, payload)); Ok(()) }
+    /// ```
     ///
     /// # Errors
-    /// The buffer comes back in [`Rejected`], untouched, with:
+    /// The buffer (all of a list) comes back in [`Rejected`], untouched, with:
     /// - the connection's earlier failure ([`Error::Operation`], [`Error::Verbs`],
     ///   [`Error::Closed`]);
-    /// - [`Error::InvalidArgument`] (an empty buffer, or over `u32::MAX` bytes),
-    ///   [`Error::NotRegistered`] (not registered in this connection's PD),
+    /// - [`Error::InvalidArgument`] (an empty buffer or part, no parts, more parts than the
+    ///   queue pair's scatter/gather entries, over 4 GiB - 1 bytes in all),
+    ///   [`Error::NotRegistered`] (a part not registered in this connection's PD),
     ///   [`Error::OutOfBounds`] (the range does not fit in `remote`);
     /// - [`Error::Timeout`] (no send-queue room within the connection's `op_timeout`),
     ///   [`Error::Verbs`] or [`Error::Io`] (the post refused, or waiting for room failed).
     ///
     /// The operation's own failure comes from [`Pending::wait`].
-    pub fn post_write<B: IoBuf>(
+    pub fn post_write<B: OwnedGather>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -168,7 +194,7 @@ impl Connection {
     ///
     /// # Errors
     /// As [`Connection::post_write`].
-    pub fn post_write_with_imm<B: IoBuf>(
+    pub fn post_write_with_imm<B: OwnedGather>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -179,13 +205,15 @@ impl Connection {
         self.post_owned(buf, sges, Action::Write { remote, offset, imm: Some(imm) }, None)
     }
 
-    /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`. The target may be
-    /// uninitialised memory ([`crate::heap::UninitBuffer`]): after a successful
-    /// [`Pending::wait`] all of it is initialised.
+    /// Starts an RDMA READ filling all of `buf` from `offset` in `remote`: one owned target
+    /// ([`IoTarget`]), or a scatter list of them (`Vec<B>`, `[B; N]`) filled in order (at
+    /// most the device's `max_sge_rd` parts). The target may be uninitialised memory
+    /// ([`crate::heap::UninitBuffer`]): after a successful [`Pending::wait`] all of it is
+    /// initialised.
     ///
     /// # Errors
     /// As [`Connection::post_write`].
-    pub fn post_read<B: IoTarget>(
+    pub fn post_read<B: OwnedScatter>(
         &self,
         mut buf: B,
         remote: &RemoteBuf,
@@ -195,20 +223,23 @@ impl Connection {
         self.post_owned(buf, sges, Action::Read { remote, offset }, Some(B::filled))
     }
 
-    /// Starts a SEND of all of `buf`.
+    /// Starts a SEND of all of `buf`: one owned buffer, or a gather list of them (`Vec<B>`,
+    /// `[B; N]`) sent as one message, the concatenation of its parts.
     ///
     /// # Errors
     /// As [`Connection::post_write`] (no remote range).
-    pub fn post_send<B: IoBuf>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+    pub fn post_send<B: OwnedGather>(&self, buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
         let sges = self.owned_sges(&buf);
         self.post_owned(buf, sges, Action::Send { imm: None }, None)
     }
 
-    /// Posts `buf` as a receive buffer; the returned `Pending` completes when the peer's SEND
-    /// fills it — or when the peer's RDMA WRITE with immediate consumes it: then nothing is
-    /// written into `buf` ([`Received::kind`] is
-    /// [`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0, an `UninitBuffer` stays
-    /// uninitialised).
+    /// Posts `buf` as a receive: one owned target, or a scatter list of them (`Vec<B>`,
+    /// `[B; N]`; at most `qp().caps().max_recv_sge` parts) filled in order, the first part,
+    /// then the next. The returned `Pending` completes when the peer's SEND fills it
+    /// ([`Received::len`]: the bytes that landed, in all parts together) — or when the peer's
+    /// RDMA WRITE with immediate consumes it: then nothing is written into `buf`
+    /// ([`Received::kind`] is [`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0, an
+    /// `UninitBuffer` stays uninitialised).
     /// Receives complete in the order they were posted. The buffer may be uninitialised memory
     /// ([`crate::heap::UninitBuffer`]): after a successful [`Pending::wait`] the bytes that
     /// arrived are initialised.
@@ -217,7 +248,7 @@ impl Connection {
     /// As [`Connection::post_write`] (no remote range, no waiting for room): the buffer back
     /// with [`Error::InvalidArgument`] when the receive queue is full, or [`Error::Verbs`] if
     /// the device refuses the receive.
-    pub fn post_recv<B: IoTarget>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
+    pub fn post_recv<B: OwnedScatter>(&self, mut buf: B) -> std::result::Result<Pending<'_, B>, Rejected<B>> {
         let sges = self.target_sges(&mut buf);
         self.post_owned(buf, sges, Action::Recv, Some(B::filled))
     }

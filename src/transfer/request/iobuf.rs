@@ -9,6 +9,12 @@
 //! freed while the NIC may touch it. References and plain slices are not `IoBuf`s; a sub-range
 //! is an owned [`Slice`] (the buffer plus a range; [`Slice::into_inner`] gives the buffer back).
 //!
+//! A non-blocking or async operation takes one such buffer, or a gather/scatter list of them —
+//! a `Vec<B>` or `[B; N]` of one `IoBuf` type (a WRITE's or SEND's source) or `IoTarget` type
+//! (a READ's or receive's target, filled in order) — as one request with several entries, and
+//! owns (and gives back, or parks) the whole list. A list of references is refused like a
+//! single reference.
+//!
 //! Blocking operations ([`crate::transfer::Connection::write`] and friends) keep accepting
 //! borrowed memory ([`crate::transfer::Local`]): they do not return while the NIC may touch it.
 

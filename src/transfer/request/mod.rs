@@ -9,6 +9,7 @@
 
 pub(crate) mod iobuf;
 pub(crate) mod local;
+pub(crate) mod owned;
 pub(crate) mod parts;
 pub(crate) mod received;
 

@@ -4,6 +4,7 @@
 //! `conn.write(&buf, &remote, 0)` and `conn.write(&[&header[..], &payload[..]], &remote, 0)`
 //! are the same operation: the list is written as the concatenation of its parts. Likewise a
 //! READ or a receive scatters into `&mut [&mut a[..], &mut b[..]]`, filling the parts in order.
+//! (The owned front ends — `Pending`, async — take lists of owned buffers instead: `owned.rs`.)
 
 use crate::error::Result;
 use crate::transfer::request::local::{sge_of, Local, LocalMut};
@@ -46,6 +47,11 @@ pub(crate) use sealed::Parts;
 /// (`qp().caps().max_send_sge`, at least 4), each non-empty, with at most 4 GiB - 1 bytes in
 /// all; anything else is refused with [`crate::Error::InvalidArgument`] before it is posted.
 /// Implemented here only (sealed: implement [`Local`] for your own memory).
+///
+/// This is the borrowed form, for the blocking calls and [`Batch`](crate::transfer::Batch).
+/// The non-blocking and async operations take a list too, owned: a `Vec<B>` or `[B; N]` of
+/// [`IoBuf`](crate::transfer::IoBuf)s (`conn.post_send(vec![header, payload])`), given back
+/// whole.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is no local memory the NIC may read for one request",
     label = "not one `Local` buffer, nor a list (`[&L]`, `[&L; N]`, `Vec<&L>`) of them",
@@ -60,6 +66,11 @@ pub trait Gather: sealed::Parts + sealed::Readable {}
 /// least 4); for a READ, `max_send_sge` bounded by the device's `max_sge_rd` (iWARP devices
 /// allow a single entry). Implemented here only (sealed: implement [`LocalMut`] for your own
 /// memory).
+///
+/// This is the borrowed form, for the blocking calls and [`Batch`](crate::transfer::Batch).
+/// The non-blocking and async operations take an owned list: a `Vec<B>` or `[B; N]` of
+/// [`IoTarget`](crate::transfer::IoTarget)s (`conn.post_recv(vec![header, body])`), filled in
+/// order and given back whole.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is no local memory the NIC may write for one request",
     label = "not one `LocalMut` buffer, nor a list of exclusive borrows (`[&mut L]`, `[&mut L; N]`, `Vec<&mut L>`)",

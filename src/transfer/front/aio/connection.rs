@@ -12,21 +12,27 @@ use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::engine::completion::Failure;
 use crate::transfer::engine::spin::Spin;
-use crate::transfer::front::aio::op::{BufferBack, NoBytes, Op};
+use crate::transfer::front::aio::op::{BufferBack, Delivered, NoBytes, Op, TargetBack};
 use crate::transfer::front::aio::wire::Msg;
 use crate::transfer::front::aio::{control, driver, scratch, Shared};
 use crate::transfer::front::ops::immediate_of;
+use crate::transfer::request::owned::{OwnedGather, OwnedScatter};
 use crate::transfer::request::received::Posted;
 use crate::transfer::request::{Action, SgeList};
 use crate::transfer::setup::control::Established;
-use crate::transfer::{Completed, Connection, IoBuf, IoTarget, Options, Received, Rejected, WaitMode};
+use crate::transfer::{Connection, Options, Received, Rejected, WaitMode};
+#[cfg(doc)]
+use crate::transfer::{IoBuf, IoTarget};
 use crate::verbs::{Endpoint, Pd};
 
 /// A reliable connection whose operations are futures (feature `tokio`). Cheap to clone: clones
 /// share the connection, which closes when the last clone and the last operation are gone.
 ///
 /// Every operation takes its local buffer **by value** ([`IoBuf`] / [`IoTarget`]) and gives it
-/// back with the result, as tokio-uring does, so a buffer moves into a task and out again:
+/// back with the result, as tokio-uring does, so a buffer moves into a task and out again. A
+/// WRITE's or SEND's source may be a gather list of owned buffers (`Vec<B>`, `[B; N]`), a READ's
+/// or receive's target a scatter list filled in order: one request, several entries, the whole
+/// list back.
 ///
 /// ```no_run
 /// # async fn f(pd: &mralloc::verbs::Pd, heap: &mralloc::Heap) -> Result<(), Box<dyn std::error::Error>> {
@@ -38,7 +44,8 @@ use crate::verbs::{Endpoint, Pd};
 /// let buf = conn.write(buf, &remote, 0).await?; // the buffer comes back
 /// let (buf, got) = conn.recv(buf).await?;
 /// println!("the peer sent {} bytes", got.len);
-/// # drop(buf); Ok(()) }
+/// let [header, buf] = conn.send([heap.alloc(16)?, buf]).await?; // one SEND, two entries
+/// # drop((header, buf)); Ok(()) }
 /// ```
 ///
 /// - **Posting** happens when the operation is called; a full send queue makes the future wait
@@ -282,19 +289,22 @@ impl AsyncConnection {
         }
     }
 
-    /// RDMA WRITE of all of `buf` to `offset` in `remote`; gives the buffer back.
+    /// RDMA WRITE of all of `buf` — one owned buffer ([`IoBuf`]), or a gather list of them
+    /// (`Vec<B>`, `[B; N]`) written as the concatenation of its parts — to `offset` in
+    /// `remote`; gives the buffer (the whole list) back.
     ///
     /// # Errors
-    /// The buffer comes back in [`Rejected`] with:
-    /// - not posted, untouched: [`Error::NotRegistered`] (not registered in this connection's
-    ///   PD), [`Error::OutOfBounds`] (the range does not fit in `remote`),
-    ///   [`Error::InvalidArgument`] (an empty buffer, or over `u32::MAX` bytes), the
+    /// The buffer (all of a list) comes back in [`Rejected`] with:
+    /// - not posted, untouched: [`Error::NotRegistered`] (a part not registered in this
+    ///   connection's PD), [`Error::OutOfBounds`] (the range does not fit in `remote`),
+    ///   [`Error::InvalidArgument`] (an empty buffer or part, no parts, more parts than the
+    ///   queue pair's scatter/gather entries, over 4 GiB - 1 bytes in all), the
     ///   connection's failure, at the call or while waiting for room ([`Error::Operation`],
     ///   [`Error::Verbs`], [`Error::Closed`]), or [`Error::Verbs`] if the device refuses the post;
     /// - [`Error::Operation`] if the WRITE failed, or was flushed after another failure
     ///   ([`Error::Closed`] after a close); [`Error::Verbs`] if polling the CQ failed. These fail
     ///   the connection; the future finishes once the flush is reaped (no timeout).
-    pub fn write<B: IoBuf>(
+    pub fn write<B: OwnedGather>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -308,7 +318,7 @@ impl AsyncConnection {
     ///
     /// # Errors
     /// As [`AsyncConnection::write`].
-    pub fn write_with_imm<B: IoBuf>(
+    pub fn write_with_imm<B: OwnedGather>(
         &self,
         buf: B,
         remote: &RemoteBuf,
@@ -319,13 +329,14 @@ impl AsyncConnection {
         BufferBack(self.start(buf, sges, Action::Write { remote, offset, imm: Some(imm) }).0)
     }
 
-    /// RDMA READ filling all of `buf` from `offset` in `remote`; gives the buffer back. The
-    /// target may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the future
+    /// RDMA READ filling all of `buf` — one owned target ([`IoTarget`]), or a scatter list of
+    /// them (`Vec<B>`, `[B; N]`) filled in order — from `offset` in `remote`; gives the buffer
+    /// back. The target may be uninitialised memory ([`crate::heap::UninitBuffer`]): once the future
     /// returns it `Ok`, all of it is initialised.
     ///
     /// # Errors
     /// As [`AsyncConnection::write`].
-    pub fn read<B: IoTarget>(
+    pub fn read<B: OwnedScatter>(
         &self,
         mut buf: B,
         remote: &RemoteBuf,
@@ -333,14 +344,18 @@ impl AsyncConnection {
     ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let sges = self.conn().target_sges(&mut buf);
         let (op, posted) = self.start(buf, sges, Action::Read { remote, offset });
-        TargetBack(Delivered { op, posted })
+        TargetBack(Delivered::new(op, posted))
     }
 
-    /// SEND of all of `buf` (the peer must have a receive posted).
+    /// SEND of all of `buf` — one owned buffer, or a gather list of them sent as one message —
+    /// (the peer must have a receive posted).
     ///
     /// # Errors
     /// As [`AsyncConnection::write`] (no remote range).
-    pub fn send<B: IoBuf>(&self, buf: B) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
+    pub fn send<B: OwnedGather>(
+        &self,
+        buf: B,
+    ) -> impl Future<Output = std::result::Result<B, Rejected<B>>> + Send + 'static {
         let sges = self.conn().owned_sges(&buf);
         BufferBack(self.start(buf, sges, Action::Send { imm: None }).0)
     }
@@ -349,7 +364,7 @@ impl AsyncConnection {
     ///
     /// # Errors
     /// As [`AsyncConnection::send`].
-    pub fn send_with_imm<B: IoBuf>(
+    pub fn send_with_imm<B: OwnedGather>(
         &self,
         buf: B,
         imm: u32,
@@ -358,7 +373,9 @@ impl AsyncConnection {
         BufferBack(self.start(buf, sges, Action::Send { imm: Some(imm) }).0)
     }
 
-    /// Posts `buf` as a receive (at call time) and completes when the peer's SEND fills it, or
+    /// Posts `buf` as a receive (at call time) — one owned target, or a scatter list of them
+    /// (`Vec<B>`, `[B; N]`) filled in order, [`Received::len`] counting the bytes of all parts —
+    /// and completes when the peer's SEND fills it, or
     /// when its RDMA WRITE with immediate consumes it (nothing written into `buf`:
     /// [`Arrival::ImmediateOnly`](crate::transfer::Arrival), `len` 0). Receives
     /// complete in the order they were posted. The buffer may be uninitialised memory
@@ -368,13 +385,13 @@ impl AsyncConnection {
     /// # Errors
     /// As [`AsyncConnection::write`] (no remote range); [`Error::InvalidArgument`] when the
     /// receive queue is full.
-    pub fn recv<B: IoTarget>(
+    pub fn recv<B: OwnedScatter>(
         &self,
         mut buf: B,
     ) -> impl Future<Output = std::result::Result<(B, Received), Rejected<B>>> + Send + 'static {
         let sges = self.conn().target_sges(&mut buf);
         let (op, posted) = self.start(buf, sges, Action::Recv);
-        Delivered { op, posted }
+        Delivered::new(op, posted)
     }
 
     /// Posts a receive without memory and completes with the immediate of the peer's WRITE with
@@ -472,47 +489,5 @@ impl AsyncConnection {
             }
         })
         .await
-    }
-}
-
-/// A finished READ or receive into `B`, interpreted against what was `posted`
-/// ([`Completed::delivered`]): the target learns how many bytes the NIC wrote.
-/// A READ's or receive's [`Op`]: once it completes, what the NIC wrote is recorded in the
-/// target ([`filled`]). A plain future, not an `async` block (which would copy the op).
-struct Delivered<B: IoTarget> {
-    op: Op<B>,
-    posted: Posted,
-}
-
-impl<B: IoTarget> Future for Delivered<B> {
-    type Output = std::result::Result<(B, Received), Rejected<B>>;
-
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        let posted = self.posted;
-        std::pin::Pin::new(&mut self.op).poll(cx).map(|done| filled(done, posted))
-    }
-}
-
-/// [`Delivered`] for a READ: the target back, the completion's details dropped.
-struct TargetBack<B: IoTarget>(Delivered<B>);
-
-impl<B: IoTarget> Future for TargetBack<B> {
-    type Output = std::result::Result<B, Rejected<B>>;
-
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| r.map(|(b, _)| b))
-    }
-}
-
-fn filled<B: IoTarget>(
-    done: std::result::Result<(B, Completed), Rejected<B>>,
-    posted: Posted,
-) -> std::result::Result<(B, Received), Rejected<B>> {
-    let (mut b, c) = done?;
-    // SAFETY: `c` is the successful completion of the request the operation posted into `b`,
-    // as `posted`.
-    match unsafe { c.deliver_into(&mut b, posted, Some(B::filled)) } {
-        Ok(got) => Ok((b, got)),
-        Err(error) => Err(Rejected { error, buf: Some(b) }),
     }
 }

@@ -12,6 +12,8 @@ use crate::error::Error;
 use crate::transfer::engine::completion::{Failure, Ticket};
 use crate::transfer::front::aio::backlog::{Backlog, Cancelled};
 use crate::transfer::front::aio::Shared;
+use crate::transfer::request::owned::OwnedScatter;
+use crate::transfer::request::received::{Posted, Received};
 use crate::transfer::request::{Action, Request, SgeList};
 use crate::transfer::{Completed, IoBuf, Rejected};
 use crate::verbs::SendOp;
@@ -318,5 +320,54 @@ impl<B: Send + 'static> Future for BufferBack<B> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Pin::new(&mut self.0).poll(cx).map(|r| r.map(|(b, _)| b))
+    }
+}
+
+/// A READ's or receive's [`Op`], interpreted against what was `posted`
+/// ([`Completed::delivered`]): once it completes, what the NIC wrote is recorded in the target
+/// ([`filled`]; a scatter list's parts in order). A plain future, not an `async` block (which
+/// would copy the op).
+pub(crate) struct Delivered<B: OwnedScatter> {
+    op: Op<B>,
+    posted: Posted,
+}
+
+impl<B: OwnedScatter> Delivered<B> {
+    /// `op`, whose request was posted as `posted`.
+    pub(crate) fn new(op: Op<B>, posted: Posted) -> Delivered<B> {
+        Delivered { op, posted }
+    }
+}
+
+impl<B: OwnedScatter> Future for Delivered<B> {
+    type Output = std::result::Result<(B, Received), Rejected<B>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let posted = self.posted;
+        std::pin::Pin::new(&mut self.op).poll(cx).map(|done| filled(done, posted))
+    }
+}
+
+/// [`Delivered`] for a READ: the target back, the completion's details dropped.
+pub(crate) struct TargetBack<B: OwnedScatter>(pub(crate) Delivered<B>);
+
+impl<B: OwnedScatter> Future for TargetBack<B> {
+    type Output = std::result::Result<B, Rejected<B>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| r.map(|(b, _)| b))
+    }
+}
+
+fn filled<B: OwnedScatter>(
+    done: std::result::Result<(B, Completed), Rejected<B>>,
+    posted: Posted,
+) -> std::result::Result<(B, Received), Rejected<B>> {
+    let (mut b, c) = done?;
+    // SAFETY: `c` is the successful completion of the request the operation posted into `b`,
+    // as `posted`.
+    match unsafe { c.deliver_into(&mut b, posted, Some(B::filled)) } {
+        Ok(got) => Ok((b, got)),
+        Err(error) => Err(Rejected { error, buf: Some(b) }),
     }
 }
