@@ -79,8 +79,10 @@ fn device_slow_handshakes_hold_up_nobody() {
         msg.copy_from_slice(&pattern(21, 4096));
         conn.send(&msg).unwrap();
         server.join().unwrap();
-        // The slow clients: each closed by the server once its deadline passed.
+        // The slow clients: each closed by the server once its deadline passed (at the next call
+        // on the listener: it has no thread of its own; the gauge takes a pass).
         let mut slow = trickle.join().unwrap();
+        wait_for("the slow handshakes ended", Duration::from_secs(30), || listener.handshakes_in_flight() == 0);
         let dropped =
             slow.iter_mut().map(|c| closed_within(c, Duration::from_secs(3))).filter(|&closed| closed).count();
         println!(
@@ -338,6 +340,49 @@ fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
         server.join().unwrap().expect("the accept call returns the real client");
         assert_eq!(listener.failed_handshakes(), 1);
     });
+}
+
+/// Two accept calls at once on one blocking listener (it has no thread: one call drives the
+/// handshakes, the other waits for its answer or its turn), with a silent client in flight: the
+/// first accept call returns the first client, and the second call — now the one that must
+/// drive — the second client; the silent client holds up neither and is dropped at its
+/// deadline, counted.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_two_accept_calls_take_turns_and_a_silent_client_holds_up_neither() {
+    let (pd, _heap) = setup();
+    let opts = Options { connect_timeout: Duration::from_secs(4), ..Options::default() };
+    let listener = std::sync::Arc::new(Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap());
+    let addr = listener.local_addr().unwrap();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    wait_for("the silent client in flight", Duration::from_secs(30), || listener.handshakes_in_flight() == 1);
+    let accept = |blob: &'static [u8]| {
+        let l = listener.clone();
+        std::thread::spawn(move || l.accept_with(blob).map(|c| c.peer_blob().to_vec()))
+    };
+    let first = accept(b"first");
+    std::thread::sleep(Duration::from_millis(300)); // The first call is the one driving.
+    let second = accept(b"second");
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let a = Connection::connect(addr, &pd, opts.clone()).expect("the first real client connects");
+    assert_eq!(a.peer_blob(), b"first");
+    // Threads, not a scope: a call that never returns fails the test instead of hanging it.
+    let b = Connection::connect(addr, &pd, opts.clone()).expect("the second real client connects");
+    assert_eq!(a.peer_blob(), b"first");
+    assert_eq!(b.peer_blob(), b"second", "the waiting accept call drove once the first returned");
+    let took = started.elapsed();
+    println!("two clients through two accept calls in {took:?}, a silent client in flight");
+    assert!(took < Duration::from_secs(3), "the silent client held them up: {took:?}");
+    wait_for("both accept calls returned", Duration::from_secs(10), || first.is_finished() && second.is_finished());
+    assert_eq!(first.join().unwrap().unwrap(), b"");
+    assert_eq!(second.join().unwrap().unwrap(), b"");
+    // The silent client: closed and counted once its deadline passed (at the next call).
+    wait_for("the silent client's failure", Duration::from_secs(30), || listener.failed_handshakes() == 1);
+    let failure = listener.take_handshake_failures().remove(0);
+    assert!(matches!(failure.error, Error::Io { .. }), "{:?}", failure.error);
+    assert!(closed_within(&mut silent, Duration::from_secs(3)), "the silent client was not closed");
+    assert_eq!(listener.handshakes_in_flight(), 0);
 }
 
 /// A client may start before its server: a refused TCP connect (nothing listens yet) is tried

@@ -432,3 +432,66 @@ fn device_one_liveness_thread_watches_devices_connections_and_probes() {
     );
     drop((a, b, c, d, pair, listener, cl));
 }
+
+/// The listeners add no thread: the blocking `Listener`'s handshakes run inside the calls made
+/// on it, the `AsyncListener`'s (and `AsyncConnection::connect`'s exchange) as tasks on the
+/// runtime. With both serving clients and each holding a silent client's handshake, no
+/// `mralloc-accept` or `mralloc-handshake` thread exists, and the only thread mralloc added is
+/// the liveness thread.
+#[cfg(feature = "tokio")]
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_listeners_and_their_handshakes_add_no_thread() {
+    use mralloc::transfer::{AsyncConnection, AsyncListener};
+    let tasks = || -> Vec<(String, String)> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| {
+                let t = t.ok()?;
+                let name = std::fs::read_to_string(t.path().join("comm")).ok()?;
+                Some((t.file_name().to_string_lossy().into_owned(), name.trim_end().to_string()))
+            })
+            .collect()
+    };
+    let before: Vec<String> = tasks().into_iter().map(|(id, _)| id).collect();
+    let (pd, _heap) = setup();
+    let opts = bounded();
+    // Blocking: three clients, accepted one after another, and a silent one in flight.
+    let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let blocking: Vec<(Connection, Connection)> = std::thread::scope(|s| {
+        let server = s.spawn(|| (0..3).map(|_| listener.accept().unwrap()).collect::<Vec<_>>());
+        let clients: Vec<_> = (0..3).map(|_| Connection::connect(addr, &pd, opts.clone()).unwrap()).collect();
+        clients.into_iter().zip(server.join().unwrap()).collect()
+    });
+    let _silent = std::net::TcpStream::connect(addr).unwrap();
+    wait_for("the silent client in flight", WAIT, || listener.handshakes_in_flight() == 1);
+    // Async, on a runtime of no thread of its own: three clients, and a silent one in flight.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (alistener, asynced, _asilent) = rt.block_on(async {
+        let l = AsyncListener::bind("127.0.0.1:0", &pd, opts.clone()).await.unwrap();
+        let a = l.local_addr().unwrap();
+        let mut conns = Vec::new();
+        for _ in 0..3 {
+            let (c, s) = tokio::join!(AsyncConnection::connect(a, &pd, opts.clone()), l.accept());
+            conns.push((c.unwrap(), s.unwrap()));
+        }
+        let silent = tokio::net::TcpStream::connect(a).await.unwrap();
+        let start = Instant::now();
+        while l.handshakes_in_flight() != 1 {
+            assert!(start.elapsed() < WAIT, "the async silent client never got in flight");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (l, conns, silent)
+    });
+    let now = tasks();
+    println!("threads with both listeners serving: {now:?}");
+    let named = |n: &str| now.iter().any(|(_, name)| n.starts_with(name.as_str()));
+    assert!(!named("mralloc-accept") && !named("mralloc-handshake"), "a listener thread: {now:?}");
+    let added: Vec<&String> = now.iter().filter(|(id, _)| !before.contains(id)).map(|(_, name)| name).collect();
+    // The kernel keeps 15 bytes of a thread's name.
+    assert!(added.iter().all(|n| *n == &"mralloc-liveness"[..15]), "threads mralloc added: {added:?}");
+    assert!(added.len() <= 1, "threads mralloc added: {added:?}");
+    drop((blocking, listener));
+    rt.block_on(async move { drop((asynced, alistener)) });
+}

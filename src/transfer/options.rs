@@ -54,9 +54,9 @@ pub struct Options {
     /// listener, each handshake from its TCP accept to the connection being handed to an
     /// accept call: how long a silent client can hold a handshake slot). Default 10 s.
     pub connect_timeout: Duration,
-    /// TCP listeners: handshakes in flight at once (default 256), each on its own small thread;
-    /// a TCP connection beyond them is closed at once. Bounds what silent or slow clients can
-    /// hold.
+    /// TCP listeners: handshakes in flight at once (default 256; no thread each: a blocking
+    /// listener's run inside its accept calls, an async listener's as tasks); further clients
+    /// wait in the kernel's backlog until one ends. Bounds what silent or slow clients can hold.
     pub max_handshakes: usize,
     /// How threads wait for completions. Default [`WaitMode::Event`]: a short adaptive poll
     /// (up to [`Options::spin`]), then a sleep on the completion channel — an idle wait costs

@@ -1,29 +1,34 @@
-//! Background handshakes for TCP listeners: no client can hold up another.
+//! What a TCP listener's handshakes share with its accept calls, whichever driver runs them
+//! (the blocking [`crate::transfer::Listener`]'s own accept calls, or tokio tasks for
+//! [`crate::transfer::AsyncListener`]): admission (at most [`Options::max_handshakes`]
+//! handshakes at once; further clients wait in the kernel's backlog), *offers*, the failure
+//! bookkeeping, and the handshake itself ([`Accepting::handshake`]).
 //!
-//! One acceptor thread per listener takes TCP connections as they come and gives each its own
-//! handshake thread (at most [`Options::max_handshakes`] at once; a connection beyond that is
-//! closed at once). A handshake has one deadline for the whole exchange
-//! ([`Options::connect_timeout`]): a client that trickles its bytes is dropped when it expires,
-//! whatever the others do. A client whose hello arrived waits for an *offer* — an
-//! [`crate::transfer::Listener::accept_with`] call (or its async twin) with the blob to send —
-//! and only then gets a QP; the accept call gets that handshake's connection, or a failure of
-//! this side's own (creating the QP, say). A client's failure (garbage, silence, a refused
-//! secret, a client that goes away), before or after it took an offer, is counted and kept
-//! ([`HandshakeFailure`]) and never ends an accept call: a taken offer goes back to the front of
-//! the queue.
+//! A handshake has one deadline for the whole exchange ([`Options::connect_timeout`]): a client
+//! that trickles its bytes is dropped when it expires, whatever the others do. A client whose
+//! hello arrived waits for an *offer* — an [`crate::transfer::Listener::accept_with`] call (or
+//! its async twin) with the blob to send — and only then gets a QP; the accept call gets that
+//! handshake's connection, or a failure of this side's own (creating the QP, say). A client's
+//! failure (garbage, silence, a refused secret, a client that goes away), before or after it
+//! took an offer, is counted and kept ([`HandshakeFailure`]) and never ends an accept call: a
+//! taken offer goes back to the front of the queue.
 
 use std::collections::VecDeque;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+#[cfg(feature = "tokio")]
+use std::task::Context;
+use std::task::{Poll, Waker};
+use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::transfer::setup::control::Established;
-use crate::transfer::setup::handshake::{serve, Failed};
+use crate::transfer::setup::handshake::{serve, Blob, Failed};
+use crate::transfer::setup::wire::{Deadline, Socket};
 use crate::transfer::Options;
 use crate::verbs::Pd;
 
@@ -55,9 +60,9 @@ impl Reply {
     }
 }
 
-/// What an accept call reports if its handshake's thread ended without answering (it panicked).
+/// What an accept call reports if its handshake ended without answering (it panicked).
 pub(crate) fn no_answer() -> Error {
-    Error::Protocol("the handshake thread ended without an answer".into())
+    Error::Protocol("the handshake ended without an answer".into())
 }
 
 /// A client whose connection setup failed (garbage, silence, a wrong secret, a client that went
@@ -99,7 +104,7 @@ struct Offer {
     reply: Reply,
 }
 
-/// Accept calls waiting, and the clients whose handshakes failed.
+/// Accept calls waiting, the handshakes, and the clients whose handshakes failed.
 #[derive(Default)]
 struct Queues {
     offers: VecDeque<Offer>,
@@ -107,6 +112,35 @@ struct Queues {
     failed: VecDeque<HandshakeFailure>,
     /// Every failed handshake since the listener was bound.
     failed_total: u64,
+    /// Handshakes admitted and not yet ended (their [`Ticket`]s).
+    in_flight: usize,
+    /// Handshakes waiting for an offer: woken by one, and by [`Accepting::stop`].
+    waiting: Vec<Waker>,
+    /// A driver waiting for a handshake slot to free up.
+    slot_waiting: Vec<Waker>,
+}
+
+/// Connections the kernel queues for a listener while its handshakes are at the bound or nobody
+/// drives them (clamped by `net.core.somaxconn`).
+const BACKLOG: i32 = 4096;
+
+/// A non-blocking TCP listener on `addr` with a long backlog, and its address.
+///
+/// # Errors
+/// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the socket cannot be
+/// made non-blocking.
+pub(crate) fn bind(addr: impl std::net::ToSocketAddrs) -> Result<(std::net::TcpListener, SocketAddr)> {
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Io { what, source }
+    };
+    let tcp = std::net::TcpListener::bind(addr).map_err(io("binding the TCP listener"))?;
+    let addr = tcp.local_addr().map_err(io("reading the listener's address"))?;
+    tcp.set_nonblocking(true).map_err(io("making the TCP listener non-blocking"))?;
+    // Longer than std's 128; best effort (listen(2) again only changes the backlog).
+    // SAFETY: listen(2) on a socket this function owns, already listening.
+    unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&tcp), BACKLOG) };
+    Ok((tcp, addr))
 }
 
 /// Failed handshakes kept for [`Accepting::take_failures`]; older ones are only counted.
@@ -116,55 +150,52 @@ const MAX_FAILED: usize = 64;
 /// that the accept call that takes it has time left to finish the exchange.
 const MARGIN: Duration = Duration::from_secs(1);
 
-/// What the acceptor and handshake threads share with the listener.
+/// What a listener's handshakes share with its accept calls.
 pub(crate) struct Accepting {
     pd: Pd,
     opts: Options,
     /// Offer a control channel (async listeners).
     control: bool,
-    offers: Mutex<Queues>,
-    offered: Condvar,
+    queues: Mutex<Queues>,
     next_offer: AtomicU64,
-    in_flight: AtomicUsize,
     stop: AtomicBool,
 }
 
+/// A handshake's slot among [`Options::max_handshakes`], given back when it drops.
+pub(crate) struct Ticket(Arc<Accepting>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let wake = {
+            let mut q = self.0.queues.lock();
+            q.in_flight -= 1;
+            std::mem::take(&mut q.slot_waiting)
+        };
+        wake.into_iter().for_each(Waker::wake);
+    }
+}
+
 impl Accepting {
-    /// Starts the acceptor thread on `tcp`; it runs until [`Accepting::stop`].
-    ///
-    /// # Errors
-    /// [`Error::Io`] if the listener cannot be made non-blocking or the thread cannot start.
-    pub(crate) fn start(
-        tcp: TcpListener,
-        pd: &Pd,
-        opts: &Options,
-        control: bool,
-    ) -> Result<(Arc<Accepting>, std::thread::JoinHandle<()>)> {
-        tcp.set_nonblocking(true)
-            .map_err(|source| Error::Io { what: "making the TCP listener non-blocking".into(), source })?;
-        let a = Arc::new(Accepting {
+    /// The shared state of a listener making connections in `pd` with `opts`; with `control`,
+    /// handshakes offer a control channel.
+    pub(crate) fn new(pd: &Pd, opts: &Options, control: bool) -> Arc<Accepting> {
+        Arc::new(Accepting {
             pd: pd.clone(),
             opts: opts.clone(),
             control,
-            offers: Mutex::new(Queues::default()),
-            offered: Condvar::new(),
+            queues: Mutex::new(Queues::default()),
             next_offer: AtomicU64::new(1),
-            in_flight: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
-        });
-        let run = a.clone();
-        let t = std::thread::Builder::new()
-            .name("mralloc-accept".into())
-            .spawn(move || run.accept_loop(tcp))
-            .map_err(|source| Error::Io { what: "starting the listener's acceptor thread".into(), source })?;
-        Ok((a, t))
+        })
     }
 
-    /// Stops accepting; handshakes waiting for an offer give up.
+    /// Stops accepting; handshakes waiting for an offer give up (an async listener's handshake
+    /// tasks outlive it; a blocking listener's handshakes are dropped with it).
+    #[cfg(feature = "tokio")]
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        let _g = self.offers.lock();
-        self.offered.notify_all();
+        let wake = std::mem::take(&mut self.queues.lock().waiting);
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// The PD connections are made in.
@@ -173,9 +204,41 @@ impl Accepting {
         &self.pd
     }
 
+    /// A new handshake's deadline: [`Options::connect_timeout`] from now.
+    pub(crate) fn deadline(&self) -> Deadline {
+        Deadline::after(self.opts.connect_timeout)
+    }
+
     /// Handshakes in flight (TCP accepted, not yet handed to an accept call or failed).
     pub(crate) fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
+        self.queues.lock().in_flight
+    }
+
+    /// At most this many handshakes in flight ([`Options::max_handshakes`]).
+    pub(crate) fn max_handshakes(&self) -> usize {
+        self.opts.max_handshakes.max(1)
+    }
+
+    /// A slot for one more handshake, unless [`Options::max_handshakes`] are in flight.
+    pub(crate) fn admit(self: &Arc<Self>) -> Option<Ticket> {
+        let mut q = self.queues.lock();
+        if q.in_flight >= self.max_handshakes() {
+            return None;
+        }
+        q.in_flight += 1;
+        Some(Ticket(self.clone()))
+    }
+
+    /// Ready while fewer than [`Options::max_handshakes`] handshakes are in flight; else woken
+    /// when one ends.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut q = self.queues.lock();
+        if q.in_flight < self.max_handshakes() {
+            return Poll::Ready(());
+        }
+        q.slot_waiting.push(cx.waker().clone());
+        Poll::Pending
     }
 
     /// Queues an accept call's blob; the handshake that takes it answers on `reply` with a
@@ -183,32 +246,45 @@ impl Accepting {
     /// [`Accepting::withdraw`]).
     pub(crate) fn offer(&self, blob: Vec<u8>, reply: Reply) -> u64 {
         let id = self.next_offer.fetch_add(1, Ordering::Relaxed);
-        let mut q = self.offers.lock();
-        q.offers.push_back(Offer { id, blob, reply });
-        self.offered.notify_one();
+        self.put(Offer { id, blob, reply }, false);
         id
+    }
+
+    /// Queues an offer (at the front: one a failed client had taken) and wakes the handshakes
+    /// waiting for one.
+    fn put(&self, offer: Offer, front: bool) {
+        let wake = {
+            let mut q = self.queues.lock();
+            if front {
+                q.offers.push_front(offer);
+            } else {
+                q.offers.push_back(offer);
+            }
+            std::mem::take(&mut q.waiting)
+        };
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// Takes back an offer no handshake took yet (a cancelled async accept).
     #[cfg(feature = "tokio")]
     pub(crate) fn withdraw(&self, id: u64) {
-        self.offers.lock().offers.retain(|o| o.id != id);
+        self.queues.lock().offers.retain(|o| o.id != id);
     }
 
     /// Failed handshakes since the listener was bound.
     pub(crate) fn failed_total(&self) -> u64 {
-        self.offers.lock().failed_total
+        self.queues.lock().failed_total
     }
 
     /// The most recent failed handshakes (at most [`MAX_FAILED`]), oldest first, taken out.
     pub(crate) fn take_failures(&self) -> Vec<HandshakeFailure> {
-        self.offers.lock().failed.drain(..).collect()
+        self.queues.lock().failed.drain(..).collect()
     }
 
     /// Records a client's failed handshake (logged, counted, kept among the recent ones).
     fn record(&self, peer: SocketAddr, error: Error) {
         tracing::debug!(%peer, "a client's connection setup failed: {error}");
-        let mut q = self.offers.lock();
+        let mut q = self.queues.lock();
         q.failed_total += 1;
         if q.failed.len() == MAX_FAILED {
             q.failed.pop_front();
@@ -216,71 +292,26 @@ impl Accepting {
         q.failed.push_back(HandshakeFailure { peer, error });
     }
 
-    fn accept_loop(self: Arc<Self>, tcp: TcpListener) {
-        let fd = tcp.as_raw_fd();
-        let max = self.opts.max_handshakes.max(1);
-        while !self.stop.load(Ordering::Acquire) {
-            if self.in_flight.load(Ordering::Acquire) >= max {
-                // At the bound: further clients wait in the kernel's backlog (then retry their
-                // SYNs) until a handshake ends.
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd; the timeout bounds how long a stop goes unseen.
-            unsafe { libc::poll(&mut p, 1, 100) };
-            while !self.stop.load(Ordering::Acquire) && self.in_flight.load(Ordering::Acquire) < max {
-                match tcp.accept() {
-                    Ok((s, peer)) => self.clone().spawn_handshake(s, peer),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) => {
-                        // EMFILE and friends: say so, let some handshakes finish, go on.
-                        tracing::warn!("accepting a TCP connection failed: {e}");
-                        std::thread::sleep(Duration::from_millis(100));
-                        break;
-                    }
-                }
-            }
-        }
-    }
-
-    fn spawn_handshake(self: Arc<Self>, s: TcpStream, peer: SocketAddr) {
-        /// Gives the handshake's slot back however its thread ends.
-        struct Slot(Arc<Accepting>);
-        impl Drop for Slot {
-            fn drop(&mut self) {
-                self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot(self.clone());
-        let spawned =
-            std::thread::Builder::new().name("mralloc-handshake".into()).stack_size(256 << 10).spawn(move || {
-                slot.0.handshake(s, peer);
-                drop(slot);
-            });
-        if let Err(e) = spawned {
-            // The closure, and with it the slot and the stream, were dropped.
-            tracing::warn!(%peer, "no thread for a handshake ({e}); connection closed");
-        }
-    }
-
-    fn handshake(&self, s: TcpStream, peer: SocketAddr) {
-        let deadline = deadline_after(self.opts.connect_timeout);
-        let fd = s.as_raw_fd();
-        let mut taken: Option<Offer> = None;
-        let r = serve(s, peer, deadline, &self.pd, &self.opts, self.control, || {
-            let offer = self.take_offer(deadline, fd)?;
-            let blob = offer.blob.clone();
-            taken = Some(offer);
-            Ok(blob)
-        });
-        match (taken, r) {
+    /// One client's handshake on its accepted stream `s`, to the end: the connection goes to
+    /// the accept call whose offer it took, a client's failure to the records. Holds `_slot`
+    /// until it ends.
+    pub(crate) async fn handshake<W: Socket>(
+        self: Arc<Self>,
+        s: W,
+        peer: SocketAddr,
+        deadline: Deadline,
+        _slot: Ticket,
+    ) {
+        let mut taking = Taking { accepting: &self, deadline, taken: None };
+        let r = serve(s, peer, &self.pd, &self.opts, self.control, &mut taking).await;
+        match (taking.taken, r) {
             // The client failed after taking an accept call's blob: the call waits for the next
-            // client (its offer goes back to the front of the queue).
+            // client (its offer goes back to the front of the queue, unless it was cancelled).
             (Some(offer), Err(f)) if clients_failure(&f) => {
                 self.record(peer, f.error);
-                self.requeue(offer);
+                if !offer.reply.is_closed() {
+                    self.put(offer, true);
+                }
             }
             (Some(offer), r) => offer.reply.send(r.map_err(|f| f.error)),
             // Failed before (garbage, silence, a refused secret, no accept call in time).
@@ -289,55 +320,63 @@ impl Accepting {
                 tracing::debug!(%peer, "a handshake ended: the listener closed")
             }
             (None, Err(f)) => tracing::warn!(%peer, "a handshake ended before an accept call took it: {}", f.error),
-            (None, Ok(_)) => unreachable!("a handshake completes only with an accept call's blob"),
+            (None, Ok(_)) => tracing::error!(%peer, "a handshake completed without an accept call's blob; dropped"),
         }
-    }
-
-    /// Puts an offer a failed client had taken back at the front of the queue (unless its accept
-    /// call was cancelled meanwhile).
-    fn requeue(&self, offer: Offer) {
-        if offer.reply.is_closed() {
-            return;
-        }
-        let mut q = self.offers.lock();
-        q.offers.push_front(offer);
-        self.offered.notify_one();
     }
 
     /// Waits for an accept call's offer, until a margin before `deadline` (the accept call
-    /// needs time to finish the exchange). An offer is used only if the client (`fd`) is still
-    /// there and someone still waits for the answer.
-    fn take_offer(&self, deadline: Instant, fd: std::os::fd::RawFd) -> Result<Offer> {
+    /// needs time to finish the exchange). An offer is used only if the client (on `s`) is
+    /// still there and someone still waits for the answer.
+    async fn take_offer(&self, s: &mut impl Socket, deadline: Deadline) -> Result<Offer> {
         let margin = MARGIN.min(self.opts.connect_timeout / 4);
-        let until = deadline.checked_sub(margin).unwrap_or(deadline);
-        let mut q = self.offers.lock();
-        loop {
+        let until = deadline.at().checked_sub(margin).unwrap_or(deadline.at());
+        let fd = s.fd();
+        poll_fn(|cx| {
+            let mut q = self.queues.lock();
             if self.stop.load(Ordering::Acquire) {
-                return Err(Error::Closed);
+                return Poll::Ready(Err(Error::Closed));
             }
             // Offers of cancelled accepts go; the rest wait their turn.
             q.offers.retain(|o| !o.reply.is_closed());
             if let Some(o) = q.offers.pop_front() {
-                if !peer_open(fd) {
-                    q.offers.push_front(o);
-                    self.offered.notify_one();
-                    return Err(Error::Protocol(
-                        "the client closed its connection while waiting to be accepted".into(),
-                    ));
+                if peer_open(fd) {
+                    return Poll::Ready(Ok(o));
                 }
-                return Ok(o);
+                drop(q);
+                self.put(o, true);
+                return Poll::Ready(Err(Error::Protocol(
+                    "the client closed its connection while waiting to be accepted".into(),
+                )));
             }
-            if self.offered.wait_until(&mut q, until).timed_out() && q.offers.is_empty() {
-                return Err(Error::Timeout(self.opts.connect_timeout, "an accept call to take the connection"));
+            if !q.waiting.iter().any(|w| w.will_wake(cx.waker())) {
+                q.waiting.push(cx.waker().clone());
             }
-        }
+            drop(q);
+            match s.poll_until(cx, until) {
+                Poll::Ready(()) => {
+                    Poll::Ready(Err(Error::Timeout(self.opts.connect_timeout, "an accept call to take the connection")))
+                }
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
     }
 }
 
-/// `now + limit`, or far in the future if that overflows (`Duration::MAX` means no limit).
-pub(crate) fn deadline_after(limit: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(limit).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+/// A handshake's [`Blob`]: the offer it takes, kept to answer (or put back) once it ends.
+struct Taking<'a> {
+    accepting: &'a Accepting,
+    deadline: Deadline,
+    taken: Option<Offer>,
+}
+
+impl<W: Socket> Blob<W> for Taking<'_> {
+    async fn take(&mut self, s: &mut W) -> Result<Vec<u8>> {
+        let offer = self.accepting.take_offer(s, self.deadline).await?;
+        let blob = offer.blob.clone();
+        self.taken = Some(offer);
+        Ok(blob)
+    }
 }
 
 /// Whether the client on `fd` still has its end open (no hang-up, no EOF pending).

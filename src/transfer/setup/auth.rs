@@ -21,7 +21,6 @@
 //! not encrypt: the blobs (e.g. an rkey) cross the network in clear. A side that detects a
 //! failure sends `Refused` (so both sides report [`Error::Authentication`]) and gives up.
 
-use std::io::{Read, Write};
 use std::sync::Arc;
 
 use hmac::{Hmac, Mac};
@@ -29,6 +28,7 @@ use sha2::Sha256;
 
 use crate::error::{AuthFailure, Error, Result};
 use crate::transfer::setup::exchange::{Kind, Message, Refusal, MAC_LEN, NONCE_LEN, VERSION};
+use crate::transfer::setup::wire::Wire;
 use crate::verbs::Endpoint;
 
 /// A shared secret that both ends of a TCP connection setup must hold
@@ -104,17 +104,17 @@ fn tag(m: Hmac<Sha256>) -> [u8; MAC_LEN] {
 
 /// Checks `got` against the expected MAC in constant time; on a mismatch tells the peer and
 /// fails.
-fn verify(s: &mut impl Write, expected: Hmac<Sha256>, got: &[u8; MAC_LEN]) -> Result<()> {
+async fn verify(s: &mut impl Wire, expected: Hmac<Sha256>, got: &[u8; MAC_LEN]) -> Result<()> {
     if expected.verify_slice(got).is_err() {
-        return Err(refuse(s, Refusal::WrongSecret));
+        return Err(refuse(s, Refusal::WrongSecret).await);
     }
     Ok(())
 }
 
 /// Tells the peer why this side gives up (best effort: it may be gone) and returns the error
 /// this side reports.
-fn refuse(s: &mut impl Write, why: Refusal) -> Error {
-    let _ = Message::refused(why).send(s);
+async fn refuse(s: &mut impl Wire, why: Refusal) -> Error {
+    let _ = Message::refused(why).write_to(s).await;
     Error::Authentication(match why {
         Refusal::SecretRequired => AuthFailure::NoPeerSecret,
         Refusal::NoSecret => AuthFailure::NoLocalSecret,
@@ -149,8 +149,8 @@ pub(crate) type Prepared<T> = (T, Endpoint, Option<Endpoint>);
 
 /// The client's side up to the peer's `Welcome`. `prepare` (creating this side's QP) runs only
 /// once the server proved it holds the secret (at once without one).
-pub(crate) fn client<S: Read + Write, T>(
-    s: &mut S,
+pub(crate) async fn client<T>(
+    s: &mut impl Wire,
     secret: Option<&Secret>,
     blob: &[u8],
     prepare: impl FnOnce() -> Result<Prepared<T>>,
@@ -159,10 +159,10 @@ pub(crate) fn client<S: Read + Write, T>(
         None => None,
         Some(k) => {
             let nc = nonce()?;
-            Message { nonce: nc, ..Message::new(Kind::Challenge, None, Vec::new()) }.send(s)?;
-            let proof = expect(Message::recv(s)?, Kind::Proof)?;
+            Message { nonce: nc, ..Message::new(Kind::Challenge, None, Vec::new()) }.write_to(s).await?;
+            let proof = expect(Message::read_from(s).await?, Kind::Proof)?;
             let ns = proof.nonce;
-            verify(s, mac(k, "server-proof", &nc, &ns, None)?, &proof.mac)?;
+            verify(s, mac(k, "server-proof", &nc, &ns, None)?, &proof.mac).await?;
             Some((k, nc, ns))
         }
     };
@@ -171,35 +171,37 @@ pub(crate) fn client<S: Read + Write, T>(
     if let Some((k, nc, ns)) = &nonces {
         hello.mac = tag(mac(k, "client-hello", nc, ns, Some(&hello))?);
     }
-    hello.send(s)?;
-    let welcome = expect(Message::recv(s)?, Kind::Welcome)?;
+    hello.write_to(s).await?;
+    let welcome = expect(Message::read_from(s).await?, Kind::Welcome)?;
     let peer = welcome.endpoint.ok_or_else(|| Error::Protocol("a Welcome message without an endpoint".into()))?;
     if let Some((k, nc, ns)) = &nonces {
-        verify(s, mac(k, "server-welcome", nc, ns, Some(&welcome))?, &welcome.mac)?;
+        verify(s, mac(k, "server-welcome", nc, ns, Some(&welcome))?, &welcome.mac).await?;
     }
     Ok(Exchanged { prepared, me, peer, peer_control: welcome.control, peer_blob: welcome.blob })
 }
 
-/// The server's side up to sending its `Welcome`. `prepare` (creating this side's QP, and
-/// returning the blob to send) runs only once the client proved it holds the secret (at once
-/// without one); this side's blob goes only to such a client.
-pub(crate) fn server<S: Read + Write, T>(
-    s: &mut S,
-    secret: Option<&Secret>,
-    prepare: impl FnOnce() -> Result<(Prepared<T>, Vec<u8>)>,
-) -> Result<Exchanged<T>> {
-    let first = Message::recv(s)?;
+/// A client the server heard from: its `Hello`, checked (with a secret, the client proved it
+/// holds it). Only with one may [`welcome`] answer, so nothing of this side's (a QP, its blob)
+/// goes to a client that has not proven itself.
+pub(crate) struct Heard {
+    hello: Message,
+    nonces: Option<(Secret, Nonce, Nonce)>,
+}
+
+/// The server's side up to the client's checked `Hello`.
+pub(crate) async fn hear(s: &mut impl Wire, secret: Option<&Secret>) -> Result<Heard> {
+    let first = Message::read_from(s).await?;
     let (hello, nonces) = match (first.kind, secret) {
         (Kind::Hello, None) => (first, None),
-        (Kind::Hello, Some(_)) => return Err(refuse(s, Refusal::SecretRequired)),
-        (Kind::Challenge, None) => return Err(refuse(s, Refusal::NoSecret)),
+        (Kind::Hello, Some(_)) => return Err(refuse(s, Refusal::SecretRequired).await),
+        (Kind::Challenge, None) => return Err(refuse(s, Refusal::NoSecret).await),
         (Kind::Challenge, Some(k)) => {
             let (nc, ns) = (first.nonce, nonce()?);
             let proof = tag(mac(k, "server-proof", &nc, &ns, None)?);
-            Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(s)?;
-            let hello = expect(Message::recv(s)?, Kind::Hello)?;
-            verify(s, mac(k, "client-hello", &nc, &ns, Some(&hello))?, &hello.mac)?;
-            (hello, Some((k, nc, ns)))
+            Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.write_to(s).await?;
+            let hello = expect(Message::read_from(s).await?, Kind::Hello)?;
+            verify(s, mac(k, "client-hello", &nc, &ns, Some(&hello))?, &hello.mac).await?;
+            (hello, Some((k.clone(), nc, ns)))
         }
         (kind, _) => {
             if let Some(why) = first.refusal {
@@ -208,15 +210,29 @@ pub(crate) fn server<S: Read + Write, T>(
             return Err(Error::Protocol(format!("expected a Hello or Challenge message, got {kind:?}")));
         }
     };
+    if hello.endpoint.is_none() {
+        return Err(Error::Protocol("a Hello message without an endpoint".into()));
+    }
+    Ok(Heard { hello, nonces })
+}
+
+/// The server's `Welcome` to a client it [`hear`]d: what `prepared` made (this side's QP), its
+/// endpoints, and `blob`.
+pub(crate) async fn welcome<T>(
+    s: &mut impl Wire,
+    heard: Heard,
+    (prepared, me, control): Prepared<T>,
+    blob: Vec<u8>,
+) -> Result<Exchanged<T>> {
+    let Heard { hello, nonces } = heard;
     let peer = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
-    let ((prepared, me, control), blob) = prepare()?;
     // A control channel needs both sides: offer one only to a client that offered its own.
     let control = control.filter(|_| hello.control.is_some());
     let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob) };
     if let Some((k, nc, ns)) = &nonces {
         welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some(&welcome))?);
     }
-    welcome.send(s)?;
+    welcome.write_to(s).await?;
     Ok(Exchanged { prepared, me, peer, peer_control: hello.control, peer_blob: hello.blob })
 }
 

@@ -7,6 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
 use super::*;
+use crate::transfer::setup::wire::{block_on, Plain};
 use crate::transfer::Options;
 use crate::verbs::{Gid, Mtu};
 
@@ -34,10 +35,14 @@ fn run_side(s: &mut TcpStream, is_server: bool, secret: Option<&Secret>, blob: &
         prepared.set(true);
         Ok(((), ep(qpn), Some(ep(qpn + 100))))
     };
+    let s = &mut Plain(s);
     let r = if is_server {
-        server(s, secret, || prepare().map(|p| (p, blob.to_vec())))
+        block_on(async {
+            let heard = hear(s, secret).await?;
+            welcome(s, heard, prepare()?, blob.to_vec()).await
+        })
     } else {
-        client(s, secret, blob, prepare)
+        block_on(client(s, secret, blob, prepare))
     };
     Side {
         result: r.map(|x| {
@@ -149,7 +154,7 @@ fn a_recorded_client_exchange_replayed_to_the_server_is_refused() {
         let srv = sc.spawn(|| run_side(&mut stream(l.accept().unwrap().0), true, k.as_ref(), b"server blob", 2));
         let mut s = stream(TcpStream::connect(addr).unwrap());
         let mut tap = Tap { s: &mut s, sent: Vec::new() };
-        client(&mut tap, k.as_ref(), b"client blob", || Ok(((), ep(1), None))).unwrap();
+        block_on(client(&mut Plain(&mut tap), k.as_ref(), b"client blob", || Ok(((), ep(1), None)))).unwrap();
         let sent = tap.sent;
         assert!(srv.join().unwrap().result.is_ok());
         sent

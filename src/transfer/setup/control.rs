@@ -33,7 +33,7 @@ pub(crate) fn options(opts: &Options) -> Options {
 }
 
 /// Test hook: the next server-side handshake's QP connect fails, as a device refusing the
-/// client's endpoint makes it.
+/// client's endpoint makes it (`handshake::serve` meets it).
 #[cfg(test)]
 pub(crate) static REFUSE_CLIENT_ENDPOINT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -119,13 +119,6 @@ impl Prepared {
     /// The step of [`Prepared::finish`] that the peer's endpoints decide: the QPs to RTR/RTS
     /// towards them (a device refuses an unroutable GID here).
     pub(crate) fn connect_to(&self, opts: &Options, peer: &Endpoint, peer_control: Option<&Endpoint>) -> Result<()> {
-        #[cfg(test)]
-        if std::thread::current().name() == Some("mralloc-handshake")
-            && REFUSE_CLIENT_ENDPOINT.swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
-            // What a device says to an endpoint it cannot reach (rxe resolves addresses later).
-            return Err(crate::Error::verbs_errno("ibv_modify_qp", libc::EINVAL));
-        }
         self.data.0.connect(peer, &opts.connect_options())?;
         if let (Some(mine), Some(theirs)) = (&self.control, peer_control) {
             mine.0.connect(theirs, &options(opts).connect_options())?;

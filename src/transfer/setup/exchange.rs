@@ -23,9 +23,13 @@
 //! the connection or exited, and fails the connection there with
 //! [`crate::Error::Disconnected`].
 
+#[cfg(test)]
 use std::io::{Read, Write};
 
 use crate::error::{AuthFailure, Error, Result};
+#[cfg(test)]
+use crate::transfer::setup::wire::Plain;
+use crate::transfer::setup::wire::{self, Wire};
 use crate::verbs::Endpoint;
 
 /// Magic bytes of a connection message.
@@ -226,28 +230,40 @@ impl Message {
         Ok(m)
     }
 
-    /// Writes the message to a stream.
+    /// Writes the message to a setup stream.
     ///
     /// # Errors
     /// As [`Message::encode`]; [`Error::Io`] if writing fails or times out.
-    pub fn send(&self, w: &mut impl Write) -> Result<()> {
+    pub(crate) async fn write_to(&self, w: &mut impl Wire) -> Result<()> {
         let bytes = self.encode()?;
-        w.write_all(&bytes).and_then(|_| w.flush()).map_err(|e| io("sending a connection message", e))
+        wire::write_all(w, &bytes).await.map_err(|e| io("sending a connection message", e))
     }
 
-    /// Reads one message from a stream (bounded by [`MAX_BLOB`]).
+    /// Reads one message from a setup stream (bounded by [`MAX_BLOB`]).
     ///
     /// # Errors
     /// As [`Message::parse_header`]; [`Error::Io`] if reading fails, times out or the peer
     /// closes the stream mid-message.
-    pub fn recv(r: &mut impl Read) -> Result<Message> {
+    pub(crate) async fn read_from(r: &mut impl Wire) -> Result<Message> {
         let mut h = [0u8; HEADER];
-        r.read_exact(&mut h).map_err(|e| io("reading a connection message", e))?;
+        wire::read_exact(r, &mut h).await.map_err(|e| io("reading a connection message", e))?;
         let (mut m, len) = Message::parse_header(&h)?;
         let mut blob = vec![0u8; len];
-        r.read_exact(&mut blob).map_err(|e| io("reading a connection message's blob", e))?;
+        wire::read_exact(r, &mut blob).await.map_err(|e| io("reading a connection message's blob", e))?;
         m.blob = blob;
         Ok(m)
+    }
+
+    /// [`Message::write_to`] a blocking stream.
+    #[cfg(test)]
+    pub fn send(&self, w: &mut (impl Read + Write)) -> Result<()> {
+        wire::block_on(self.write_to(&mut Plain(w)))
+    }
+
+    /// [`Message::read_from`] a blocking reader.
+    #[cfg(test)]
+    pub fn recv(r: &mut impl Read) -> Result<Message> {
+        wire::block_on(Message::read_from(&mut Plain(wire::ReadOnly(r))))
     }
 }
 

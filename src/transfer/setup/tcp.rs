@@ -3,25 +3,30 @@
 //! module), then both QPs go to RTS and confirm with a `Ready` message before either side may
 //! post.
 
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::net::{SocketAddr, ToSocketAddrs};
 
-use crate::error::{Error, Result};
-use crate::transfer::setup::acceptor::{deadline_after, no_answer, Accepting, HandshakeFailure, Reply};
-use crate::transfer::setup::auth::{self, expect};
-use crate::transfer::setup::control::{Established, Prepared};
-use crate::transfer::setup::exchange::{Kind, Message};
-use crate::transfer::setup::handshake::{io, keep_watched, Timed};
+use crate::error::Result;
+use crate::transfer::setup::acceptor::{self, Accepting, HandshakeFailure, Reply};
+use crate::transfer::setup::control::Established;
+use crate::transfer::setup::handshake::{self, io, BlockingDial};
+use crate::transfer::setup::polling::Polling;
+use crate::transfer::setup::wire::block_on;
 use crate::transfer::{Connection, Options};
 use crate::verbs::Pd;
 
 /// Accepts RDMA connections whose endpoints arrive over TCP.
 ///
-/// Handshakes run in the background, several at once (up to [`Options::max_handshakes`]), each
+/// Handshakes run side by side, several at once (up to [`Options::max_handshakes`]), each
 /// bounded as a whole by [`Options::connect_timeout`]: a slow or silent client delays nobody
 /// else. A client whose exchange reached the point where this side must answer waits for an
 /// accept call; its queue pair is created only then.
+///
+/// The listener has no thread of its own: its handshakes make progress inside the calls made
+/// on it. An accept call drives them all (non-blocking sockets, `poll(2)`) until its own answer
+/// came; several accept calls at once on one listener take turns, and the gauges
+/// ([`Listener::handshakes_in_flight`], ...) take a pass that does not wait. While nobody calls,
+/// clients wait in the kernel's backlog or where their exchange stopped, and a handshake whose
+/// deadline passed meanwhile fails at the next call.
 ///
 /// ```no_run
 /// use mralloc::transfer::{Listener, Options};
@@ -33,15 +38,17 @@ use crate::verbs::Pd;
 /// ```
 pub struct Listener {
     addr: SocketAddr,
-    accepting: Arc<Accepting>,
-    acceptor: Option<std::thread::JoinHandle<()>>,
-    /// A fork()ed child has no acceptor thread to stop.
+    polling: Polling,
+    /// A fork()ed child's copies of the handshakes are the parent's.
     born: crate::fork::Born,
 }
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener").field("addr", &self.addr).field("handshakes", &self.accepting.in_flight()).finish()
+        f.debug_struct("Listener")
+            .field("addr", &self.addr)
+            .field("handshakes", &self.polling.accepting().in_flight())
+            .finish()
     }
 }
 
@@ -49,8 +56,8 @@ impl Listener {
     /// Listens on `addr` for connections in `pd`.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the listener's
-    /// acceptor thread cannot start.
+    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the socket cannot
+    /// be made non-blocking.
     /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Listener> {
         Listener::bind_offering(addr, pd, &opts, false)
@@ -59,10 +66,9 @@ impl Listener {
     /// As [`Listener::bind`]; with `control`, handshakes offer a control channel.
     pub(crate) fn bind_offering(addr: impl ToSocketAddrs, pd: &Pd, opts: &Options, control: bool) -> Result<Listener> {
         pd.context().usable_for_new()?;
-        let tcp = TcpListener::bind(addr).map_err(io("binding the TCP listener".into()))?;
-        let addr = tcp.local_addr().map_err(io("reading the listener's address".into()))?;
-        let (accepting, acceptor) = Accepting::start(tcp, pd, opts, control)?;
-        Ok(Listener { addr, accepting, acceptor: Some(acceptor), born: crate::fork::Born::now() })
+        let (tcp, addr) = acceptor::bind(addr)?;
+        let polling = Polling::new(tcp, Accepting::new(pd, opts, control))?;
+        Ok(Listener { addr, polling, born: crate::fork::Born::now() })
     }
 
     /// The address it listens on.
@@ -85,7 +91,8 @@ impl Listener {
     /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to
     /// the peer with this side's endpoint. With [`Options::secret`] set, the peer must prove it
     /// holds the same secret before a QP is created for it or `blob` is sent. Waits for a client
-    /// whose exchange reached that point (handshakes run in the background: see [`Listener`]).
+    /// whose exchange reached that point, driving the listener's handshakes meanwhile (see
+    /// [`Listener`]).
     ///
     /// A client whose setup fails (garbage, silence, a wrong secret, a client that goes away:
     /// [`Error::Io`], [`Error::Authentication`], [`Error::Protocol`], [`Error::Timeout`]) is that
@@ -102,61 +109,55 @@ impl Listener {
     /// - As [`Connection::pair`] if creating the QP or setting up the connection's watcher
     ///   fails, or if the device is removed. (Connecting the QP uses the client's endpoint: a
     ///   client whose endpoint the device refuses, an unroutable GID, is that client's failure.)
-    /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake thread ended
+    /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake ended
     ///   without an answer (a panic).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
-        // A fork()ed child has no acceptor thread (and a parent thread may hold its locks).
+        // A fork()ed child's handshakes are the parent's (and a parent thread may hold its
+        // locks).
         self.born.check("this listener")?;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.accepting.offer(blob.to_vec(), Reply::Blocking(tx));
-        // The handshake that takes the offer always answers (its thread catches nothing, but a
-        // panic there drops the sender).
-        rx.recv().unwrap_or_else(|_| Err(no_answer())).map(Established::into_blocking)
+        self.polling.accepting().offer(blob.to_vec(), Reply::Blocking(tx));
+        // The handshake that takes the offer always answers (a panic there drops the sender).
+        self.polling.wait(&rx).map(Established::into_blocking)
     }
 
     /// How many client setups are running now: TCP connections taken and not yet handed to an
     /// accept call or failed (at most [`crate::transfer::Options::max_handshakes`]; further
     /// clients wait in the kernel's backlog). A gauge for monitoring a server under load.
+    ///
+    /// Unless an accept call is driving the handshakes, it first takes one pass over them that
+    /// does not wait (clients waiting in the backlog are taken, expired handshakes end).
     pub fn handshakes_in_flight(&self) -> usize {
-        self.accepting.in_flight()
+        self.polling.progress();
+        self.polling.accepting().in_flight()
     }
 
     /// How many clients' setups failed since the listener was bound (see
     /// [`Listener::accept_with`]).
+    ///
+    /// As [`Listener::handshakes_in_flight`], it first takes a pass over the handshakes.
     pub fn failed_handshakes(&self) -> u64 {
-        self.accepting.failed_total()
+        self.polling.progress();
+        self.polling.accepting().failed_total()
     }
 
     /// The most recent failed client setups (at most 64; older ones are only counted), oldest
     /// first, taken out of the listener: who, and the typed error.
+    ///
+    /// As [`Listener::handshakes_in_flight`], it first takes a pass over the handshakes.
     pub fn take_handshake_failures(&self) -> Vec<HandshakeFailure> {
-        self.accepting.take_failures()
-    }
-
-    /// The PD connections are made in.
-    #[cfg(feature = "tokio")]
-    pub(crate) fn pd(&self) -> &Pd {
-        self.accepting.pd()
-    }
-
-    /// The shared accepting state (the async listener offers through it).
-    #[cfg(feature = "tokio")]
-    pub(crate) fn accepting(&self) -> &Arc<Accepting> {
-        &self.accepting
+        self.polling.progress();
+        self.polling.accepting().take_failures()
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
         if !self.born.here() {
-            std::mem::forget(self.acceptor.take()); // the parent's thread: not ours to detach
-            return;
+            // The parent's handshakes (their queue pairs): not this child's to destroy.
+            self.polling.forget();
         }
-        self.accepting.stop();
-        if let Some(t) = self.acceptor.take() {
-            // Within ~100 ms: the acceptor polls with that timeout. The port is free after.
-            let _ = t.join();
-        }
+        // The handshakes close with the listener; the port is free after.
     }
 }
 
@@ -200,59 +201,7 @@ impl Connection {
         blob: &[u8],
         control: bool,
     ) -> Result<Established> {
-        let until = deadline_after(opts.connect_timeout);
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
-        if addrs.is_empty() {
-            return Err(Error::InvalidArgument("the address resolved to nothing".into()));
-        }
-        // Each address in turn, within the one deadline; the last failure is reported. While
-        // every address refuses (nothing listens there yet: the peer is starting), all are
-        // tried again after a pause that grows to half a second, until the deadline.
-        let mut last = None;
-        let mut stream = None;
-        let mut pause = Duration::from_millis(10);
-        'tries: loop {
-            let mut refused = true;
-            for target in &addrs {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break 'tries;
-                }
-                match TcpStream::connect_timeout(target, left) {
-                    Ok(s) => {
-                        stream = Some(s);
-                        break 'tries;
-                    }
-                    Err(e) => {
-                        refused &= e.kind() == std::io::ErrorKind::ConnectionRefused;
-                        last = Some((*target, e));
-                    }
-                }
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if !refused || left.is_zero() {
-                break;
-            }
-            std::thread::sleep(pause.min(left));
-            pause = (pause * 2).min(Duration::from_millis(500));
-        }
-        let s = match (stream, last) {
-            (Some(s), _) => s,
-            (None, Some((target, e))) => return Err(io(format!("connecting to {target} (is the peer listening?)"))(e)),
-            (None, None) => {
-                return Err(Error::Timeout(opts.connect_timeout, "a TCP connection to the peer"));
-            }
-        };
-        let mut s = Timed::new(s, until, opts.connect_timeout)?;
-        let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
-            let prepared = Prepared::new(pd, &opts, control)?;
-            let (me, control) = prepared.endpoints();
-            Ok((prepared, me, control))
-        })?;
-        let mut conn = x.prepared.finish(pd, &opts, x.peer, x.peer_control, x.peer_blob)?;
-        Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
-        expect(Message::recv(&mut s)?, Kind::Ready)?;
-        keep_watched(&mut conn, s)?;
-        Ok(conn)
+        block_on(handshake::connect(BlockingDial, &addrs, pd, &opts, blob, control))
     }
 }

@@ -20,6 +20,8 @@ use crate::transfer::request::owned::{OwnedGather, OwnedScatter};
 use crate::transfer::request::received::Posted;
 use crate::transfer::request::{Action, SgeList};
 use crate::transfer::setup::control::Established;
+use crate::transfer::setup::handshake;
+use crate::transfer::setup::tokio_wire::TokioDial;
 use crate::transfer::{Connection, Options, Received, Rejected, WaitMode};
 #[cfg(doc)]
 use crate::transfer::{IoBuf, IoTarget};
@@ -53,7 +55,8 @@ use crate::verbs::{Endpoint, Pd};
 /// - **Waiting**: a future first polls the CQ for a short, adaptive time
 ///   ([`Options::spin`]), then sleeps; a driver task per connection sleeps on the
 ///   completion channel through tokio's reactor and wakes it. Nothing blocks an executor
-///   thread: setup runs on tokio's blocking pool.
+///   thread: the TCP setup exchange runs as async code on the runtime (creating and connecting
+///   a queue pair are short kernel calls); RDMA CM setup runs on tokio's blocking pool.
 /// - **Cancel-safe**: dropping a future (a cancelled task, `tokio::time::timeout`, a `select!`
 ///   branch not taken) never frees memory the NIC may touch. Its buffer is parked with the
 ///   connection and freed when the completion, or the flush after a failure or close, is
@@ -111,12 +114,12 @@ pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + 
 
 impl AsyncConnection {
     /// Connects to a [`crate::transfer::Listener`] or [`crate::transfer::AsyncListener`] at
-    /// `addr`, in `pd`. The TCP exchange runs on tokio's blocking pool.
+    /// `addr`, in `pd`. The TCP exchange runs as async code on the runtime (the connect retried
+    /// while refused, all within [`Options::connect_timeout`], as [`Connection::connect_with`]
+    /// does). Cancelling the future closes what it set up so far.
     ///
     /// # Errors
-    /// As [`Connection::connect_with`]; [`Error::Io`] also if the runtime has no I/O driver
-    /// (found once the connection is set up: it is closed again) or the setup task on the
-    /// blocking pool panics or is cancelled.
+    /// As [`Connection::connect_with`]; [`Error::Io`] also if the runtime has no I/O driver.
     pub async fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
         AsyncConnection::connect_with(addr, pd, opts, &[]).await
     }
@@ -131,8 +134,10 @@ impl AsyncConnection {
         opts: Options,
         blob: &[u8],
     ) -> Result<AsyncConnection> {
-        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_offering(a, pd, o, b, true))
-            .await
+        let addrs = resolve(addr).await?;
+        let opts = async_options(opts)?;
+        let conn = handshake::connect(TokioDial, &addrs, pd, &opts, blob, true).await?;
+        AsyncConnection::wrap(conn)
     }
 
     /// Connects through the RDMA connection manager to an [`crate::transfer::AsyncCmListener`]
@@ -152,8 +157,7 @@ impl AsyncConnection {
         opts: Options,
         blob: &[u8],
     ) -> Result<AsyncConnection> {
-        AsyncConnection::set_up(addr, pd, opts, blob, |a, pd, o, b| Connection::connect_cm_offering(a, pd, o, b, true))
-            .await
+        AsyncConnection::set_up_cm(addr, pd, opts, blob).await
     }
 
     /// Connects through the RDMA connection manager, sending no blob: as
@@ -165,17 +169,14 @@ impl AsyncConnection {
         AsyncConnection::connect_cm_with(addr, pd, opts, &[]).await
     }
 
-    /// Resolves `addr`, runs the blocking `connect` on tokio's blocking pool, wraps the result.
-    async fn set_up(
-        addr: impl ToSocketAddrs,
-        pd: &Pd,
-        opts: Options,
-        blob: &[u8],
-        connect: fn(&[SocketAddr], &Pd, Options, &[u8]) -> Result<Established>,
-    ) -> Result<AsyncConnection> {
+    /// Resolves `addr`, runs the blocking CM `connect` on tokio's blocking pool, wraps the
+    /// result.
+    async fn set_up_cm(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<AsyncConnection> {
         let addrs = resolve(addr).await?;
         let (pd, blob) = (pd.clone(), blob.to_vec());
-        let conn = blocking(move || connect(&addrs[..], &pd, async_options(opts)?, &blob)).await?;
+        let conn =
+            blocking(move || Connection::connect_cm_offering(&addrs[..], &pd, async_options(opts)?, &blob, true))
+                .await?;
         AsyncConnection::wrap(conn)
     }
 

@@ -1,6 +1,10 @@
-//! `AsyncListener`: accepts connections without blocking an executor thread.
+//! `AsyncListener`: accepts connections without blocking an executor thread; its TCP accepting
+//! and its handshakes are tasks on the runtime.
 
+use std::future::poll_fn;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::ToSocketAddrs;
 
@@ -8,14 +12,20 @@ use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::transfer::front::aio::connection::async_options;
 use crate::transfer::front::aio::lending::{check_lending_heap, RemoteLimits};
-use crate::transfer::setup::acceptor::{no_answer, Accepting, Reply};
-use crate::transfer::{AsyncConnection, Listener, Options};
+use crate::transfer::setup::acceptor::{self, no_answer, Accepting, Reply};
+use crate::transfer::setup::tokio_wire::TokioWire;
+use crate::transfer::{AsyncConnection, Options};
 use crate::verbs::Pd;
 
-/// Accepts RDMA connections whose endpoints arrive over TCP, as [`Listener`] does (handshakes
-/// on threads of its own, several at once, each within [`Options::connect_timeout`]), for
-/// tokio: an accept call is a future that waits for a handshake to serve. Peers connect with
-/// [`AsyncConnection::connect`] or [`crate::transfer::Connection::connect`].
+/// How long accepting pauses after `accept(2)` failed (EMFILE and friends).
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Accepts RDMA connections whose endpoints arrive over TCP, as
+/// [`crate::transfer::Listener`] does (handshakes side by side, several at once, each within
+/// [`Options::connect_timeout`]), for tokio: the TCP accepting is a task on the runtime and each
+/// handshake another (no thread of its own); an accept call is a future that waits for a
+/// handshake to serve. Peers connect with [`AsyncConnection::connect`] or
+/// [`crate::transfer::Connection::connect`].
 ///
 /// ```no_run
 /// # async fn f(pd: &mralloc::verbs::Pd) -> mralloc::Result<()> {
@@ -27,25 +37,45 @@ use crate::verbs::Pd;
 /// }
 /// # }
 /// ```
-#[derive(Debug)]
 pub struct AsyncListener {
-    listener: Listener,
+    addr: SocketAddr,
+    accepting: Arc<Accepting>,
+    /// The task taking TCP connections (aborted with the listener).
+    acceptor: tokio::task::JoinHandle<()>,
     serving: Option<(Heap, RemoteLimits)>,
+    /// A fork()ed child's task handle is the parent runtime's.
+    born: crate::fork::Born,
+}
+
+impl std::fmt::Debug for AsyncListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncListener")
+            .field("addr", &self.addr)
+            .field("handshakes", &self.accepting.in_flight())
+            .finish_non_exhaustive()
+    }
 }
 
 impl AsyncListener {
-    /// Listens on `addr` for connections in `pd`.
+    /// Listens on `addr` for connections in `pd`. Call it inside a tokio runtime with I/O and
+    /// time enabled.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound, or the listener's acceptor thread
-    /// cannot start.
+    /// [`Error::Io`] if `addr` cannot be resolved or bound, or the socket cannot be registered
+    /// with the runtime's reactor. [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub async fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncListener> {
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
             .await
             .map_err(|source| Error::Io { what: "resolving the listener's address".into(), source })?
             .collect();
-        let listener = Listener::bind_offering(&addrs[..], pd, &async_options(opts)?, true)?;
-        Ok(AsyncListener { listener, serving: None })
+        let opts = async_options(opts)?;
+        pd.context().usable_for_new()?;
+        let (tcp, addr) = acceptor::bind(&addrs[..])?;
+        let tcp = tokio::net::TcpListener::from_std(tcp)
+            .map_err(|source| Error::Io { what: "registering the listener with the reactor".into(), source })?;
+        let accepting = Accepting::new(pd, &opts, true);
+        let acceptor = tokio::spawn(accept_loop(tcp, accepting.clone()));
+        Ok(AsyncListener { addr, accepting, acceptor, serving: None, born: crate::fork::Born::now() })
     }
 
     /// Makes every connection accepted from now on lend its peer memory of `heap` within
@@ -58,32 +88,33 @@ impl AsyncListener {
     /// [`crate::verbs::Access::MW_BIND`] or is not bound to the listener's PD; as
     /// [`Heap::alloc`] if the one-byte allocation that checks the binding fails.
     pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
-        check_lending_heap(heap, self.listener.pd())?;
+        check_lending_heap(heap, self.accepting.pd())?;
         self.serving = Some((heap.clone(), limits));
         Ok(())
     }
 
-    /// How many client setups are running now (see [`Listener::handshakes_in_flight`]).
+    /// How many client setups are running now (see
+    /// [`crate::transfer::Listener::handshakes_in_flight`]).
     pub fn handshakes_in_flight(&self) -> usize {
-        self.listener.handshakes_in_flight()
+        self.accepting.in_flight()
     }
 
     /// How many clients' setups failed since the listener was bound.
     pub fn failed_handshakes(&self) -> u64 {
-        self.listener.failed_handshakes()
+        self.accepting.failed_total()
     }
 
     /// The most recent failed client setups (at most 64), oldest first, taken out.
     pub fn take_handshake_failures(&self) -> Vec<crate::transfer::HandshakeFailure> {
-        self.listener.take_handshake_failures()
+        self.accepting.take_failures()
     }
 
     /// The address it listens on.
     ///
     /// # Errors
-    /// [`Error::Io`] if the socket cannot report it.
+    /// None at present (the address is read when binding).
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.listener.local_addr()
+        Ok(self.addr)
     }
 
     /// Accepts the next connection.
@@ -101,15 +132,16 @@ impl AsyncListener {
     /// handshake finishes, the finished connection is dropped (the peer sees it fail with
     /// [`Error::Disconnected`]).
     ///
-    /// A client whose setup fails is that client's problem, as for [`Listener::accept_with`]:
+    /// A client whose setup fails is that client's problem, as for
+    /// [`crate::transfer::Listener::accept_with`]:
     /// the future goes on waiting for the next one ([`AsyncListener::failed_handshakes`],
     /// [`AsyncListener::take_handshake_failures`]).
     ///
     /// # Errors
-    /// As [`Listener::accept_with`]; [`Error::Io`] if the connection cannot be registered with
-    /// the runtime's reactor.
+    /// As [`crate::transfer::Listener::accept_with`]; [`Error::Io`] if the connection cannot be
+    /// registered with the runtime's reactor.
     pub async fn accept_with(&self, blob: &[u8]) -> Result<AsyncConnection> {
-        let accepting = self.listener.accepting();
+        let accepting = &self.accepting;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let id = accepting.offer(blob.to_vec(), Reply::Async(tx));
         // Cancelled before a handshake took the offer: take it back (after, the handshake's
@@ -123,5 +155,41 @@ impl AsyncListener {
         let _withdraw = Withdraw(accepting, id);
         let conn = rx.await.unwrap_or_else(|_| Err(no_answer()))?;
         AsyncConnection::wrap_serving(conn, self.serving.clone())
+    }
+}
+
+impl Drop for AsyncListener {
+    fn drop(&mut self) {
+        if !self.born.here() {
+            return;
+        }
+        // The socket closes once the runtime drops the aborted task; handshakes waiting for an
+        // accept call end (the others finish or fail within their deadlines, as their tasks).
+        self.acceptor.abort();
+        self.accepting.stop();
+    }
+}
+
+/// Takes TCP connections while fewer than `max_handshakes` handshakes are in flight (further
+/// clients wait in the kernel's backlog) and runs each handshake as a task of its own.
+async fn accept_loop(tcp: tokio::net::TcpListener, accepting: Arc<Accepting>) {
+    loop {
+        poll_fn(|cx| accepting.poll_room(cx)).await;
+        let (s, peer) = match tcp.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: say so, let some handshakes finish, go on.
+                tracing::warn!("accepting a TCP connection failed: {e}");
+                tokio::time::sleep(ACCEPT_PAUSE).await;
+                continue;
+            }
+        };
+        // Only this task admits: the room seen above is still there.
+        let Some(slot) = accepting.admit() else { continue };
+        let deadline = accepting.deadline();
+        match TokioWire::new(s, deadline) {
+            Ok(wire) => drop(tokio::spawn(accepting.clone().handshake(wire, peer, deadline, slot))),
+            Err(e) => tracing::warn!(%peer, "setting up an accepted TCP connection failed ({e}); closed"),
+        }
     }
 }
