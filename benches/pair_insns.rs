@@ -4,7 +4,10 @@
 //! divides the instruction count by the number of objects. Instruction counts, unlike times, do
 //! not depend on what else the machine is doing.
 //!
-//!     pair_insns <heap|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]
+//!     pair_insns <heap|buffer|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]
+//!
+//! `buffer` is a scoped heap's own `Buffer` path (`Heap::alloc_uninit`, then the buffer's drop,
+//! which frees through the heap record the buffer carries rather than a handle), pairs only.
 //!
 //! `global` (with feature `global`) is `mralloc::heap::Global` called as a value, as
 //! tikv-jemallocator's `Jemalloc` is for `jemalloc`: both inline into the loop the same way, so
@@ -47,7 +50,7 @@ fn main() {
         return;
     }
     let usage = || -> ! {
-        eprintln!("usage: pair_insns <heap|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]");
+        eprintln!("usage: pair_insns <heap|buffer|global|jemalloc|glibc|mimalloc> <size> <objects> [pair|batch]");
         std::process::exit(2);
     };
     let (who, size, objects, batch) = match &args[..] {
@@ -70,6 +73,12 @@ fn main() {
                     objects,
                     batch,
                 )
+            }
+            "buffer" if !batch => {
+                let heap = Heap::builder().build().expect("a scoped heap");
+                let pair = || drop(black_box(heap.alloc_uninit(black_box(size)).expect("heap buffer")));
+                (0..10_000).for_each(|_| pair());
+                measured(objects, pair);
             }
             #[cfg(feature = "global")]
             "global" => {

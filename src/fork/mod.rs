@@ -84,6 +84,35 @@ impl Born {
     }
 }
 
+/// A fork generation that can be closed: [`Gate::here`] is [`Born::here`] of the generation it
+/// was opened with until [`Gate::close`], and `false` in every process after it. It costs what
+/// `Born::here` costs (a load and a compare), so a fast path that already leaves for forked
+/// children can leave through it for something else as well (a scoped heap's frees, once the
+/// heap drains: `heap::shared`); the slow path tells the two apart with the object's `Born`.
+pub(crate) struct Gate(AtomicU32);
+
+/// No generation: the generation counts the forks of one lineage of processes (a child adds
+/// one, two at most, to its parent's), so it never gets there.
+const CLOSED: u32 = u32::MAX;
+
+impl Gate {
+    /// Open for objects born in `born`.
+    pub(crate) const fn open(born: Born) -> Gate {
+        Gate(AtomicU32::new(born.0))
+    }
+
+    /// Whether the gate is open and the object lives in the process that made it.
+    #[inline(always)]
+    pub(crate) fn here(&self) -> bool {
+        GENERATION.load(Ordering::Relaxed) == self.0.load(Ordering::Relaxed)
+    }
+
+    /// Closes the gate for good.
+    pub(crate) fn close(&self) {
+        self.0.store(CLOSED, Ordering::Relaxed);
+    }
+}
+
 /// Registers the child handler (once per process; a child inherits the registration).
 /// (Not a `Once`: a fork while another thread runs it would leave the child's copy running for
 /// ever. Two threads racing here may both register; the generation then moves by two in a

@@ -280,7 +280,9 @@ impl DerefMut for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        if !self.shared().born.here() {
+        // One load for both questions while the heap has handles (see `free_raw`).
+        let common = self.shared().frees_common();
+        if !common && !self.shared().born.here() {
             return; // a parent's buffer in a fork()ed child: nothing to release, nothing to say
         }
         if let Err(e) = self.exposure.revoke() {
@@ -292,7 +294,7 @@ impl Drop for Buffer {
         }
         // SAFETY: ptr/layout come from this heap's raw_alloc and are freed exactly once, and no
         // registration of the buffer's own is left (revoked above).
-        unsafe { free_raw(self.shared, self.ptr, self.layout) };
+        unsafe { free_raw(self.shared, self.ptr, self.layout, common) };
     }
 }
 

@@ -155,15 +155,21 @@ impl std::ops::DerefMut for BoundGuard<'_> {
 
 impl Drop for BoundGuard<'_> {
     fn drop(&mut self) {
-        #[cfg(debug_assertions)]
         HOLDING_BOUND.with(|h| h.set(h.get() - 1));
     }
 }
 
-#[cfg(debug_assertions)]
 thread_local! {
-    /// How many owners' `bound` locks this thread holds (debug builds).
+    /// How many owners' `bound` locks this thread holds or waits for (no destructor: readable
+    /// until the thread is gone).
     static HOLDING_BOUND: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread holds, or waits for, an owner's `bound` lock — in the alloc and purge
+/// hooks among others. A heap's teardown takes that lock (to deregister its chunks), so it must
+/// not run then (see `heap::shared`).
+pub(crate) fn holding_bound() -> bool {
+    HOLDING_BOUND.with(Cell::get) > 0
 }
 
 #[cfg(all(debug_assertions, feature = "global"))]
@@ -429,10 +435,11 @@ impl Owner {
         }
     }
 
-    /// Takes `bound`. In debug builds the thread is marked while it waits for and holds the
-    /// lock, so that an allocation or free through the global allocator meanwhile is counted
-    /// ([`allocations_under_bound`]): the alloc and purge hooks take this lock, so such a call
-    /// can deadlock whenever it reaches a hook.
+    /// Takes `bound`. The thread is marked while it waits for and holds the lock
+    /// ([`holding_bound`]): in debug builds an allocation or free through the global allocator
+    /// meanwhile is counted ([`allocations_under_bound`]) — the alloc and purge hooks take this
+    /// lock, so such a call can deadlock whenever it reaches a hook — and a heap's teardown
+    /// waits for the liveness thread rather than run then.
     ///
     /// A `std` mutex (a futex), not `parking_lot`'s: the hooks take this lock inside jemalloc,
     /// and parking_lot allocates when a thread first parks or its table grows — through the
@@ -440,7 +447,6 @@ impl Owner {
     /// under it leaves `Bound` half-updated (the PD array is written last, in one store).
     pub(crate) fn lock_bound(&self) -> BoundGuard<'_> {
         // Marked before waiting: an allocation while waiting is as bad as one while holding.
-        #[cfg(debug_assertions)]
         HOLDING_BOUND.with(|h| h.set(h.get() + 1));
         BoundGuard(self.bound.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }

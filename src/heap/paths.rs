@@ -15,7 +15,7 @@ use crate::heap::jemalloc;
 use crate::heap::owner::{take_hook_error, HookError};
 use crate::heap::pagemap::SLOT;
 use crate::heap::scoped::Heap;
-use crate::heap::shared::Shared;
+use crate::heap::shared::{after_draining_free, Shared};
 use crate::heap::tcache;
 
 /// An object for `layout` (size > 0) from this thread's front cache, if it keeps one.
@@ -143,18 +143,42 @@ fn front(id: u64, shared: NonNull<Shared>) -> Option<NonNull<Front>> {
 
 /// Frees memory from [`Heap::raw_alloc`]. After the live counter's store (the last thing it
 /// does) the heap may be torn down by another thread: nothing of it is touched after that.
+/// `common` is what [`Shared::frees_common`] said (read once by the caller, which needs it
+/// too): a free that read it just before the heap began to drain takes the common path, which
+/// the heap's teardown allows for (see `heap::shared`).
 ///
 /// # Safety
 /// `ptr` must come from `raw_alloc(layout)` on the heap behind `shared` and not have been freed.
 #[inline]
-pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+pub(crate) unsafe fn free_raw(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout, common: bool) {
     // SAFETY: the allocation being freed keeps the record alive up to the counter store.
-    let (id, born) = unsafe { (shared.as_ref().id(), shared.as_ref().born()) };
-    if !born.here() {
-        return; // a parent's allocation in a fork()ed child: the parent's to free
+    let id = unsafe { shared.as_ref().id() };
+    if !common {
+        // SAFETY: forwarded contract.
+        return unsafe { free_uncommon(shared, ptr, layout) };
     }
     // SAFETY: forwarded contract; `id` is the record's.
     unsafe { free_in(id, shared, ptr, layout) }
+}
+
+/// [`free_raw`] off its common path: a parent's allocation in a fork()ed child (the parent's
+/// to free: nothing is done), or one of a draining heap, freed as usual, after which the heap
+/// may be torn down ([`after_draining_free`]).
+///
+/// # Safety
+/// As [`free_raw`].
+#[cold]
+#[inline(never)]
+unsafe fn free_uncommon(shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
+    // SAFETY: the allocation being freed keeps the record alive up to the counter store.
+    let (id, born) = unsafe { (shared.as_ref().id(), shared.as_ref().born()) };
+    if !born.here() {
+        return;
+    }
+    // SAFETY: forwarded contract; `id` is the record's.
+    unsafe { free_in(id, shared, ptr, layout) };
+    // The record may be gone now: only its address goes on.
+    after_draining_free(shared);
 }
 
 /// [`free_raw`] with the heap's id already at hand (a handle carries a copy).

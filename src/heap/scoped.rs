@@ -141,6 +141,8 @@ impl HeapBuilder {
     /// first chunk's creation fail with ([`Error::Registration`], [`Error::Io`],
     /// [`Error::DeviceRemoved`], ...).
     pub fn build(self) -> Result<Heap> {
+        // Heaps dropped earlier whose buffers are all gone now (normally torn down already).
+        crate::heap::shared::reap_draining();
         if self.max_chunk < SLOT {
             return Err(Error::InvalidArgument(format!("max_chunk must be at least {SLOT} bytes")));
         }
@@ -211,8 +213,12 @@ impl HeapBuilder {
 /// have no lifetime — they can move to other threads and be freed there — and keep the heap's
 /// chunks registered and mapped while they live. When the last handle and the last buffer (or
 /// collection) are gone, the thread caches are flushed, the arena is destroyed and every chunk
-/// is deregistered and unmapped: at once if the handle goes last, otherwise within a few
-/// milliseconds of the last buffer's drop (a small reaper thread exists only meanwhile).
+/// is deregistered and unmapped: at once if the handle goes last, otherwise by the drop of the
+/// last buffer itself, on whichever thread it happens. A buffer dropped while its thread
+/// unwinds from a panic, or one whose drop raced with the last handle's, leaves that to the
+/// process's liveness thread (`mralloc-liveness`, started when a heap is dropped with live
+/// buffers; no thread of the heap's own): within one of its rounds, normally 50 ms at most, of
+/// that drop.
 ///
 /// `fork()`: the child reads its copies of what lives in the heap (buffers, collections) as the
 /// parent had them at the fork: the kernel copies pinned pages into children (Linux 5.13+), so
@@ -500,8 +506,8 @@ impl Heap {
     }
 }
 
-/// How many heaps were dropped while buffers of theirs still live (they are torn down when the
-/// last of those buffers is freed). For tests and diagnostics.
+/// How many heaps were dropped while buffers of theirs still live (each is torn down when the
+/// last of those buffers is freed: see [`Heap`]). For tests and diagnostics.
 pub fn draining_heaps() -> usize {
     crate::heap::shared::draining()
 }

@@ -4,9 +4,15 @@
 //! connections were set up over, devices' async events, keepalive probes) — one `poll(2)` over
 //! every descriptor, started once, whichever needs it first.
 //!
+//! It also runs work a higher layer leaves for it ([`defer`]): the scoped heap's teardown of a
+//! heap dropped while buffers of it lived, when the free of the last one could not do it.
+//! Such work runs at the thread's next round, then again after pauses growing from
+//! [`FIRST_PAUSE`] to [`MOST_PAUSE`], until it says there is nothing left.
+//!
 //! A fork()ed child starts its own (the parent's thread is not in it).
 
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::time::{Duration, Instant};
 
 /// What the liveness thread is started for: the device monitor (see
 /// [`crate::verbs::removal`]), which also wakes it.
@@ -50,9 +56,79 @@ static HOST: AtomicPtr<&'static dyn Host> = AtomicPtr::new(std::ptr::null_mut())
 /// of ([`crate::verbs::removal`]'s `monitor`) — run `w` too, from its next round on.
 pub(crate) fn serve(w: &'static dyn Watch) {
     WATCH.store(Box::into_raw(Box::new(w)), Ordering::Release);
-    // SAFETY: a non-null pointer came from Box::into_raw and is never freed.
-    if let Some(host) = unsafe { HOST.load(Ordering::Acquire).as_ref() }.filter(|h| h.pid() == std::process::id()) {
+    if let Some(host) = host() {
         host.notify();
+    }
+}
+
+/// This process's host, once its thread is started.
+fn host() -> Option<&'static dyn Host> {
+    // SAFETY: a non-null pointer came from Box::into_raw and is never freed.
+    let h = *unsafe { HOST.load(Ordering::Acquire).as_ref() }?;
+    (h.pid() == std::process::id()).then_some(h)
+}
+
+/// The deferred work (a `fn() -> bool`, see [`defer`]), or null.
+static DEFERRED: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+/// Set by [`defer`]: run the deferred work at the next round, and soon after.
+static KICKED: AtomicBool = AtomicBool::new(false);
+
+/// The pause before deferred work runs again after a run that left some.
+pub(crate) const FIRST_PAUSE: Duration = Duration::from_millis(1);
+/// What that pause grows to (doubling after each such run), and stays at.
+pub(crate) const MOST_PAUSE: Duration = Duration::from_millis(50);
+
+/// Has the liveness thread run `work` at its next round (it is woken for it), then again after
+/// pauses growing from [`FIRST_PAUSE`] to [`MOST_PAUSE`] for as long as it returns `true`
+/// (there is work left); a later call starts over at the next round. `work` runs on the
+/// liveness thread, between its polls; it must not block for long (device removals and
+/// keepalive probes wait for it).
+///
+/// One registrant (the scoped heap's draining list): `work` is the same every call, and a
+/// different one would replace it. The thread must be started (the device monitor starts it,
+/// `crate::verbs::removal::monitor`); until it is, nothing runs. No allocation and no lock:
+/// callable wherever the caller may not do the work itself.
+pub(crate) fn defer(work: fn() -> bool) {
+    DEFERRED.store(work as *mut (), Ordering::Release);
+    KICKED.store(true, Ordering::Release);
+    if let Some(host) = host() {
+        host.notify();
+    }
+}
+
+/// The liveness thread's schedule of the deferred work.
+struct Deferred {
+    /// The pause after the next run that leaves work; `None`: nothing is pending.
+    pause: Option<Duration>,
+    /// When the work is due.
+    due: Instant,
+}
+
+impl Deferred {
+    /// Runs the deferred work if it is due; returns how long the thread may sleep before it is
+    /// due again (ms, at least 1; -1: nothing pending).
+    fn run(&mut self) -> i32 {
+        let now = Instant::now();
+        if KICKED.swap(false, Ordering::AcqRel) {
+            (self.pause, self.due) = (Some(FIRST_PAUSE), now);
+        }
+        let Some(pause) = self.pause else { return -1 };
+        if now >= self.due {
+            let work = DEFERRED.load(Ordering::Acquire);
+            if work.is_null() {
+                self.pause = None;
+                return -1;
+            }
+            // SAFETY: a non-null value was stored by `defer`, from a `fn() -> bool`.
+            let work: fn() -> bool = unsafe { std::mem::transmute::<*mut (), fn() -> bool>(work) };
+            // A panicking run (a tracing subscriber, say) counts as work left.
+            if !std::panic::catch_unwind(work).unwrap_or(true) {
+                self.pause = None;
+                return -1;
+            }
+            (self.pause, self.due) = (Some((pause * 2).min(MOST_PAUSE)), now + pause);
+        }
+        self.due.saturating_duration_since(Instant::now()).as_millis().clamp(1, i32::MAX as u128) as i32
     }
 }
 
@@ -72,11 +148,15 @@ fn run(m: &'static dyn Host) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     // Rounds that skipped the due work because a set of descriptors changed.
     let mut skipped = 0u32;
+    let mut deferred = Deferred { pause: None, due: Instant::now() };
     loop {
         // Nothing may end this thread (a panicking tracing subscriber, say): every device and
         // connection of the process depends on it. A round that panicked is logged, and the
         // next one begins after a pause.
-        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| round(m, &mut fds, &mut skipped)));
+        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let next = deferred.run();
+            round(m, &mut fds, &mut skipped, next)
+        }));
         if let Err(payload) = round {
             std::mem::forget(payload);
             let _ = std::panic::catch_unwind(|| tracing::error!("the liveness thread panicked; it goes on"));
@@ -85,8 +165,9 @@ fn run(m: &'static dyn Host) {
     }
 }
 
-/// One round: the descriptors built afresh, due work run, one sleep.
-fn round(m: &'static dyn Host, fds: &mut Vec<libc::pollfd>, skipped: &mut u32) {
+/// One round: the descriptors built afresh, due work run, one sleep (at most `deferred` ms, if
+/// not -1: when the deferred work is due again).
+fn round(m: &'static dyn Host, fds: &mut Vec<libc::pollfd>, skipped: &mut u32, deferred: i32) {
     fds.clear();
     fds.extend(m.fds());
     let w = registered();
@@ -107,10 +188,7 @@ fn round(m: &'static dyn Host, fds: &mut Vec<libc::pollfd>, skipped: &mut u32) {
         limit = w.due();
     }
     // After the due work (it may take a while): the monitor's own schedule, as it is now.
-    let timeout = match limit {
-        -1 => m.timeout_ms(),
-        l => l.min(m.timeout_ms()),
-    };
+    let timeout = [limit, deferred].into_iter().filter(|&l| l >= 0).fold(m.timeout_ms(), i32::min);
     poll_and_handle(m, w, fds, timeout);
 }
 
