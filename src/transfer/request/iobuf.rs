@@ -303,7 +303,9 @@ unsafe impl<T: IoBuf + Sync> IoBuf for Arc<T> {
 ///
 /// # Safety
 /// As [`IoBufMut`] for the range `target()` returns, except that the bytes need not be
-/// initialised; `filled` only records what the caller guarantees.
+/// initialised; `filled` only records what the caller guarantees. `target()` returns the same
+/// range on every call (operations call it when posting and again when the NIC is done, to
+/// tell each part of a list what landed in it).
 pub unsafe trait IoTarget: Send + 'static {
     /// Start and length of the memory the NIC may write (stable across moves).
     fn target(&mut self) -> (*mut u8, usize);

@@ -1,6 +1,8 @@
 //! A connection's per-queue bookkeeping: tickets, the outcomes reaped for them, the buffers
 //! parked on them, the send queue's slots.
 
+use std::collections::HashMap;
+
 use crate::transfer::engine::completion::{Failure, Outcome};
 use crate::transfer::engine::stats::QueueCounts;
 use crate::verbs::WorkCompletion;
@@ -44,35 +46,75 @@ pub(super) enum Lifecycle {
 /// A queue's tickets by work-request id: a ring indexed by the id's low bits, so a lookup is
 /// one load and a compare. A queue's ids are consecutive (each queue numbers its own requests)
 /// and it completes them in order, so the requests in flight — at most the queue's depth —
-/// never share a ring slot; a ticket that does (an outcome nobody claimed for a long time, a
-/// keepalive probe's id) waits in `spill`, which is looked at only when it is not empty.
+/// fit the ring without sharing a slot once it has grown to twice that (it starts small and
+/// doubles when two requests in flight meet: an idle connection costs little). A ticket that
+/// does lose its slot (an outcome nobody claimed for a turn of the ring, a keepalive probe's
+/// id) waits in `spill`, a map looked at only when it is not empty.
 pub(super) struct Tickets {
     ring: Box<[Option<(u64, Lifecycle)>]>,
     mask: u64,
+    /// The ring's largest size: twice the queue's depth, rounded up to a power of two.
+    max: usize,
     /// Tickets whose ring slot was taken.
-    spill: Vec<(u64, Lifecycle)>,
+    spill: HashMap<u64, Lifecycle>,
     /// How many are `Abandoned` (so "anything parked?" costs nothing).
     abandoned: usize,
 }
 
-/// Where a ticket is: `i < ring.len()` in the ring, else `spill[i - ring.len()]`.
-type At = usize;
+/// Where a ticket is ([`Tickets::find`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum At {
+    Ring(usize),
+    Spill(u64),
+}
+
+/// The ring's first size.
+const FIRST_RING: usize = 16;
 
 impl Tickets {
     /// A table for a queue of `depth` requests in flight.
     pub(super) fn new(depth: u32) -> Tickets {
-        let n = (depth.max(8) as usize).next_power_of_two() * 2;
-        Tickets { ring: (0..n).map(|_| None).collect(), mask: n as u64 - 1, spill: Vec::new(), abandoned: 0 }
+        let max = (depth.max(8) as usize).next_power_of_two() * 2;
+        let n = FIRST_RING.min(max);
+        Tickets { ring: empty_ring(n), mask: n as u64 - 1, max, spill: HashMap::new(), abandoned: 0 }
     }
 
-    /// A request posted as `id` (signaled: its completion will be reaped). A ticket in its
-    /// slot (one left unclaimed for a whole turn of the ring) moves to the spill.
+    /// A request posted as `id` (signaled: its completion will be reaped). A completed ticket
+    /// in its slot (left unclaimed for a turn of the ring) moves to the spill; one still in
+    /// flight makes the ring grow (up to its largest size; past it, the spill takes it).
     pub(super) fn submitted(&mut self, id: u64, retires: u32, op: &'static str) {
-        let slot = &mut self.ring[(id & self.mask) as usize];
-        if slot.is_some() {
-            self.spill.extend(slot.take());
+        let entry = (id, Lifecycle::Submitted { retires, op });
+        let i = (id & self.mask) as usize;
+        match &self.ring[i] {
+            None => self.ring[i] = Some(entry),
+            Some((_, Lifecycle::Completed(_))) => {
+                let old = self.ring[i].replace(entry);
+                self.spill.extend(old);
+            }
+            Some(_) if self.ring.len() < self.max => {
+                self.grow();
+                self.submitted(id, retires, op);
+            }
+            Some(_) => {
+                self.spill.insert(id, entry.1);
+            }
         }
-        *slot = Some((id, Lifecycle::Submitted { retires, op }));
+    }
+
+    /// Doubles the ring, every ticket moving to its slot in it (or to the spill if taken).
+    #[cold]
+    fn grow(&mut self) {
+        let n = self.ring.len() * 2;
+        let old = std::mem::replace(&mut self.ring, empty_ring(n));
+        self.mask = n as u64 - 1;
+        for (id, l) in old.into_vec().into_iter().flatten() {
+            let slot = &mut self.ring[(id & self.mask) as usize];
+            if slot.is_none() {
+                *slot = Some((id, l));
+            } else {
+                self.spill.insert(id, l);
+            }
+        }
     }
 
     /// Where `id` is in the table.
@@ -80,62 +122,51 @@ impl Tickets {
     pub(super) fn find(&self, id: u64) -> Option<At> {
         let i = (id & self.mask) as usize;
         match &self.ring[i] {
-            Some((k, _)) if *k == id => Some(i),
+            Some((k, _)) if *k == id => Some(At::Ring(i)),
             _ if self.spill.is_empty() => None,
-            _ => self.find_spilled(id),
+            _ => self.spill.contains_key(&id).then_some(At::Spill(id)),
         }
     }
 
-    #[inline(never)]
-    fn find_spilled(&self, id: u64) -> Option<At> {
-        self.spill.iter().position(|(k, _)| *k == id).map(|j| self.ring.len() + j)
-    }
-
-    fn entry(&mut self, at: At) -> &mut (u64, Lifecycle) {
-        let n = self.ring.len();
-        if at < n {
-            self.ring[at].as_mut().expect("a ticket found in the table")
-        } else {
-            &mut self.spill[at - n]
+    fn lifecycle(&mut self, at: At) -> &mut Lifecycle {
+        match at {
+            At::Ring(i) => &mut self.ring[i].as_mut().expect("a ticket found in the table").1,
+            At::Spill(id) => self.spill.get_mut(&id).expect("a ticket found in the table"),
         }
     }
 
     /// The ticket at `at` ([`Tickets::find`]).
     #[inline]
     pub(super) fn at(&self, at: At) -> &Lifecycle {
-        let n = self.ring.len();
-        if at < n {
-            &self.ring[at].as_ref().expect("a ticket found in the table").1
-        } else {
-            &self.spill[at - n].1
+        match at {
+            At::Ring(i) => &self.ring[i].as_ref().expect("a ticket found in the table").1,
+            At::Spill(id) => &self.spill[&id],
         }
     }
 
     /// The ticket at `at` completed with `o` (it was `Submitted`).
     #[inline]
     pub(super) fn complete(&mut self, at: At, o: Outcome) {
-        let e = self.entry(at);
-        debug_assert!(matches!(e.1, Lifecycle::Submitted { .. }));
-        e.1 = Lifecycle::Completed(o);
+        let l = self.lifecycle(at);
+        debug_assert!(matches!(l, Lifecycle::Submitted { .. }));
+        *l = Lifecycle::Completed(o);
     }
 
     /// Nobody waits for the `Submitted` ticket at `at` any more: `buf` stays until its
     /// completion is reaped.
     pub(super) fn abandon(&mut self, at: At, buf: Parked) {
-        let e = self.entry(at);
-        let Lifecycle::Submitted { retires, op } = e.1 else { unreachable!("only a submitted ticket is abandoned") };
-        e.1 = Lifecycle::Abandoned { retires, op, buf };
+        let l = self.lifecycle(at);
+        let Lifecycle::Submitted { retires, op } = *l else { unreachable!("only a submitted ticket is abandoned") };
+        *l = Lifecycle::Abandoned { retires, op, buf };
         self.abandoned += 1;
     }
 
     /// Takes the ticket at `at` out of the table.
     #[inline]
     pub(super) fn remove_at(&mut self, at: At) -> Lifecycle {
-        let n = self.ring.len();
-        let (_, l) = if at < n {
-            self.ring[at].take().expect("a ticket found in the table")
-        } else {
-            self.spill.swap_remove(at - n)
+        let l = match at {
+            At::Ring(i) => self.ring[i].take().expect("a ticket found in the table").1,
+            At::Spill(id) => self.spill.remove(&id).expect("a ticket found in the table"),
         };
         if matches!(l, Lifecycle::Abandoned { .. }) {
             self.abandoned -= 1;
@@ -160,12 +191,11 @@ impl Tickets {
 
     #[inline(never)]
     fn claim_spilled(&mut self, id: u64) -> Option<Outcome> {
-        let at = self.find_spilled(id)?;
-        if !matches!(self.at(at), Lifecycle::Completed(_)) {
+        if !matches!(self.spill.get(&id)?, Lifecycle::Completed(_)) {
             return None;
         }
-        match self.remove_at(at) {
-            Lifecycle::Completed(o) => Some(o),
+        match self.spill.remove(&id) {
+            Some(Lifecycle::Completed(o)) => Some(o),
             _ => None,
         }
     }
@@ -189,21 +219,20 @@ impl Tickets {
     /// Takes every abandoned ticket's buffer (the connection is done with the queue pair).
     pub(super) fn take_abandoned(&mut self) -> Vec<Parked> {
         let mut bufs = Vec::new();
-        let take = |e: &mut Option<(u64, Lifecycle)>, bufs: &mut Vec<Parked>| {
+        for e in self.ring.iter_mut() {
             if matches!(e, Some((_, Lifecycle::Abandoned { .. }))) {
                 if let Some((_, Lifecycle::Abandoned { buf, .. })) = e.take() {
                     bufs.push(buf);
                 }
             }
-        };
-        for e in self.ring.iter_mut() {
-            take(e, &mut bufs);
         }
-        let mut spilled: Vec<Option<(u64, Lifecycle)>> = self.spill.drain(..).map(Some).collect();
-        for e in spilled.iter_mut() {
-            take(e, &mut bufs);
+        let spilled: Vec<u64> =
+            self.spill.iter().filter(|(_, l)| matches!(l, Lifecycle::Abandoned { .. })).map(|(id, _)| *id).collect();
+        for id in spilled {
+            if let Some(Lifecycle::Abandoned { buf, .. }) = self.spill.remove(&id) {
+                bufs.push(buf);
+            }
         }
-        self.spill = spilled.into_iter().flatten().collect();
         self.abandoned = 0;
         bufs
     }
@@ -213,6 +242,10 @@ impl Tickets {
     fn len(&self) -> usize {
         self.ring.iter().flatten().count() + self.spill.len()
     }
+}
+
+fn empty_ring(n: usize) -> Box<[Option<(u64, Lifecycle)>]> {
+    (0..n).map(|_| None).collect()
 }
 
 /// What a queue (send or receive) keeps about its requests.
@@ -335,19 +368,23 @@ mod tests {
     fn a_ticket_left_for_a_turn_of_the_ring_is_kept_aside_and_still_found() {
         let mut t = Tickets::new(8);
         let turn = t.ring.len() as u64;
+        assert_eq!(turn, 16, "a depth of 8 has a ring of 16 from the start");
         // Ticket 1 completes and nobody claims it; an abandoned one (2) stays in flight.
         t.submitted(1, 1, "SEND");
         t.submitted(2, 1, "SEND");
         assert!(reap(&mut t, 1));
         let i = t.find(2).unwrap();
         t.abandon(i, Box::new(7u8));
-        // A whole turn later, new tickets land on their slots: both old ones move aside.
+        // A whole turn later, new tickets land on their slots: the unclaimed outcome moves
+        // aside; the one still in flight keeps its slot (the ring is at its largest), so the
+        // newcomer goes aside.
         for id in 3..=turn + 2 {
             t.submitted(id, 1, "SEND");
             assert!(reap(&mut t, id));
-            assert!(t.claim(id).is_some());
+            assert!(t.claim(id).is_some(), "ticket {id} claimed");
         }
-        assert_eq!(t.spill.len(), 2);
+        assert_eq!(t.spill.len(), 1);
+        assert_eq!(t.find(1), Some(At::Spill(1)));
         assert!(t.in_flight(2) && t.any_abandoned());
         assert!(t.is_completed(1));
         // Still found, claimed once, reaped once.
@@ -356,6 +393,37 @@ mod tests {
         assert!(t.spill.is_empty());
         // The slots those two had work as before.
         t.submitted(turn + 1, 1, "SEND");
-        assert!(t.in_flight(turn + 1) && t.find(turn + 1).unwrap() < t.ring.len());
+        assert!(matches!(t.find(turn + 1), Some(At::Ring(_))));
+    }
+
+    #[test]
+    fn the_ring_grows_with_the_requests_in_flight_and_nothing_is_lost() {
+        let mut t = Tickets::new(256);
+        assert_eq!(t.ring.len(), FIRST_RING, "an idle queue's ring is small");
+        for id in 1..=200 {
+            t.submitted(id, 1, "RDMA WRITE");
+        }
+        assert_eq!(t.ring.len(), 256, "grown to hold the 200 in flight");
+        assert!(t.spill.is_empty(), "none aside while the ring could grow");
+        let i = t.find(7).unwrap();
+        t.abandon(i, Box::new(7u8));
+        for id in 1..=200 {
+            assert!(t.in_flight(id), "ticket {id} kept");
+        }
+        // Many outcomes left unclaimed (Pendings never waited for): the spill takes the
+        // oldest, and claims in posting order stay cheap (a map, not a scan).
+        for id in 1..=200 {
+            reap(&mut t, id);
+        }
+        for id in 201..=5000 {
+            t.submitted(id, 1, "RDMA WRITE");
+            reap(&mut t, id);
+        }
+        assert_eq!(t.ring.len(), 256, "unclaimed outcomes move aside: they do not grow the ring");
+        assert!(!t.any_abandoned());
+        for id in (1..=5000).filter(|&id| id != 7) {
+            assert!(t.claim(id).is_some(), "ticket {id} claimed");
+        }
+        assert_eq!(t.len(), 0);
     }
 }
