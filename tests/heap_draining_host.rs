@@ -121,3 +121,68 @@ fn buffers_of_a_dropped_heap_freed_on_other_threads_tear_it_down() {
     }
     no_heap_thread_for(Duration::from_millis(10), "after the teardowns");
 }
+
+/// A global subscriber that, like tracing-subscriber's fmt layer, formats through a
+/// thread-local: at thread exit, once that thread-local is gone, its `with` panics.
+struct ThreadLocalFmt;
+thread_local! { static FMT: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) }; }
+impl tracing::Subscriber for ThreadLocalFmt {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, e: &tracing::Event<'_>) {
+        FMT.with(|b| b.borrow_mut().push_str(e.metadata().name()));
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// A thread-local holding a buffer of a dropped heap: its destructor, at thread exit, frees the
+/// heap's last buffer and tears the heap down there — where the subscriber's own thread-local
+/// is gone and its panic would abort the process, were teardown's logging not contained. Runs
+/// in a child process (the subscriber is process-wide).
+#[test]
+fn a_heap_torn_down_in_a_thread_local_destructor_does_not_abort() {
+    const CHILD: &str = "MRALLOC_TEST_TLS_TEARDOWN_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_heap_torn_down_in_a_thread_local_destructor_does_not_abort", "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "the child died ({:?}):\n{text}", out.status);
+        assert!(text.contains("teardown done"), "the child did not finish:\n{text}");
+        return;
+    }
+    thread_local! { static SCRATCH: std::cell::RefCell<Option<mralloc::heap::Buffer>> = const { std::cell::RefCell::new(None) }; }
+    tracing::subscriber::set_global_default(ThreadLocalFmt).unwrap();
+    let heap = Heap::builder().build().unwrap();
+    let h2 = heap.clone();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::spawn(move || {
+        // The buffer's thread-local first, then the subscriber's (destroyed in reverse order).
+        SCRATCH.with(|s| *s.borrow_mut() = Some(h2.alloc(4096).unwrap()));
+        drop(h2);
+        ready_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        tracing::info!("worker done");
+    });
+    ready_rx.recv().unwrap();
+    drop(heap);
+    assert_eq!(draining_heaps(), 1);
+    go_tx.send(()).unwrap();
+    worker.join().unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while draining_heaps() != 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(draining_heaps(), 0, "torn down");
+    eprintln!("teardown done");
+}

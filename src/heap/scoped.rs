@@ -217,8 +217,8 @@ impl HeapBuilder {
 /// last buffer itself, on whichever thread it happens. A buffer dropped while its thread
 /// unwinds from a panic, or one whose drop raced with the last handle's, leaves that to the
 /// process's liveness thread (`mralloc-liveness`, started when a heap is dropped with live
-/// buffers; no thread of the heap's own): within one of its rounds, normally 50 ms at most, of
-/// that drop.
+/// buffers; no thread of the heap's own): at its next round when such a drop wakes it, and within a second of
+/// the drop at the latest.
 ///
 /// `fork()`: the child reads its copies of what lives in the heap (buffers, collections) as the
 /// parent had them at the fork: the kernel copies pinned pages into children (Linux 5.13+), so

@@ -28,7 +28,7 @@
 //!   work to the process's liveness thread ([`crate::verbs::liveness::defer`]), which starts
 //!   (if it was not running) when a heap starts draining and looks at the draining heaps while
 //!   any is left: at its next round when woken by such a free, and at the latest every
-//!   [`crate::verbs::liveness::MOST_PAUSE`] (50 ms). That also catches a free that passed the
+//!   [`crate::verbs::liveness::MOST_PAUSE`] (1 s). That also catches a free that passed the
 //!   gate just before it closed (it sees the gate open, and takes the common path).
 //!
 //! The extent hooks and the global allocator run no code that frees a scoped heap's buffer;
@@ -177,17 +177,27 @@ impl Shared {
 unsafe fn teardown(this: NonNull<Shared>) {
     // SAFETY: the record came from Box::leak in Shared::create and is freed exactly once.
     let shared = unsafe { Box::from_raw(this.as_ptr()) };
+    // The arena's hooks point into the owner until it is destroyed: should anything below
+    // unwind first, the owner (and its chunks) is leaked, never freed under jemalloc.
+    let keep = std::mem::ManuallyDrop::new(Arc::clone(&shared.owner));
     shared.tcaches.destroy_all();
+    // Teardown may run in any buffer's drop — also a thread-local's destructor at thread exit,
+    // where a subscriber that uses its own thread-locals panics, and a panic there aborts: the
+    // logs are contained.
+    let log = |f: &dyn Fn()| drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
     match jemalloc::run(&format!("arena.{}.destroy", shared.arena)) {
         Ok(()) => {
+            drop(std::mem::ManuallyDrop::into_inner(keep));
             shared.owner.release_all();
-            tracing::debug!(heap = shared.id, arena = shared.arena, "heap torn down");
+            log(&|| tracing::debug!(heap = shared.id, arena = shared.arena, "heap torn down"));
         }
         Err(e) => {
             // jemalloc still uses the arena: its hooks point into the owner and its metadata lies
-            // in our chunks. Keep both forever rather than leave them dangling.
-            std::mem::forget(Arc::clone(&shared.owner)); // before the log (a logger may panic)
-            tracing::error!("arena.{}.destroy failed ({e}); leaking the heap's registered chunks", shared.arena);
+            // in our chunks. Keep both forever (`keep` is never dropped) rather than leave them
+            // dangling.
+            log(&|| {
+                tracing::error!("arena.{}.destroy failed ({e}); leaking the heap's registered chunks", shared.arena)
+            });
         }
     }
 }
@@ -222,12 +232,18 @@ pub(crate) fn draining() -> usize {
 /// free that found the gate closed but the heap not yet listed.
 fn drain(p: Ptr) {
     // First: a free that may not tear down relies on it (and only wakes it: no allocation).
-    match crate::verbs::removal::monitor() {
-        Ok(_) => crate::verbs::liveness::defer(reap_draining),
-        Err(e) => tracing::error!(
-            "cannot start the liveness thread ({e}): a heap dropped while buffers of it live is torn \
-             down by the free of its last buffer, or when a heap is built or dropped later"
-        ),
+    // Contained: a heap may be dropped in a thread-local's destructor, where a logging
+    // subscriber may panic (and a panic there aborts).
+    let started = std::panic::catch_unwind(crate::verbs::removal::monitor);
+    match started {
+        Ok(Ok(_)) => crate::verbs::liveness::defer(reap_draining),
+        Ok(Err(e)) => drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracing::error!(
+                "cannot start the liveness thread ({e}): a heap dropped while buffers of it live is torn \
+                 down by the free of its last buffer, or when a heap is built or dropped later"
+            )
+        }))),
+        Err(payload) => std::mem::forget(payload),
     }
     // SAFETY: not torn down before it is listed (only this thread can reach it until then).
     unsafe { p.0.as_ref() }.frees.close();

@@ -76,7 +76,7 @@ static KICKED: AtomicBool = AtomicBool::new(false);
 /// The pause before deferred work runs again after a run that left some.
 pub(crate) const FIRST_PAUSE: Duration = Duration::from_millis(1);
 /// What that pause grows to (doubling after each such run), and stays at.
-pub(crate) const MOST_PAUSE: Duration = Duration::from_millis(50);
+pub(crate) const MOST_PAUSE: Duration = Duration::from_secs(1);
 
 /// Has the liveness thread run `work` at its next round (it is woken for it), then again after
 /// pauses growing from [`FIRST_PAUSE`] to [`MOST_PAUSE`] for as long as it returns `true`
