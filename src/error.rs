@@ -134,7 +134,7 @@ pub enum Error {
     #[error("protocol error: {0}")]
     Protocol(String),
     /// The shared-secret check of a TCP connection setup failed (see
-    /// [`crate::transfer::Options::secret`]). Both sides report it, before any queue pair is
+    /// [`crate::transfer::SetupOptions::secret`]). Both sides report it, before any queue pair is
     /// connected or any blob handed to the application.
     #[error("connection authentication failed: {0}")]
     Authentication(AuthFailure),
@@ -244,7 +244,7 @@ pub enum Error {
 #[non_exhaustive]
 pub enum AuthFailure {
     /// The peer requires a shared secret and this side has none.
-    #[error("the peer requires a shared secret and this side has none (set Options::secret)")]
+    #[error("the peer requires a shared secret and this side has none (set SetupOptions::secret)")]
     NoLocalSecret,
     /// This side requires a shared secret and the peer has none.
     #[error("this side requires a shared secret and the peer has none")]
@@ -501,23 +501,25 @@ fn operation_hint(op: &str, status: crate::verbs::WcStatus) -> &'static str {
     match status {
         S::RemInvReqErr if op.starts_with("RDMA WRITE") => {
             ". Hint: the peer's queue pair refused the WRITE: the side whose memory is written sets \
-             Options::remote_access with REMOTE_WRITE (default NONE); or the WRITE exceeds the peer's range"
+             QpOptions::remote_access with REMOTE_WRITE (default NONE); or the WRITE exceeds the peer's range"
         }
         S::RemInvReqErr if op == "RDMA READ" => {
             ". Hint: the peer's queue pair refused the READ: the side whose memory is read sets \
-             Options::remote_access with REMOTE_READ (default NONE)"
+             QpOptions::remote_access with REMOTE_READ (default NONE)"
         }
         S::RemInvReqErr if one_sided => {
             ". Hint: the peer's queue pair refused the atomic: the side whose memory is updated sets \
-             Options::remote_access with REMOTE_ATOMIC (default NONE); the target must be 8-byte aligned"
+             QpOptions::remote_access with REMOTE_ATOMIC (default NONE); the target must be 8-byte aligned"
         }
         S::RemInvReqErr => ". Hint: a SEND larger than the receive buffer the peer had posted",
         S::RemAccessErr => {
             ". Hint: the peer's memory does not grant this: a key that was revoked or never matched, a \
              range outside the exposed or granted buffer, memory exposed without this right, or (on \
-             some devices) the peer's Options::remote_access lacking it"
+             some devices) the peer's QpOptions::remote_access lacking it"
         }
-        S::RnrRetryExcErr => ". Hint: the peer had no receive posted for a SEND (Options::rnr_retry: 7 waits for ever)",
+        S::RnrRetryExcErr => {
+            ". Hint: the peer had no receive posted for a SEND (QpOptions::rnr_retry: 7 waits for ever)"
+        }
         S::RetryExcErr => ". Hint: the peer did not answer (its process or host is gone, or the path is down)",
         _ => "",
     }
@@ -600,7 +602,7 @@ pub enum RemoteRefusal {
     LimitReached = 3,
     /// The peer's heap could not allocate it.
     OutOfMemory = 4,
-    /// Rights the peer's connection or heap does not allow (its `Options::remote_access`, or
+    /// Rights the peer's connection or heap does not allow (its `QpOptions::remote_access`, or
     /// a heap without `Access::MW_BIND`).
     Rights = 5,
     /// Making the key failed at the peer (binding a memory window, or registering the buffer).

@@ -6,7 +6,7 @@ mod common;
 
 use common::{assert_bytes_eq, open, pattern, rights};
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Local, Options};
+use mralloc::transfer::{Connection, Local};
 use mralloc::verbs::{Access, Pd, RegisteredBuf};
 use mralloc::Error;
 
@@ -16,10 +16,8 @@ fn device_gathered_sends_and_writes_scatter_into_parts() {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
     // A receive that would wait for a failed sender gives up (the test fails, not hangs).
-    let opts = Options {
-        recv_timeout: Some(std::time::Duration::from_secs(20)),
-        ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ)
-    };
+    let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+    opts.wait.recv_timeout = Some(std::time::Duration::from_secs(20));
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     let mut header = heap.alloc(16).unwrap();
     header.copy_from_slice(&pattern(1, 16));

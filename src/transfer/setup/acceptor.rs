@@ -1,16 +1,17 @@
 //! Background handshakes for TCP listeners: no client can hold up another.
 //!
 //! One acceptor thread per listener takes TCP connections as they come and gives each its own
-//! handshake thread (at most [`Options::max_handshakes`] at once; a connection beyond that is
-//! closed at once). A handshake has one deadline for the whole exchange
-//! ([`Options::connect_timeout`]): a client that trickles its bytes is dropped when it expires,
-//! whatever the others do. A client whose hello arrived waits for an *offer* — an
-//! [`crate::transfer::Listener::accept_with`] call (or its async twin) with the blob to send —
-//! and only then gets a QP; the accept call gets that handshake's connection, or a failure of
-//! this side's own (creating the QP, say). A client's failure (garbage, silence, a refused
-//! secret, a client that goes away), before or after it took an offer, is counted and kept
-//! ([`HandshakeFailure`]) and never ends an accept call: a taken offer goes back to the front of
-//! the queue.
+//! handshake thread (at most
+//! [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes) at once; a
+//! connection beyond that is closed at once). A handshake has one deadline for the whole exchange
+//! ([`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)): a client
+//! that trickles its bytes is dropped when it expires, whatever the others do. A client whose hello
+//! arrived waits for an *offer* — an [`crate::transfer::Listener::accept_with`] call (or its async
+//! twin) with the blob to send — and only then gets a QP; the accept call gets that handshake's
+//! connection, or a failure of this side's own (creating the QP, say). A client's failure (garbage,
+//! silence, a refused secret, a client that goes away), before or after it took an offer, is
+//! counted and kept ([`HandshakeFailure`]) and never ends an accept call: a taken offer goes back
+//! to the front of the queue.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -70,8 +71,10 @@ pub struct HandshakeFailure {
     /// The client's address.
     pub peer: SocketAddr,
     /// What went wrong: [`Error::Io`] (its TCP connection failed, timed out, or closed),
-    /// [`Error::Authentication`], [`Error::Protocol`], or [`Error::Timeout`] (no accept call
-    /// took the client within [`Options::connect_timeout`]: this side was not accepting).
+    /// [`Error::Authentication`], [`Error::Protocol`], or [`Error::Timeout`] (no accept call took
+    /// the client within
+    /// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout): this side
+    /// was not accepting).
     pub error: Error,
 }
 
@@ -218,7 +221,7 @@ impl Accepting {
 
     fn accept_loop(self: Arc<Self>, tcp: TcpListener) {
         let fd = tcp.as_raw_fd();
-        let max = self.opts.max_handshakes.max(1);
+        let max = self.opts.setup.max_handshakes.max(1);
         while !self.stop.load(Ordering::Acquire) {
             if self.in_flight.load(Ordering::Acquire) >= max {
                 // At the bound: further clients wait in the kernel's backlog (then retry their
@@ -266,7 +269,7 @@ impl Accepting {
     }
 
     fn handshake(&self, s: TcpStream, peer: SocketAddr) {
-        let deadline = deadline_after(self.opts.connect_timeout);
+        let deadline = deadline_after(self.opts.setup.connect_timeout);
         let fd = s.as_raw_fd();
         let mut taken: Option<Offer> = None;
         let r = serve(s, peer, deadline, &self.pd, &self.opts, self.control, || {
@@ -308,7 +311,7 @@ impl Accepting {
     /// needs time to finish the exchange). An offer is used only if the client (`fd`) is still
     /// there and someone still waits for the answer.
     fn take_offer(&self, deadline: Instant, fd: std::os::fd::RawFd) -> Result<Offer> {
-        let margin = MARGIN.min(self.opts.connect_timeout / 4);
+        let margin = MARGIN.min(self.opts.setup.connect_timeout / 4);
         let until = deadline.checked_sub(margin).unwrap_or(deadline);
         let mut q = self.offers.lock();
         loop {
@@ -328,7 +331,7 @@ impl Accepting {
                 return Ok(o);
             }
             if self.offered.wait_until(&mut q, until).timed_out() && q.offers.is_empty() {
-                return Err(Error::Timeout(self.opts.connect_timeout, "an accept call to take the connection"));
+                return Err(Error::Timeout(self.opts.setup.connect_timeout, "an accept call to take the connection"));
             }
         }
     }

@@ -7,7 +7,7 @@
 
 use crate::error::Result;
 use crate::transfer::liveness::watch::Source;
-use crate::transfer::{Connection, Options, WaitMode};
+use crate::transfer::{Connection, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
 
 /// Depth of the control channel's send and receive queues: the most control messages one side
@@ -18,13 +18,16 @@ pub(crate) const DEPTH: u32 = 32;
 /// no remote rights, retried forever while the peer's receives are busy.
 pub(crate) fn options(opts: &Options) -> Options {
     Options {
-        send_depth: DEPTH,
-        recv_depth: DEPTH,
-        max_inline: 64,
-        rnr_retry: 7,
-        wait: WaitMode::Event,
-        remote_access: Access::NONE,
-        secret: None,
+        qp: QpOptions {
+            send_depth: DEPTH,
+            recv_depth: DEPTH,
+            max_inline: 64,
+            rnr_retry: 7,
+            remote_access: Access::NONE,
+            ..opts.qp.clone()
+        },
+        wait: WaitOptions { mode: WaitMode::Event, ..opts.wait.clone() },
+        setup: SetupOptions { secret: None, ..opts.setup.clone() },
         shared_receive: None,
         // The data connection's probes cover the path and the peer.
         keepalive: None,
@@ -126,9 +129,9 @@ impl Prepared {
             // What a device says to an endpoint it cannot reach (rxe resolves addresses later).
             return Err(crate::Error::verbs_errno("ibv_modify_qp", libc::EINVAL));
         }
-        self.data.0.connect(peer, &opts.connect_options())?;
+        self.data.0.connect(peer, &opts.qp.connect_options())?;
         if let (Some(mine), Some(theirs)) = (&self.control, peer_control) {
-            mine.0.connect(theirs, &options(opts).connect_options())?;
+            mine.0.connect(theirs, &options(opts).qp.connect_options())?;
         }
         Ok(())
     }

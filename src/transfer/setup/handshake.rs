@@ -37,7 +37,7 @@ impl Timed {
     fn left(&self) -> std::io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let why = format!("the connection setup took longer than {:?} (Options::connect_timeout)", self.limit);
+            let why = format!("the connection setup took longer than {:?} (SetupOptions::connect_timeout)", self.limit);
             return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
         }
         Ok(left)
@@ -82,8 +82,8 @@ pub(crate) fn serve(
         e
     };
     let r = (|| {
-        let mut s = Timed::new(s, deadline, opts.connect_timeout).map_err(ours)?;
-        let x = auth::server(&mut s, opts.secret.as_ref(), || {
+        let mut s = Timed::new(s, deadline, opts.setup.connect_timeout).map_err(ours)?;
+        let x = auth::server(&mut s, opts.setup.secret.as_ref(), || {
             let blob = blob()?;
             let prepared = Prepared::new(pd, opts, control).map_err(ours)?;
             let (me, control) = prepared.endpoints();
@@ -100,7 +100,7 @@ pub(crate) fn serve(
         })?;
         let mut conn = x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(ours)?;
         Message::new(Kind::Ready, Some(x.me), Vec::new()).send(&mut s)?;
-        tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+        tracing::debug!(%peer, authenticated = opts.setup.secret.is_some(), "accepted RDMA connection");
         keep_watched(&mut conn, s).map_err(ours)?;
         Ok(conn)
     })();

@@ -1,7 +1,7 @@
 //! Connection setup over TCP: endpoints (and an optional application blob) are exchanged with a
-//! small versioned message (authenticated when [`Options::secret`] is set: see the `auth`
-//! module), then both QPs go to RTS and confirm with a `Ready` message before either side may
-//! post.
+//! small versioned message (authenticated when
+//! [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) is set: see the `auth` module),
+//! then both QPs go to RTS and confirm with a `Ready` message before either side may post.
 
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
@@ -18,10 +18,11 @@ use crate::verbs::Pd;
 
 /// Accepts RDMA connections whose endpoints arrive over TCP.
 ///
-/// Handshakes run in the background, several at once (up to [`Options::max_handshakes`]), each
-/// bounded as a whole by [`Options::connect_timeout`]: a slow or silent client delays nobody
-/// else. A client whose exchange reached the point where this side must answer waits for an
-/// accept call; its queue pair is created only then.
+/// Handshakes run in the background, several at once (up to
+/// [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes)), each bounded
+/// as a whole by [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout):
+/// a slow or silent client delays nobody else. A client whose exchange reached the point where this
+/// side must answer waits for an accept call; its queue pair is created only then.
 ///
 /// ```no_run
 /// use mralloc::transfer::{Listener, Options};
@@ -82,8 +83,9 @@ impl Listener {
         self.accept_with(&[])
     }
 
-    /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to
-    /// the peer with this side's endpoint. With [`Options::secret`] set, the peer must prove it
+    /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to the
+    /// peer with this side's endpoint. With
+    /// [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) set, the peer must prove it
     /// holds the same secret before a QP is created for it or `blob` is sent. Waits for a client
     /// whose exchange reached that point (handshakes run in the background: see [`Listener`]).
     ///
@@ -115,7 +117,7 @@ impl Listener {
     }
 
     /// How many client setups are running now: TCP connections taken and not yet handed to an
-    /// accept call or failed (at most [`crate::transfer::Options::max_handshakes`]; further
+    /// accept call or failed (at most [`crate::transfer::SetupOptions::max_handshakes`]; further
     /// clients wait in the kernel's backlog). A gauge for monitoring a server under load.
     pub fn handshakes_in_flight(&self) -> usize {
         self.accepting.in_flight()
@@ -170,23 +172,26 @@ impl Connection {
     }
 
     /// Connects, sending `blob` to the peer with this side's endpoint. With
-    /// [`Options::secret`] set, the listener must prove it holds the same secret before a QP is
-    /// created or `blob` is sent.
+    /// [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) set, the listener must prove
+    /// it holds the same secret before a QP is created or `blob` is sent.
     ///
     /// # Errors
     /// - [`Error::Io`] if reading or writing the TCP connection fails, the whole exchange takes
-    ///   longer than [`Options::connect_timeout`], or the listener closes it.
+    ///   longer than
+    ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout), or the
+    ///   listener closes it.
     /// - [`Error::Authentication`] if the secrets differ or only one side has one.
     /// - [`Error::Protocol`] if the listener sends something other than the exchange expects.
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::MAX_BLOB).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
-    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address
-    ///   `addr` resolves to is tried in turn, within [`Options::connect_timeout`] for the whole
-    ///   setup: the last failure is reported; while every address refuses the connection —
+    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address `addr`
+    ///   resolves to is tried in turn, within
+    ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) for the
+    ///   whole setup: the last failure is reported; while every address refuses the connection —
     ///   nothing listens there yet — they are tried again until that deadline, so a client may
-    ///   start before its server); [`Error::Timeout`] if no address was tried before the
-    ///   deadline; [`Error::InvalidArgument`] if it resolves to nothing.
+    ///   start before its server); [`Error::Timeout`] if no address was tried before the deadline;
+    ///   [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
     }
@@ -200,7 +205,7 @@ impl Connection {
         blob: &[u8],
         control: bool,
     ) -> Result<Established> {
-        let until = deadline_after(opts.connect_timeout);
+        let until = deadline_after(opts.setup.connect_timeout);
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io("resolving the peer address".into()))?.collect();
         if addrs.is_empty() {
             return Err(Error::InvalidArgument("the address resolved to nothing".into()));
@@ -240,11 +245,11 @@ impl Connection {
             (Some(s), _) => s,
             (None, Some((target, e))) => return Err(io(format!("connecting to {target} (is the peer listening?)"))(e)),
             (None, None) => {
-                return Err(Error::Timeout(opts.connect_timeout, "a TCP connection to the peer"));
+                return Err(Error::Timeout(opts.setup.connect_timeout, "a TCP connection to the peer"));
             }
         };
-        let mut s = Timed::new(s, until, opts.connect_timeout)?;
-        let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
+        let mut s = Timed::new(s, until, opts.setup.connect_timeout)?;
+        let x = auth::client(&mut s, opts.setup.secret.as_ref(), blob, || {
             let prepared = Prepared::new(pd, &opts, control)?;
             let (me, control) = prepared.endpoints();
             Ok((prepared, me, control))

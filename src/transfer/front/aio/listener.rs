@@ -12,9 +12,10 @@ use crate::transfer::setup::acceptor::{no_answer, Accepting, Reply};
 use crate::transfer::{AsyncConnection, Listener, Options};
 use crate::verbs::Pd;
 
-/// Accepts RDMA connections whose endpoints arrive over TCP, as [`Listener`] does (handshakes
-/// on threads of its own, several at once, each within [`Options::connect_timeout`]), for
-/// tokio: an accept call is a future that waits for a handshake to serve. Peers connect with
+/// Accepts RDMA connections whose endpoints arrive over TCP, as [`Listener`] does (handshakes on
+/// threads of its own, several at once, each within
+/// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)), for tokio:
+/// an accept call is a future that waits for a handshake to serve. Peers connect with
 /// [`AsyncConnection::connect`] or [`crate::transfer::Connection::connect`].
 ///
 /// ```no_run
