@@ -265,3 +265,26 @@ impl Options {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every group's defaults are the ones its fields' docs state.
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let o = Options::default();
+        let qp = &o.qp;
+        assert_eq!((qp.send_depth, qp.recv_depth, qp.max_inline), (256, 256, 64));
+        assert_eq!((qp.retry_count, qp.ack_timeout, qp.rnr_retry), (7, 14, 7));
+        assert_eq!(qp.remote_access, Access::NONE);
+        assert!(o.device.name.is_none() && o.device.port.is_none() && o.device.gid_index.is_none());
+        assert_eq!((o.setup.connect_timeout, o.setup.max_handshakes), (Duration::from_secs(10), 256));
+        assert!(o.setup.secret.is_none());
+        assert!(matches!(o.wait.mode, WaitMode::Event));
+        assert_eq!((o.wait.spin, o.wait.op_timeout), (Duration::from_micros(200), Duration::from_secs(30)));
+        assert!(o.wait.recv_timeout.is_none() && o.keepalive.is_none() && o.shared_receive.is_none());
+        // 4.096 µs × 2^14 × 8 tries: "about 0.54 s".
+        assert_eq!(qp.retry_time().as_millis(), 536);
+    }
+}

@@ -170,3 +170,52 @@ impl Connection {
         Ok((a, b))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::transfer::{DeviceChoice, Secret};
+
+    /// The control channel takes its own queue sizes, wait mode and rights, and keeps the data
+    /// connection's transport timing, device, deadlines and limits.
+    #[test]
+    fn the_control_channel_keeps_the_data_connections_timing_and_device() {
+        let data = Options {
+            qp: QpOptions {
+                send_depth: 1000,
+                max_inline: 0,
+                retry_count: 3,
+                ack_timeout: 9,
+                rnr_retry: 2,
+                remote_access: Access::REMOTE_WRITE,
+                ..Default::default()
+            },
+            device: DeviceChoice { name: Some("dev1".into()), port: Some(2), gid_index: Some(3) },
+            setup: SetupOptions {
+                connect_timeout: Duration::from_secs(3),
+                max_handshakes: 5,
+                secret: Some(Secret::new("k").unwrap()),
+            },
+            wait: WaitOptions {
+                mode: WaitMode::BusyPoll,
+                spin: Duration::from_micros(7),
+                op_timeout: Duration::from_secs(4),
+                recv_timeout: Some(Duration::from_secs(6)),
+            },
+            keepalive: Some(Duration::from_secs(1)),
+            shared_receive: None,
+        };
+        let c = options(&data);
+        assert_eq!((c.qp.send_depth, c.qp.recv_depth, c.qp.max_inline, c.qp.rnr_retry), (DEPTH, DEPTH, 64, 7));
+        assert_eq!(c.qp.remote_access, Access::NONE);
+        assert_eq!((c.qp.retry_count, c.qp.ack_timeout), (3, 9), "the data connection's transport timing");
+        assert_eq!((c.device.name.as_deref(), c.device.port, c.device.gid_index), (Some("dev1"), Some(2), Some(3)));
+        assert_eq!((c.setup.connect_timeout, c.setup.max_handshakes), (Duration::from_secs(3), 5));
+        assert!(c.setup.secret.is_none() && c.keepalive.is_none() && c.shared_receive.is_none());
+        assert!(matches!(c.wait.mode, WaitMode::Event));
+        assert_eq!((c.wait.spin, c.wait.op_timeout), (Duration::from_micros(7), Duration::from_secs(4)));
+        assert_eq!(c.wait.recv_timeout, Some(Duration::from_secs(6)));
+    }
+}
