@@ -26,7 +26,7 @@ use std::time::Instant;
 use common::median;
 
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Options};
+use mralloc::transfer::{Connection, Options, QpOptions};
 use mralloc::verbs::{Access, Pd};
 
 const SIZES: [usize; 4] = [64, 4096, 65536, 1 << 20];
@@ -74,7 +74,10 @@ fn main() -> mralloc::Result<()> {
     // SAFETY: the chunk keys go to this process's own connection only, which writes into a
     // buffer nothing reads while the writes run.
     let wide = unsafe { Heap::builder().bind(&pd).access(access).remote_access_to_whole_chunks() }.build()?;
-    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Options::default() };
+    let opts = Options {
+        qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Default::default() },
+        ..Options::default()
+    };
     let (x, _y) = Connection::pair(&pd, &opts)?;
 
     // samples[method][size] = one median per round

@@ -17,9 +17,9 @@
 //! With the `tokio` feature, `async_write_bw` and `async_write_lat` run the same loops through
 //! `AsyncConnection` on a 2-worker tokio runtime: every post is an operation future, every
 //! completion is awaited. `--workers N` sets the runtime's worker threads (0: a current-thread
-//! runtime, bandwidth only) and `--spin-us N` the connection's `Options::spin`, to see what limits them.
-//! `async_many --conns K` drives K connections from one task (one WRITE in flight on each per
-//! round) and prints `MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>`.
+//! runtime, bandwidth only) and `--spin-us N` the connection's `WaitOptions::spin`, to see what
+//! limits them. `async_many --conns K` drives K connections from one task (one WRITE in flight on
+//! each per round) and prints `MRALLOC async_many <K> <round p50 µs> <round p99 µs> <ops/s>`.
 //!
 //! Under `cargo bench` (`--bench`) without MRALLOC_DEVICE or without a test name nothing runs;
 //! `--list` lists nothing. `transfer --help` lists the options.
@@ -33,7 +33,7 @@ use common::{perftest_latency, Stamps};
 use std::collections::VecDeque;
 
 use mralloc::heap::{Buffer, Exposed, Heap};
-use mralloc::transfer::{Connection, Options, Pending, WaitMode};
+use mralloc::transfer::{Connection, Options, Pending, QpOptions, WaitMode, WaitOptions};
 use mralloc::verbs::{Access, Pd};
 
 #[derive(Clone)]
@@ -45,7 +45,7 @@ struct Args {
     inline: u32,
     /// Async tests: tokio worker threads (0: a current-thread runtime).
     workers: usize,
-    /// Async tests: `Options::spin` in µs (None: the default).
+    /// Async tests: `WaitOptions::spin` in µs (None: the default).
     spin_us: Option<u64>,
     /// `async_many`: connections driven by one task.
     conns: usize,
@@ -71,7 +71,7 @@ options:
   --depth N       send queue depth: operations in flight (default 128)
   --inline BYTES  the most bytes a SEND or WRITE carries inline (default 0)
   --workers N     async tests: tokio worker threads, 0 for a current-thread runtime (default 2)
-  --spin-us N     async tests: Options::spin in µs (default: the crate's)
+  --spin-us N     async tests: WaitOptions::spin in µs (default: the crate's)
   --conns K       async_many: connections driven by one task (default 64)
   --bench         given by cargo bench: without MRALLOC_DEVICE or a test, nothing runs (an
                   unknown test name or further positional arguments are then not an error)
@@ -156,12 +156,15 @@ fn main() -> mralloc::Result<()> {
     let pd = Pd::new(&ctx)?;
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build()?;
     let opts = Options {
-        send_depth: a.depth,
-        recv_depth: a.depth.max(512),
-        remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
-        max_inline: a.inline,
+        qp: QpOptions {
+            send_depth: a.depth,
+            recv_depth: a.depth.max(512),
+            remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+            max_inline: a.inline,
+            ..Default::default()
+        },
         // Blocking waits busy-poll, as perftest does (the default sleeps after a short spin).
-        wait: WaitMode::BusyPoll,
+        wait: WaitOptions { mode: WaitMode::BusyPoll, ..Default::default() },
         ..Options::default()
     };
     let (x, y) = Connection::pair(&pd, &opts)?;
@@ -225,7 +228,7 @@ fn main() -> mralloc::Result<()> {
             std::thread::scope(|s| -> mralloc::Result<()> {
                 let recv = s.spawn(|| -> mralloc::Result<()> {
                     let mut pend = VecDeque::new();
-                    let window = (opts.recv_depth as usize).min(a.iters);
+                    let window = (opts.qp.recv_depth as usize).min(a.iters);
                     let mut posted = 0;
                     while posted < window {
                         pend.push_back(y.post_recv(heap.alloc(n)?)?);
@@ -384,7 +387,7 @@ mod asynchronous {
             .map_err(|source| mralloc::Error::Io { what: "building the tokio runtime".into(), source })?;
         let mut opts = opts.clone();
         if let Some(us) = a.spin_us {
-            opts.spin = std::time::Duration::from_micros(us);
+            opts.wait.spin = std::time::Duration::from_micros(us);
         }
         rt.block_on(async {
             if a.test == "async_many" {

@@ -40,7 +40,7 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use mralloc::heap::{Buffer, Heap};
-use mralloc::transfer::{Connection, Options};
+use mralloc::transfer::{Connection, Options, QpOptions};
 use mralloc::verbs::{Access, ConnectOptions, Cq, Pd, Qp, QpCaps, RemoteAddr};
 use mralloc::RemoteBuf;
 use rdma_sys as ffi;
@@ -941,7 +941,10 @@ fn main() -> mralloc::Result<()> {
     let pd = Pd::new(&ctx)?;
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build()?;
     let dst = heap.alloc(SIZE)?.expose()?;
-    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Options::default() };
+    let opts = Options {
+        qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Default::default() },
+        ..Options::default()
+    };
     let s = Setup { pd, heap, remote: dst.remote(), opts, iters };
     for f in &cli.positional {
         match f.as_str() {

@@ -28,7 +28,7 @@ use common::{fail, Args, Opt, Spec};
 use hdrhistogram::Histogram;
 use mralloc::heap::Exposed;
 use mralloc::heap::Heap;
-use mralloc::transfer::{AsyncConnection, AsyncListener, Options, RemoteLimits};
+use mralloc::transfer::{AsyncConnection, AsyncListener, Options, QpOptions, RemoteLimits};
 use mralloc::verbs::{Access, Pd};
 use mralloc::RemoteBuf;
 
@@ -91,7 +91,10 @@ async fn run(clients: usize, ops: usize) -> Result<(), Box<dyn std::error::Error
     let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::REMOTE_READ | Access::MW_BIND).build()?;
     let keys = clients * KEYS_PER_CLIENT;
     let table = Arc::new(heap.alloc_zeroed(keys * SLOT)?.expose()?);
-    let opts = Options { remote_access: Access::REMOTE_READ | Access::REMOTE_WRITE, ..Options::default() };
+    let opts = Options {
+        qp: QpOptions { remote_access: Access::REMOTE_READ | Access::REMOTE_WRITE, ..Default::default() },
+        ..Options::default()
+    };
     let mut listener = AsyncListener::bind("127.0.0.1:0", &pd, opts.clone()).await?;
     // Every connection lends from the client's first request on.
     listener.serve_remote_memory(&heap, RemoteLimits { max_request: VALUE as u64, ..RemoteLimits::default() })?;

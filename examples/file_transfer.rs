@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use common::{fail, Args, Opt, Spec, NO_ROLE};
-use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options};
+use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options, QpOptions};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
@@ -86,7 +86,8 @@ fn server(args: &Args) -> mralloc::Result<()> {
     let port = args.num("port", 7472) as u16;
     let out = PathBuf::from(args.str_or("out", &scratch_dir().join("mralloc-received.bin").display().to_string()));
     // The client RDMA-WRITEs into the file mapped here: this side's QP must allow it.
-    let opts = Options { remote_access: Access::REMOTE_WRITE, ..Options::default() };
+    let opts =
+        Options { qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() }, ..Options::default() };
     let listener = Listener::bind(("0.0.0.0", port), &pd, opts)?;
     println!("listening on port {port}, receiving into {}", out.display());
     let conn = listener.accept()?;

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use common::{Args, Opt, Spec};
 use mralloc::heap::Global;
-use mralloc::transfer::{Connection, Options};
+use mralloc::transfer::{Connection, Options, QpOptions};
 use mralloc::verbs::{Access, Pd, RegisteredBuf};
 
 #[global_allocator]
@@ -62,7 +62,10 @@ fn run() -> mralloc::Result<()> {
 
     // A loopback connection; the peer offers a plain registered buffer.
     // (_b's QP must accept RDMA WRITEs: connections grant no remote rights unless asked.)
-    let (a, _b) = Connection::pair(&pd, &Options { remote_access: Access::REMOTE_WRITE, ..Options::default() })?;
+    let (a, _b) = Connection::pair(
+        &pd,
+        &Options { qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() }, ..Options::default() },
+    )?;
     for (what, bytes) in [("Vec<u8>", &vec[..]), ("String", text.as_bytes())] {
         // Memory a peer writes is exposed: it lends no `&[u8]` until revoked.
         let dst = RegisteredBuf::new(&pd, bytes.len(), Access::LOCAL_WRITE)?.expose(Access::REMOTE_WRITE)?;

@@ -14,7 +14,7 @@ mod common;
 use std::time::Instant;
 
 use common::{fail, Args, Opt, Spec};
-use mralloc::transfer::{Connection, Listener, Options};
+use mralloc::transfer::{Connection, Listener, Options, QpOptions};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
@@ -91,7 +91,10 @@ fn server(args: &Args) -> mralloc::Result<()> {
     // The server's threads mostly wait for notifications: they sleep on the completion channel
     // after a short spin (the default wait). Clients GET by READ and PUT by WRITE into this
     // heap: the server's QPs allow both.
-    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Options::default() };
+    let opts = Options {
+        qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind(("0.0.0.0", args.num("port", 7491) as u16), &pd, opts)?;
     println!("serving {keys} keys x {VALUE} bytes ({} bytes of registered heap) to {clients} clients", keys * VALUE);
     let conns: Vec<Connection> = (0..clients).map(|_| listener.accept_with(&offer)).collect::<mralloc::Result<_>>()?;

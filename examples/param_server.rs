@@ -14,7 +14,7 @@ mod common;
 use std::time::Instant;
 
 use common::{fail, Args, Opt, Spec};
-use mralloc::transfer::{Connection, Listener, Options, WaitMode};
+use mralloc::transfer::{Connection, Listener, Options, QpOptions, WaitMode, WaitOptions};
 use mralloc::verbs::Access;
 use mralloc::RemoteBuf;
 
@@ -124,8 +124,8 @@ fn server(args: &Args) -> mralloc::Result<()> {
     offer.extend_from_slice(&grads.remote().to_bytes());
     // Workers pull by READ and push by WRITE into this heap: the server's QPs allow both.
     let opts = Options {
-        wait: WaitMode::Event,
-        remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Default::default() },
+        wait: WaitOptions { mode: WaitMode::Event, ..Default::default() },
         ..Options::default()
     };
     let listener = Listener::bind(("0.0.0.0", args.num("port", 7495) as u16), &pd, opts)?;

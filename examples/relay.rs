@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use common::{fail, Args, Opt, Spec};
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options};
+use mralloc::transfer::{Connection, DeviceChoice, Listener, Options, QpOptions};
 use mralloc::verbs::{Access, Pd};
 use mralloc::RemoteBuf;
 
@@ -117,12 +117,15 @@ fn host(args: &Args) -> mralloc::Result<()> {
 }
 
 fn pd_on(device: Option<&str>) -> mralloc::Result<Pd> {
-    let opts = Options { device: device.map(str::to_owned), ..Options::default() };
+    let opts = Options {
+        device: DeviceChoice { name: device.map(str::to_owned), ..Default::default() },
+        ..Options::default()
+    };
     Pd::new(&opts.open_device()?)
 }
 
 fn opts_on(device: Option<&str>) -> Options {
-    Options { device: device.map(str::to_owned), ..Options::default() }
+    Options { device: DeviceChoice { name: device.map(str::to_owned), ..Default::default() }, ..Options::default() }
 }
 
 fn a(args: &Args) -> mralloc::Result<()> {
@@ -162,7 +165,8 @@ fn b(args: &Args) -> mralloc::Result<()> {
     let landing = heap.alloc(size)?.expose()?;
     let bind = args.str_or("bind", "0.0.0.0");
     // A writes (with immediate) into `landing`: only this connection lets its peer write.
-    let from_a_opts = Options { remote_access: Access::REMOTE_WRITE, ..opts_on(dev_in) };
+    let from_a_opts =
+        Options { qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() }, ..opts_on(dev_in) };
     let listener = Listener::bind((bind.as_str(), args.num("port", 7481) as u16), &pd_in, from_a_opts)?;
     let from_a = listener.accept_with(&landing.remote_for(&pd_in)?.to_bytes())?;
     let t = Instant::now();

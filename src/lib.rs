@@ -14,7 +14,7 @@
 //!
 //! ```no_run
 //! use mralloc::heap::Heap;
-//! use mralloc::transfer::{Connection, Options};
+//! use mralloc::transfer::{Connection, Options, QpOptions};
 //! use mralloc::verbs::{Access, Context, Pd};
 //!
 //! // 1. A registered heap on the device (MRALLOC_DEVICE, or the first active one).
@@ -31,7 +31,10 @@
 //! // 3. Connect (two RC queue pairs; `dst.remote()` is what a peer would be sent). A connection
 //! //    lets its peer WRITE, READ or use atomics on this side's memory only when asked to: the
 //! //    target side (`_b` here; a pair's ends share the options) asks for REMOTE_WRITE.
-//! let opts = Options { remote_access: Access::REMOTE_WRITE, ..Options::default() };
+//! let opts = Options {
+//!     qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() },
+//!     ..Options::default()
+//! };
 //! let (a, _b) = Connection::pair(&pd, &opts)?;
 //!
 //! // 4. Zero-copy RDMA WRITE; returns when the NIC is done with `src`.
@@ -127,7 +130,7 @@
 //! registration of just the buffer without remote rights (Soft-RoCE on Linux 6.1 checks a window
 //! only against the region under it). Lent remote memory (feature `tokio`) is keyed the same
 //! way. And a connection's queue pair admits one-sided operations only with the rights its
-//! [`transfer::Options::remote_access`] asked for.
+//! [`transfer::QpOptions::remote_access`] asked for.
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.
 //!

@@ -151,8 +151,11 @@ async fn device_async_64_tasks_on_8_connections() {
     let mut keep = Vec::new();
     for c in 0..8u64 {
         // Half the connections never spin: every completion comes through the driver.
-        let spin = if c % 2 == 0 { Duration::ZERO } else { Options::default().spin };
-        let (x, y) = AsyncConnection::pair(&pd, &Options { spin, ..all_rights() }).unwrap();
+        let mut opts = all_rights();
+        if c % 2 == 0 {
+            opts.wait.spin = Duration::ZERO;
+        }
+        let (x, y) = AsyncConnection::pair(&pd, &opts).unwrap();
         for t in 0..8u64 {
             let id = c * 8 + t;
             // Half the tasks drive one end, half the other; a message goes to the other end.
@@ -316,9 +319,11 @@ async fn device_async_tcp_setup_and_blocking_peer() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 async fn device_async_full_send_queue_keeps_call_order() {
     let (pd, heap) = setup();
-    let opts = Options { send_depth: 1, spin: Duration::ZERO, ..all_rights() };
+    let mut opts = all_rights();
+    opts.qp.send_depth = 1;
+    opts.wait.spin = Duration::ZERO;
     let (a, b) = AsyncConnection::pair(&pd, &opts).unwrap();
-    assert_eq!(a.options().send_depth, 1);
+    assert_eq!(a.options().qp.send_depth, 1);
     const N: usize = 32;
     const SIZE: usize = 4096;
     let dst = heap.alloc(N * SIZE).unwrap().expose().unwrap();
@@ -360,7 +365,8 @@ async fn device_async_full_send_queue_keeps_call_order() {
 async fn device_async_close_flushes_many_parked_requests() {
     let (pd, heap) = setup();
     let live_before = heap.stats().live_bytes;
-    let opts = Options { spin: Duration::ZERO, ..all_rights() };
+    let mut opts = all_rights();
+    opts.wait.spin = Duration::ZERO;
     let (a, b) = AsyncConnection::pair(&pd, &opts).unwrap();
     for _ in 0..40 {
         let r = tokio::time::timeout(Duration::from_millis(1), b.recv(heap.alloc(256).unwrap())).await;

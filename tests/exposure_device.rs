@@ -1,13 +1,13 @@
 //! Remote access only to what was granted (run in the Soft-RoCE VM by `scripts/test`): a
 //! connection's QP lets the peer WRITE, READ or use atomics on this side's memory only when
-//! `Options::remote_access` asked for it, and a TCP exchange with a shared secret hands no QP
+//! `QpOptions::remote_access` asked for it, and a TCP exchange with a shared secret hands no QP
 //! and no blob to a peer that does not know the secret.
 
 mod common;
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options, Secret};
+use mralloc::transfer::{Connection, Listener, Options, Secret, SetupOptions};
 use mralloc::verbs::{Access, Cq, Pd, Qp, QpState, RegisteredBuf, SendOp, SendWr, WcStatus};
 use mralloc::{AuthFailure, Error, RemoteBuf};
 
@@ -42,7 +42,10 @@ fn device_connection_without_remote_rights_refuses_the_peers_write() {
     println!("WRITE into a connection without REMOTE_WRITE: {err}");
     assert!(matches!(err, Error::Operation { .. }), "{err:?}");
     assert_eq!(err.wc_status(), Some(REFUSED), "{err}");
-    assert!(err.to_string().contains("Options::remote_access with REMOTE_WRITE"), "the error says which right: {err}");
+    assert!(
+        err.to_string().contains("QpOptions::remote_access with REMOTE_WRITE"),
+        "the error says which right: {err}"
+    );
     assert!(target.to_vec().iter().all(|&x| x == 0x11), "the refused WRITE changed the target memory");
 
     // READ and atomics are refused the same way.
@@ -115,7 +118,7 @@ fn device_verbs_qp_default_grants_no_remote_rights() {
 }
 
 fn with_secret(opts: Options, secret: &str) -> Options {
-    Options { secret: Some(Secret::new(secret).unwrap()), ..opts }
+    Options { setup: SetupOptions { secret: Some(Secret::new(secret).unwrap()), ..opts.setup }, ..opts }
 }
 
 fn auth_failure<T: std::fmt::Debug>(r: mralloc::Result<T>) -> AuthFailure {

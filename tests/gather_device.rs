@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_bytes_eq, open, pattern, rights};
 use mralloc::heap::Heap;
-use mralloc::transfer::{Arrival, Connection, IoBuf, Local, Options};
+use mralloc::transfer::{Arrival, Connection, IoBuf, Local};
 use mralloc::verbs::{Access, Pd, RegisteredBuf};
 use mralloc::{Buffer, Error};
 
@@ -19,10 +19,8 @@ fn device_gathered_sends_and_writes_scatter_into_parts() {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
     // A receive that would wait for a failed sender gives up (the test fails, not hangs).
-    let opts = Options {
-        recv_timeout: Some(std::time::Duration::from_secs(20)),
-        ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ)
-    };
+    let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+    opts.wait.recv_timeout = Some(std::time::Duration::from_secs(20));
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     let mut header = heap.alloc(16).unwrap();
     header.copy_from_slice(&pattern(1, 16));
@@ -139,8 +137,8 @@ fn until(conn: &Connection, what: &str, mut done: impl FnMut() -> bool) {
 fn device_owned_lists_gather_and_scatter_through_pending() {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
-    let opts =
-        Options { recv_timeout: Some(Duration::from_secs(20)), ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ) };
+    let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+    opts.wait.recv_timeout = Some(Duration::from_secs(20));
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     let want = [pattern(1, 16), pattern(2, 64 << 10)].concat();
 
@@ -240,7 +238,8 @@ fn device_owned_lists_gather_and_scatter_through_pending() {
 fn device_a_dropped_gathered_write_in_flight_keeps_every_part_alive() {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
-    let opts = Options { op_timeout: Duration::from_secs(20), ..rights(Access::REMOTE_WRITE) };
+    let mut opts = rights(Access::REMOTE_WRITE);
+    opts.wait.op_timeout = Duration::from_secs(20);
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     let sizes = [4096, 1 << 20, 4096];
     let n: usize = sizes.iter().sum();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_bytes_eq, open, pattern, wait_for};
 use mralloc::heap::Heap;
-use mralloc::transfer::{CmListener, Connection, Listener, Options};
+use mralloc::transfer::{CmListener, Connection, Listener, Options, SetupOptions};
 use mralloc::verbs::Pd;
 use mralloc::Error;
 
@@ -42,8 +42,12 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 fn device_slow_handshakes_hold_up_nobody() {
     let (pd, heap) = setup();
     let limit = Duration::from_secs(6);
-    let listener =
-        Listener::bind("127.0.0.1:0", &pd, Options { connect_timeout: limit, ..Options::default() }).unwrap();
+    let listener = Listener::bind(
+        "127.0.0.1:0",
+        &pd,
+        Options { setup: SetupOptions { connect_timeout: limit, ..Default::default() }, ..Options::default() },
+    )
+    .unwrap();
     let addr = listener.local_addr().unwrap();
     let mut slow: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(addr).unwrap()).collect();
     let opened = Instant::now();
@@ -99,7 +103,10 @@ fn device_slow_handshakes_hold_up_nobody() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_handshakes_beyond_the_bound_wait_their_turn() {
     let (pd, _heap) = setup();
-    let opts = Options { max_handshakes: 4, connect_timeout: Duration::from_secs(30), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { max_handshakes: 4, connect_timeout: Duration::from_secs(30), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     let held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
@@ -210,8 +217,12 @@ fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing()
     let (pd, _heap) = setup();
     let port = 30000 + (std::process::id() % 10000) as u16;
     let limit = Duration::from_secs(3);
-    let listener =
-        CmListener::bind((ip.as_str(), port), &pd, Options { connect_timeout: limit, ..Options::default() }).unwrap();
+    let listener = CmListener::bind(
+        (ip.as_str(), port),
+        &pd,
+        Options { setup: SetupOptions { connect_timeout: limit, ..Default::default() }, ..Options::default() },
+    )
+    .unwrap();
     let qps_before = common::resources("qp", &common::our_pdns());
     // Accept calls that never return would hang the scope below: fail the process instead.
     let (alive, watchdog) = std::sync::mpsc::channel::<()>();
@@ -285,7 +296,10 @@ fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing()
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_failed_clients_never_end_an_accept_call() {
     let (pd, _heap) = setup();
-    let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_secs(2), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {
@@ -320,7 +334,10 @@ fn device_failed_clients_never_end_an_accept_call() {
 fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
     let (pd, _heap) = setup();
     let hello = common::captured_hello(&pd);
-    let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_secs(5), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {
@@ -351,7 +368,10 @@ fn device_a_client_leaving_after_the_welcome_leaves_the_accept_call_waiting() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_two_accept_calls_take_turns_and_a_silent_client_holds_up_neither() {
     let (pd, _heap) = setup();
-    let opts = Options { connect_timeout: Duration::from_secs(4), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_secs(4), ..Default::default() },
+        ..Options::default()
+    };
     let listener = std::sync::Arc::new(Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap());
     let addr = listener.local_addr().unwrap();
     let mut silent = TcpStream::connect(addr).unwrap();
@@ -420,7 +440,10 @@ fn device_a_client_started_before_its_server_connects_once_it_listens() {
     assert_bytes_eq(&inbox, &msg, "the message over the late server's connection");
     drop((conn, server, listener));
     // Nobody ever listens: the deadline ends it, with the refusal as the reason.
-    let opts = Options { connect_timeout: Duration::from_millis(800), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_millis(800), ..Default::default() },
+        ..Options::default()
+    };
     let started = Instant::now();
     let e = Connection::connect(addr, &pd, opts).unwrap_err();
     let took = started.elapsed();

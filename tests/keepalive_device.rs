@@ -84,7 +84,8 @@ fn device_keepalive_refused_by_a_peer_without_it_fails_the_prober() {
     let addr = listener.local_addr().unwrap();
     let server = std::thread::spawn(move || listener.accept().unwrap());
     // Bounded: were the probes broken, the receive would fail with a timeout, not hang.
-    let opts = Options { recv_timeout: Some(Duration::from_secs(20)), ..keepalive(every) };
+    let mut opts = keepalive(every);
+    opts.wait.recv_timeout = Some(Duration::from_secs(20));
     let conn = Connection::connect(addr, &pd, opts).unwrap();
     let peer = server.join().unwrap();
     let start = Instant::now();

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_bytes_eq, open, pattern, spawn_self, wait_for, WAIT};
 use mralloc::heap::Heap;
-use mralloc::transfer::{CmListener, Connection, Listener, Options};
+use mralloc::transfer::{CmListener, Connection, Listener, Options, WaitOptions};
 use mralloc::verbs::{Pd, PortState};
 use mralloc::{Disconnect, Error};
 
@@ -20,7 +20,10 @@ const BOUND: Duration = Duration::from_secs(5);
 /// Options whose receives give up after 30 s: were the watcher broken, the tests below would
 /// fail with a timeout instead of hanging.
 fn bounded() -> Options {
-    Options { recv_timeout: Some(Duration::from_secs(30)), ..Options::default() }
+    Options {
+        wait: WaitOptions { recv_timeout: Some(Duration::from_secs(30)), ..Default::default() },
+        ..Options::default()
+    }
 }
 
 fn setup() -> (Pd, Heap) {
@@ -70,9 +73,14 @@ fn device_an_idle_peer_is_not_a_dead_one() {
     println!("idle peer: the receive waited {waited:?} and the connection kept working");
 
     // Asked for, a receive limit still applies: it fails the connection with a timeout.
-    let (a, _b) =
-        Connection::pair(&pd, &Options { recv_timeout: Some(Duration::from_millis(300)), ..Options::default() })
-            .unwrap();
+    let (a, _b) = Connection::pair(
+        &pd,
+        &Options {
+            wait: WaitOptions { recv_timeout: Some(Duration::from_millis(300)), ..Default::default() },
+            ..Options::default()
+        },
+    )
+    .unwrap();
     let mut r = heap.alloc(64).unwrap();
     assert!(matches!(a.recv(&mut r), Err(Error::Timeout(..))));
     assert!(a.error().is_some());

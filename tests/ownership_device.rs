@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::{draining_heaps, Heap};
-use mralloc::transfer::{Connection, IoBuf, Options};
+use mralloc::transfer::{Connection, IoBuf};
 use mralloc::verbs::{Access, Pd};
 use mralloc::Buffer;
 
@@ -20,7 +20,8 @@ const OP_TIMEOUT: Duration = Duration::from_secs(20);
 fn setup() -> (Pd, Heap, Connection, Connection) {
     let pd = Pd::new(&open()).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE | Access::MW_BIND).build().unwrap();
-    let opts = Options { op_timeout: OP_TIMEOUT, ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ) };
+    let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+    opts.wait.op_timeout = OP_TIMEOUT;
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     (pd, heap, a, b)
 }

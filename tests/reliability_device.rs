@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options};
+use mralloc::transfer::{Connection, DeviceChoice, Listener, Options, QpOptions, SetupOptions};
 use mralloc::verbs::{Access, Pd, WcStatus};
 use mralloc::{Disconnect, Error, RemoteBuf};
 
@@ -114,7 +114,10 @@ fn checksum(b: &[u8]) -> u64 {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_malformed_connection_messages_are_typed_errors() {
     let (pd, _heap) = setup();
-    let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_secs(2), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     let good = captured_hello(&pd);
@@ -206,15 +209,18 @@ fn device_bad_input_is_typed() {
     let other_buf = other.alloc(64).unwrap();
     assert!(matches!(c.write(&other_buf, &remote, 0), Err(Error::NotRegistered { .. })));
     // A device and a GID index that do not exist.
-    let nodev = Options { device: Some("no-such-dev".into()), ..Options::default() };
+    let nodev = Options {
+        device: DeviceChoice { name: Some("no-such-dev".into()), ..Default::default() },
+        ..Options::default()
+    };
     assert!(matches!(nodev.open_device(), Err(Error::NoSuchDevice { .. })));
-    let nogid = Options { gid_index: Some(4000), ..Options::default() };
+    let nogid = Options { device: DeviceChoice { gid_index: Some(4000), ..Default::default() }, ..Options::default() };
     assert!(matches!(Connection::pair(&pd, &nogid), Err(Error::NoSuchIndex { what: "GID index", .. })));
     // Receives beyond the queue depth are refused, not lost.
-    let opts = Options { recv_depth: 4, ..Options::default() };
+    let opts = Options { qp: QpOptions { recv_depth: 4, ..Default::default() }, ..Options::default() };
     let (e, _f) = Connection::pair(&pd, &opts).unwrap();
     let mut posted = Vec::new();
-    for _ in 0..e.options().recv_depth {
+    for _ in 0..e.options().qp.recv_depth {
         posted.push(e.post_recv(heap.alloc(64).unwrap()).unwrap());
     }
     let refused = e.post_recv(heap.alloc(64).unwrap()).map(|_| ()).unwrap_err();
@@ -245,7 +251,8 @@ fn device_link_down_then_up() {
         return;
     }
     let (pd, heap) = setup();
-    let opts = Options { op_timeout: Duration::from_secs(5), ..rights(Access::REMOTE_WRITE) };
+    let mut opts = rights(Access::REMOTE_WRITE);
+    opts.wait.op_timeout = Duration::from_secs(5);
     let (a, _b) = Connection::pair(&pd, &opts).unwrap();
     let mut src = heap.alloc(64 << 10).unwrap();
     src.copy_from_slice(&pattern(11, 64 << 10));

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_bytes_eq, open, pattern};
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options, SharedReceiver};
+use mralloc::transfer::{Connection, Listener, Options, QpOptions, SetupOptions, SharedReceiver, WaitOptions};
 use mralloc::verbs::Pd;
 use mralloc::Error;
 
@@ -45,13 +45,16 @@ fn device_256_connections_share_one_receive_queue() {
     let heap = Heap::builder().bind(&pd).build().unwrap();
     let shared = SharedReceiver::new(&pd, SLOTS, SLOT).unwrap();
     let server_opts = Options {
+        qp: QpOptions { send_depth: 8, ..Default::default() },
+        setup: SetupOptions { connect_timeout: Duration::from_secs(60), ..Default::default() },
         shared_receive: Some(shared.clone()),
-        send_depth: 8,
-        connect_timeout: Duration::from_secs(60),
         ..Options::default()
     };
-    let client_opts =
-        Options { send_depth: 8, recv_depth: 8, recv_timeout: Some(Duration::from_secs(120)), ..Options::default() };
+    let client_opts = Options {
+        qp: QpOptions { send_depth: 8, recv_depth: 8, ..Default::default() },
+        wait: WaitOptions { recv_timeout: Some(Duration::from_secs(120)), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, server_opts).unwrap();
     let addr = listener.local_addr().unwrap();
     let started = Instant::now();

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, Options};
+use mralloc::transfer::{Connection, DeviceChoice, Listener, Options, QpOptions, WaitOptions};
 use mralloc::verbs::{Access, Context, Pd};
 use mralloc::RemoteBuf;
 
@@ -55,10 +55,10 @@ fn device_topology_exchange() {
             s.spawn(move || {
                 let port = 7600 + 10 * me.min(l.peer) as u16 + me.max(l.peer) as u16;
                 let opts = Options {
-                    device: Some(l.device.clone()),
-                    op_timeout: Duration::from_secs(60),
                     // Each side's inbox is the target of the peer's write-with-immediate.
-                    remote_access: Access::REMOTE_WRITE,
+                    qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() },
+                    device: DeviceChoice { name: Some(l.device.clone()), ..Default::default() },
+                    wait: WaitOptions { op_timeout: Duration::from_secs(60), ..Default::default() },
                     ..Options::default()
                 };
                 let inbox = heap.alloc(SIZE).unwrap().expose().unwrap();
@@ -126,14 +126,16 @@ fn device_keepalive_finds_a_black_holed_peer() {
     let every = Duration::from_millis(500);
     // Receives bounded: were the probes broken, host 0 would fail with a timeout, not hang.
     let probed = Options {
-        device: Some(l.device.clone()),
+        device: DeviceChoice { name: Some(l.device.clone()), ..Default::default() },
+        wait: WaitOptions { recv_timeout: Some(Duration::from_secs(30)), ..Default::default() },
         keepalive: Some(every),
-        recv_timeout: Some(Duration::from_secs(30)),
         ..Options::default()
     };
     let every6 = Duration::from_secs(1);
-    let probed6 = Options { retry_count: 6, keepalive: Some(every6), ..probed.clone() };
-    let plain = Options { device: Some(l.device.clone()), ..Options::default() };
+    let probed6 =
+        Options { qp: QpOptions { retry_count: 6, ..probed.qp.clone() }, keepalive: Some(every6), ..probed.clone() };
+    let plain =
+        Options { device: DeviceChoice { name: Some(l.device.clone()), ..Default::default() }, ..Options::default() };
     // Documented: keepalive + max(2 x keepalive, retry time) + min(keepalive / 4, 250 ms); the
     // retry time is (retry_count + 1) x 4.096 us x 2^14.
     let retry = |n: u64| Duration::from_micros((n + 1) * 4096 * 16384 / 1000);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options, WaitMode};
+use mralloc::transfer::{Connection, Listener, MappedFile, Mode, Options, WaitMode, WaitOptions};
 use mralloc::verbs::{Access, Pd, WcStatus};
 use mralloc::{Disconnect, Error, RemoteBuf};
 
@@ -108,7 +108,8 @@ fn device_atomics_from_two_threads_sum_exactly() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_batch_of_1000_writes_with_selective_signaling() {
     let (pd, heap) = setup();
-    let opts = Options { send_depth: 64, ..rights(Access::REMOTE_WRITE) };
+    let mut opts = rights(Access::REMOTE_WRITE);
+    opts.qp.send_depth = 64;
     let (a, _b) = Connection::pair(&pd, &opts).unwrap();
     let srcs: Vec<_> = (0..10)
         .map(|i| {
@@ -334,7 +335,10 @@ fn device_peer_killed_mid_stream_surfaces_as_a_typed_error() {
         .spawn()
         .unwrap();
     let (pd, heap) = setup();
-    let opts = Options { op_timeout: Duration::from_secs(10), ..Options::default() };
+    let opts = Options {
+        wait: WaitOptions { op_timeout: Duration::from_secs(10), ..Default::default() },
+        ..Options::default()
+    };
     let conn = connect_retrying(|| Connection::connect(("127.0.0.1", port), &pd, opts.clone()));
     let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
     let mut data = heap.alloc(64 << 10).unwrap();
@@ -475,7 +479,8 @@ fn device_event_and_poller_modes_move_data_without_spinning() {
     let (pd, heap) = setup();
     let poller = Poller::spawn(None).unwrap();
     for (name, wait) in [("event", WaitMode::Event), ("poller", WaitMode::Poller(poller.clone()))] {
-        let opts = Options { wait, ..rights(Access::REMOTE_WRITE | Access::REMOTE_READ) };
+        let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+        opts.wait.mode = wait;
         let (a, b) = Connection::pair(&pd, &opts).unwrap();
         // Every kind of operation works in this mode.
         let mut src = heap.alloc(100_000).unwrap();
@@ -556,8 +561,11 @@ fn device_uninit_buffers_become_the_bytes_that_arrived() {
 fn device_an_idle_wait_sleeps_by_default_and_spins_only_when_asked() {
     let (pd, heap) = setup();
     for (mode, name) in [(WaitMode::Event, "default (Event)"), (WaitMode::BusyPoll, "BusyPoll")] {
-        let opts = Options { wait: mode.clone(), recv_timeout: Some(Duration::from_secs(1)), ..Options::default() };
-        assert!(matches!(Options::default().wait, WaitMode::Event), "Event is the default");
+        let opts = Options {
+            wait: WaitOptions { mode: mode.clone(), recv_timeout: Some(Duration::from_secs(1)), ..Default::default() },
+            ..Options::default()
+        };
+        assert!(matches!(Options::default().wait.mode, WaitMode::Event), "Event is the default");
         let (a, b) = Connection::pair(&pd, &opts).unwrap();
         // Fast operations first (the spin learns they complete quickly).
         let mut msg = heap.alloc(64).unwrap();

@@ -359,7 +359,10 @@ pub fn setup_on(
     device: Option<&str>,
     access: mralloc::verbs::Access,
 ) -> mralloc::Result<(mralloc::verbs::Pd, mralloc::heap::Heap)> {
-    let opts = mralloc::transfer::Options { device: device.map(str::to_owned), ..Default::default() };
+    let opts = mralloc::transfer::Options {
+        device: mralloc::transfer::DeviceChoice { name: device.map(str::to_owned), ..Default::default() },
+        ..Default::default()
+    };
     let pd = mralloc::verbs::Pd::new(&opts.open_device()?)?;
     let heap = mralloc::heap::Heap::builder().bind(&pd).access(access).build()?;
     Ok((pd, heap))

@@ -6,7 +6,7 @@
 #[non_exhaustive]
 pub enum AuthFailure {
     /// The peer requires a shared secret and this side has none.
-    #[error("the peer requires a shared secret and this side has none (set Options::secret)")]
+    #[error("the peer requires a shared secret and this side has none (set SetupOptions::secret)")]
     NoLocalSecret,
     /// This side requires a shared secret and the peer has none.
     #[error("this side requires a shared secret and the peer has none")]

@@ -30,23 +30,25 @@ pub(super) fn operation_hint(op: &str, status: crate::verbs::WcStatus) -> &'stat
     match status {
         S::RemInvReqErr if op.starts_with("RDMA WRITE") => {
             ". Hint: the peer's queue pair refused the WRITE: the side whose memory is written sets \
-             Options::remote_access with REMOTE_WRITE (default NONE); or the WRITE exceeds the peer's range"
+             QpOptions::remote_access with REMOTE_WRITE (default NONE); or the WRITE exceeds the peer's range"
         }
         S::RemInvReqErr if op == "RDMA READ" => {
             ". Hint: the peer's queue pair refused the READ: the side whose memory is read sets \
-             Options::remote_access with REMOTE_READ (default NONE)"
+             QpOptions::remote_access with REMOTE_READ (default NONE)"
         }
         S::RemInvReqErr if one_sided => {
             ". Hint: the peer's queue pair refused the atomic: the side whose memory is updated sets \
-             Options::remote_access with REMOTE_ATOMIC (default NONE); the target must be 8-byte aligned"
+             QpOptions::remote_access with REMOTE_ATOMIC (default NONE); the target must be 8-byte aligned"
         }
         S::RemInvReqErr => ". Hint: a SEND larger than the receive buffer the peer had posted",
         S::RemAccessErr => {
             ". Hint: the peer's memory does not grant this: a key that was revoked or never matched, a \
              range outside the exposed or granted buffer, memory exposed without this right, or (on \
-             some devices) the peer's Options::remote_access lacking it"
+             some devices) the peer's QpOptions::remote_access lacking it"
         }
-        S::RnrRetryExcErr => ". Hint: the peer had no receive posted for a SEND (Options::rnr_retry: 7 waits for ever)",
+        S::RnrRetryExcErr => {
+            ". Hint: the peer had no receive posted for a SEND (QpOptions::rnr_retry: 7 waits for ever)"
+        }
         S::RetryExcErr => ". Hint: the peer did not answer (its process or host is gone, or the path is down)",
         _ => "",
     }

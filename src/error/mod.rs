@@ -140,7 +140,7 @@ pub enum Error {
     #[error("protocol error: {0}")]
     Protocol(String),
     /// The shared-secret check of a TCP connection setup failed (see
-    /// [`crate::transfer::Options::secret`]). Both sides report it, before any queue pair is
+    /// [`crate::transfer::SetupOptions::secret`]). Both sides report it, before any queue pair is
     /// connected or any blob handed to the application.
     #[error("connection authentication failed: {0}")]
     Authentication(AuthFailure),

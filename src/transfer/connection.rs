@@ -31,12 +31,13 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// operations nobody waits for.
 ///
 /// An idle peer is not a dead one: a receive waits as long as the peer stays silent (unless
-/// [`Options::recv_timeout`] says otherwise). A dead one is found by mralloc's liveness thread,
-/// which fails the connection with [`Error::Disconnected`] (flushing whatever is outstanding) when
-/// the TCP stream it was set up over closes (the peer dropped the connection or its process
-/// exited), RDMA CM reports it disconnected, the device reports its port down, its QP in
-/// error or a fatal error, or — with [`Options::keepalive`], for peers whose host or path dies
-/// without a word — a probe goes unanswered.
+/// [`WaitOptions::recv_timeout`](crate::transfer::WaitOptions::recv_timeout) says otherwise). A
+/// dead one is found by mralloc's liveness thread, which fails the connection with
+/// [`Error::Disconnected`] (flushing whatever is outstanding) when the TCP stream it was set up
+/// over closes (the peer dropped the connection or its process exited), RDMA CM reports it
+/// disconnected, the device reports its port down, its QP in error or a fatal error, or — with
+/// [`Options::keepalive`], for peers whose host or path dies without a word — a probe goes
+/// unanswered.
 ///
 /// `fork()`: a child's copy of a connection is the parent's. Every operation on it fails with
 /// [`Error::Forked`] (before taking any lock a parent thread may have held at the fork), and
@@ -99,12 +100,12 @@ impl Connection {
         let ctx = pd.context();
         // With a shared receive queue the connection's own receive CQ stays empty (the QP
         // completes receives on the shared receiver's CQ): one entry is enough.
-        let recv_depth = if opts.shared_receive.is_some() { 1 } else { opts.recv_depth + 8 };
-        let (send_cq, recv_cq) = if matches!(opts.wait, WaitMode::Event) {
+        let recv_depth = if opts.shared_receive.is_some() { 1 } else { opts.qp.recv_depth + 8 };
+        let (send_cq, recv_cq) = if matches!(opts.wait.mode, WaitMode::Event) {
             let ch = crate::verbs::CompChannel::new(ctx)?;
-            (Cq::with_channel(ctx, opts.send_depth + 8, &ch)?, Cq::with_channel(ctx, recv_depth, &ch)?)
+            (Cq::with_channel(ctx, opts.qp.send_depth + 8, &ch)?, Cq::with_channel(ctx, recv_depth, &ch)?)
         } else {
-            (Cq::new(ctx, opts.send_depth + 8)?, Cq::new(ctx, recv_depth)?)
+            (Cq::new(ctx, opts.qp.send_depth + 8)?, Cq::new(ctx, recv_depth)?)
         };
         let mut b = match &opts.shared_receive {
             Some(shared) => Qp::builder(pd, &send_cq, shared.cq()).srq(shared.srq()),
@@ -116,11 +117,11 @@ impl Connection {
         // A keepalive probe is a zero-length RDMA WRITE: the QP must accept WRITEs (they
         // reach memory only through a key with write rights).
         let keepalive_access = if opts.keepalive.is_some() { Access::REMOTE_WRITE } else { Access::NONE };
-        b = b.caps(opts.caps()).remote_access(opts.remote_access | keepalive_access);
-        if let Some(p) = opts.port {
+        b = b.caps(opts.qp.caps()).remote_access(opts.qp.remote_access | keepalive_access);
+        if let Some(p) = opts.device.port {
             b = b.port(p);
         }
-        if let Some(g) = opts.gid_index {
+        if let Some(g) = opts.device.gid_index {
             b = b.gid_index(g);
         }
         Ok((b.build()?, send_cq, recv_cq))
@@ -139,20 +140,21 @@ impl Connection {
         let max_sge_rd = pd.context().attributes().map_or(1, |a| a.max_sge_rd.max(1) as u32);
         let read_sge = qp.caps().max_send_sge.min(max_sge_rd);
         let mut opts = opts.clone();
-        opts.send_depth = qp.caps().max_send_wr.min(opts.send_depth).max(1);
-        opts.recv_depth = qp.caps().max_recv_wr.min(opts.recv_depth).max(1);
-        let mode = match opts.wait {
+        opts.qp.send_depth = qp.caps().max_send_wr.min(opts.qp.send_depth).max(1);
+        opts.qp.recv_depth = qp.caps().max_recv_wr.min(opts.qp.recv_depth).max(1);
+        let mode = match opts.wait.mode {
             WaitMode::BusyPoll => Mode::BusyPoll,
             WaitMode::Event => Mode::Event,
             WaitMode::Poller(_) => Mode::Poller,
         };
-        let core = Arc::new(Core::new(send_cq, recv_cq, (opts.send_depth, opts.recv_depth), mode, opts.spin));
+        let core =
+            Arc::new(Core::new(send_cq, recv_cq, (opts.qp.send_depth, opts.qp.recv_depth), mode, opts.wait.spin));
         // What the device was told (an RDMA CM connection's ACK timeout comes from the path, not
         // the options), else what the options asked for.
         let keepalive =
-            opts.keepalive.map(|k| Keepalive::new(k, qp.retry_time().unwrap_or_else(|_| opts.retry_time())));
+            opts.keepalive.map(|k| Keepalive::new(k, qp.retry_time().unwrap_or_else(|_| opts.qp.retry_time())));
         let link = Arc::new(Link::new(&core, &qp, keepalive));
-        if let WaitMode::Poller(p) = &opts.wait {
+        if let WaitMode::Poller(p) = &opts.wait.mode {
             p.serve(&core);
         }
         let mut kept: Vec<Box<dyn Send + Sync>> = Vec::new();
@@ -164,8 +166,8 @@ impl Connection {
             target: "mralloc::transfer",
             qpn = qp.qpn(),
             peer_qpn = peer.qpn,
-            send_depth = opts.send_depth,
-            recv_depth = opts.recv_depth,
+            send_depth = opts.qp.send_depth,
+            recv_depth = opts.qp.recv_depth,
             mode = ?mode,
             "connection established"
         );
@@ -190,15 +192,17 @@ impl Connection {
     }
 
     /// Two connections in `pd` connected to each other on one device (loopback): what a single
-    /// process needs to exercise both sides. Both get `opts`, [`Options::remote_access`]
-    /// included: a pair whose ends RDMA WRITE, READ or use atomics on each other's memory must
-    /// ask for those rights.
+    /// process needs to exercise both sides. Both get `opts`,
+    /// [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) included: a pair
+    /// whose ends RDMA WRITE, READ or use atomics on each other's memory must ask for those rights.
     ///
     /// # Errors
     /// - [`Error::Verbs`] if a verbs call fails: creating a completion channel, CQ or queue pair,
     ///   connecting it, or registering the connection's landing buffer for atomics.
-    /// - [`Error::NoActiveDevice`] or [`Error::NoSuchIndex`] if [`Options::port`] or
-    ///   [`Options::gid_index`] (or, unset, their defaults) do not fit `pd`'s device.
+    /// - [`Error::NoActiveDevice`] or [`Error::NoSuchIndex`] if
+    ///   [`DeviceChoice::port`](crate::transfer::DeviceChoice::port) or
+    ///   [`DeviceChoice::gid_index`](crate::transfer::DeviceChoice::gid_index) (or, unset, their
+    ///   defaults) do not fit `pd`'s device.
     /// - [`Error::InvalidArgument`] if a queue depth is too large for a CQ (above `i32::MAX`).
     /// - [`Error::Io`] if mapping the landing buffer fails.
     pub fn pair(pd: &Pd, opts: &Options) -> Result<(Connection, Connection)> {

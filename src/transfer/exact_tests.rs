@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::heap::Heap;
 use crate::remote::RemoteBuf;
-use crate::transfer::{Connection, Options};
+use crate::transfer::{Connection, Options, QpOptions, WaitOptions};
 use crate::verbs::{Access, Context, Pd, WcStatus};
 
 /// A PD on a fresh context whose windows are taken to confine (or not), a heap that can grant,
@@ -21,7 +21,15 @@ fn setup(confined: bool) -> (Pd, Heap, Options) {
     let pd = Pd::new(&ctx).unwrap();
     let heap = Heap::builder().bind(&pd).access(Access::LOCAL_WRITE | Access::MW_BIND).build().unwrap();
     let rw = Access::REMOTE_WRITE | Access::REMOTE_READ;
-    (pd, heap, Options { remote_access: rw, op_timeout: Duration::from_secs(20), ..Options::default() })
+    (
+        pd,
+        heap,
+        Options {
+            qp: QpOptions { remote_access: rw, ..Default::default() },
+            wait: WaitOptions { op_timeout: Duration::from_secs(20), ..Default::default() },
+            ..Options::default()
+        },
+    )
 }
 
 #[test]

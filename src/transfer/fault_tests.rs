@@ -9,12 +9,15 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::heap::Heap;
-use crate::transfer::{Connection, Options};
+use crate::transfer::{Connection, Options, QpOptions, SetupOptions, WaitOptions};
 use crate::verbs::{Access, Context, Pd};
 use crate::Error;
 
 fn setup() -> (Heap, Connection, Connection) {
-    setup_with(Options { op_timeout: Duration::from_secs(20), ..Options::default() })
+    setup_with(Options {
+        wait: WaitOptions { op_timeout: Duration::from_secs(20), ..Default::default() },
+        ..Options::default()
+    })
 }
 
 fn setup_with(opts: Options) -> (Heap, Connection, Connection) {
@@ -24,7 +27,8 @@ fn setup_with(opts: Options) -> (Heap, Connection, Connection) {
         .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
         .build()
         .unwrap();
-    let opts = Options { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..opts };
+    let opts =
+        Options { qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..opts.qp }, ..opts };
     let (a, b) = Connection::pair(&pd, &opts).unwrap();
     (heap, a, b)
 }
@@ -34,12 +38,15 @@ fn setup_with(opts: Options) -> (Heap, Connection, Connection) {
 fn device_partially_accepted_chain_is_flushed_before_the_error() {
     // 120 requested: rxe's send queue holds 127 and its CQ (128 requested) 255, room for the
     // flush of every accepted request plus the marker behind them.
-    let (heap, mut a, _b) =
-        setup_with(Options { op_timeout: Duration::from_secs(20), send_depth: 120, ..Options::default() });
+    let (heap, mut a, _b) = setup_with(Options {
+        qp: QpOptions { send_depth: 120, ..Default::default() },
+        wait: WaitOptions { op_timeout: Duration::from_secs(20), ..Default::default() },
+        ..Options::default()
+    });
     // Make the connection believe its queue is far deeper: a batch chunk (depth / 4) of 1024
     // requests then overflows the real send queue, and the device refuses the chain partway.
     let n = 1024;
-    a.options_mut().send_depth = 4 * n as u32;
+    a.options_mut().qp.send_depth = 4 * n as u32;
     let dst = heap.alloc(64 * n).unwrap().expose().unwrap();
     let remote = dst.remote();
     let mut src = heap.alloc(64).unwrap();
@@ -128,7 +135,10 @@ fn device_a_client_endpoint_the_device_refuses_ends_no_accept_call() {
     use crate::transfer::setup::control::REFUSE_CLIENT_ENDPOINT;
     use crate::transfer::Listener;
     let pd = Pd::new(&Context::open_default().expect("an RDMA device")).unwrap();
-    let opts = Options { connect_timeout: Duration::from_secs(5), ..Options::default() };
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_secs(5), ..Default::default() },
+        ..Options::default()
+    };
     let listener = Listener::bind("127.0.0.1:0", &pd, opts.clone()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::scope(|s| {

@@ -2,7 +2,7 @@
 //!
 //! - Setup: [`Listener`] / [`Connection::connect`] exchange endpoints (and an optional blob, e.g.
 //!   an encoded [`crate::RemoteBuf`]) over TCP with a small versioned message, optionally
-//!   authenticated by a shared [`Secret`] ([`Options::secret`]);
+//!   authenticated by a shared [`Secret`] ([`SetupOptions::secret`]);
 //!   [`CmListener`] / [`Connection::connect_cm`] do the same through the RDMA connection manager;
 //!   [`Connection::pair`] connects two QPs of one process (loopback).
 //! - Blocking operations borrow local memory for the call ([`Local`]): [`Connection::write`],
@@ -29,7 +29,7 @@
 //!   connection only (a type 2 memory window, over a registration of just the buffer on devices
 //!   that do not confine windows).
 //! - Remote rights: a connection lets its peer RDMA WRITE, READ or use atomics on this side's
-//!   memory only if [`Options::remote_access`] asks for it (default: none; SENDs always work).
+//!   memory only if [`QpOptions::remote_access`] asks for it (default: none; SENDs always work).
 //!
 //! Local memory is anything [`Local`]: heap [`crate::Buffer`]s, slices of any heap memory (keys
 //! from [`crate::keys_of`]), [`crate::verbs::RegisteredBuf`]s and mapped files; foreign memory is
@@ -64,7 +64,7 @@ pub use front::batch::Batch;
 pub use front::pending::Pending;
 pub use grant::Grant;
 pub use mapped::{MappedFile, MappedSlice, Mode};
-pub use options::{Options, WaitMode};
+pub use options::{DeviceChoice, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
 pub use request::iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use request::local::{Local, LocalMut};
 pub use request::parts::{Gather, Scatter};

@@ -22,7 +22,7 @@ use crate::verbs::{Access, CompChannel, Cq, Pd, RegisteredBuf, Sge, Srq, WorkCom
 ///
 /// A message holds its buffer until it is dropped, then the buffer is posted again. When every
 /// buffer is held or in use, senders wait (the NIC answers them receiver-not-ready and they
-/// retry, as [`crate::transfer::Options::rnr_retry`] says; mralloc's default retries forever).
+/// retry, as [`crate::transfer::QpOptions::rnr_retry`] says; mralloc's default retries forever).
 /// Cheap to clone; the queue and its memory stay until the last clone, message and connection
 /// using it are gone.
 ///

@@ -9,7 +9,7 @@ pub mod model;
 
 use std::time::Duration;
 
-use mralloc::transfer::Options;
+use mralloc::transfer::{Options, QpOptions, SetupOptions};
 use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp};
 
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -28,7 +28,7 @@ pub fn open() -> Context {
 /// Connection options whose QPs let the peer do `access` (RDMA WRITE/READ/atomics) into this
 /// side's memory. `Options::default()` grants the peer nothing.
 pub fn rights(access: Access) -> Options {
-    Options { remote_access: access, ..Options::default() }
+    Options { qp: QpOptions { remote_access: access, ..Default::default() }, ..Options::default() }
 }
 
 /// Two RC queue pairs on one device, connected to each other, each with its own CQ. Each lets
@@ -234,7 +234,10 @@ pub fn captured_hello(pd: &mralloc::verbs::Pd) -> Vec<u8> {
     let addr = tcp.local_addr().unwrap();
     let pd = pd.clone();
     let client = std::thread::spawn(move || {
-        let opts = Options { connect_timeout: Duration::from_secs(2), ..Options::default() };
+        let opts = Options {
+            setup: SetupOptions { connect_timeout: Duration::from_secs(2), ..Default::default() },
+            ..Options::default()
+        };
         mralloc::transfer::Connection::connect(addr, &pd, opts).map(drop)
     });
     let (mut s, _) = tcp.accept().unwrap();

@@ -38,14 +38,17 @@ impl Drop for Thread {
 
 /// A dedicated thread that polls the completion queues of every connection it serves and wakes
 /// their waiting threads, so those sleep instead of spinning. Optionally pinned to a CPU.
-/// Connections opt in with `Options { wait: WaitMode::Poller(poller.clone()), .. }`; the thread
-/// stops when the last handle (and every connection it serves) is gone.
+/// Connections opt in with `wait: WaitOptions { mode: WaitMode::Poller(poller.clone()), .. }`; the
+/// thread stops when the last handle (and every connection it serves) is gone.
 ///
 /// ```no_run
-/// use mralloc::transfer::{Connection, Options, Poller, WaitMode};
+/// use mralloc::transfer::{Connection, Options, Poller, WaitMode, WaitOptions};
 /// # let pd = mralloc::verbs::Pd::new(&mralloc::verbs::Context::open_default()?)?;
 /// let poller = Poller::spawn(Some(1))?; // pinned to CPU 1
-/// let opts = Options { wait: WaitMode::Poller(poller.clone()), ..Options::default() };
+/// let opts = Options {
+///     wait: WaitOptions { mode: WaitMode::Poller(poller.clone()), ..Default::default() },
+///     ..Options::default()
+/// };
 /// let (a, b) = Connection::pair(&pd, &opts)?;
 /// # Ok::<(), mralloc::Error>(())
 /// ```

@@ -6,14 +6,14 @@
 //! operation takes. So a wait whose request is not complete at its first poll polls the CQ for
 //! a while first. How long adapts per connection and per queue: an average of how long recent
 //! operations that had to wait took from that first poll to their completion, times 1.5,
-//! capped at [`Options::spin`](crate::transfer::Options::spin). Operations that take longer
+//! capped at [`WaitOptions::spin`](crate::transfer::WaitOptions::spin). Operations that take longer
 //! than the cap (a receive waiting for a quiet peer) stop spinning altogether, so an idle
 //! server sleeps instead of burning a core.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The longest [`Options::spin`](crate::transfer::Options::spin) is honoured.
+/// The longest [`WaitOptions::spin`](crate::transfer::WaitOptions::spin) is honoured.
 pub(crate) const MAX_SPIN: Duration = Duration::from_millis(1);
 
 pub(crate) struct Spin {

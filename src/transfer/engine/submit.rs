@@ -34,10 +34,10 @@ impl Connection {
     /// part's flush is awaited before the error is returned.
     ///
     /// # Errors
-    /// The connection's failure; [`Error::InvalidArgument`] for an empty chain, one longer than
-    /// the send queue, or receives in a chain (or a receive with the receive queue full);
-    /// [`Error::Timeout`] (no room within `op_timeout`); [`Error::Verbs`] if the device refuses
-    /// the post; [`Error::FlushLost`] if a partial chain's flush never came.
+    /// The connection's failure; [`Error::InvalidArgument`] for an empty chain, one longer than the
+    /// send queue, or receives in a chain (or a receive with the receive queue full);
+    /// [`Error::Timeout`] (no room within `wait.op_timeout`); [`Error::Verbs`] if the device
+    /// refuses the post; [`Error::FlushLost`] if a partial chain's flush never came.
     ///
     /// # Safety
     /// The memory behind every request's entries must stay valid and untouched until the
@@ -51,11 +51,12 @@ impl Connection {
             }
         }
         let k = chain.len() as u32;
-        let Some(tail) = chain.last().filter(|_| k <= self.options().send_depth && !chain.iter().any(Request::is_recv))
+        let Some(tail) =
+            chain.last().filter(|_| k <= self.options().qp.send_depth && !chain.iter().any(Request::is_recv))
         else {
             return Err(Error::InvalidArgument(format!(
                 "a chain holds 1..={} send-queue requests",
-                self.options().send_depth
+                self.options().qp.send_depth
             )));
         };
         // A chain is reported by its signaled tail.
@@ -71,8 +72,8 @@ impl Connection {
                 Attempt::Partial(e, accepted) => return Err(self.after_partial(op, e, accepted)),
                 Attempt::Full => {}
             }
-            if watch.elapsed() > self.options().op_timeout {
-                return Err(Error::Timeout(self.options().op_timeout, "send-queue room"));
+            if watch.elapsed() > self.options().wait.op_timeout {
+                return Err(Error::Timeout(self.options().wait.op_timeout, "send-queue room"));
             }
             self.core().pause(&mut 0, Duration::from_millis(1), mark)?;
         }
@@ -128,7 +129,7 @@ impl Connection {
     unsafe fn submit_recv(&self, req: &Request) -> Result<Ticket> {
         self.check()?;
         let id = self.next_recv_id();
-        self.core().with_recv_slot(self.options().recv_depth, id, || {
+        self.core().with_recv_slot(self.options().qp.recv_depth, id, || {
             // SAFETY: the caller keeps the memory valid until the receive is claimed.
             unsafe { self.qp().post_recv(id, req.sges()) }
         })?;
@@ -152,7 +153,7 @@ impl Connection {
     /// As [`Connection::submit`].
     unsafe fn attempt(&self, chain: &[Request], reap: bool) -> Result<Attempt> {
         let k = chain.len() as u32;
-        let depth = self.options().send_depth;
+        let depth = self.options().qp.send_depth;
         self.core().with_send(|core, slots| {
             if slots.used() + k > depth {
                 if !reap {

@@ -42,7 +42,7 @@ impl Connection {
     fn wait_loop(&self, ticket: Ticket, first: Option<Error>) -> Result<Completed> {
         let Ticket { wr_id, send } = ticket;
         // Send-queue requests are answered by the peer's NIC; receives wait for its application.
-        let limit = if send { Some(self.options().op_timeout) } else { self.options().recv_timeout };
+        let limit = if send { Some(self.options().wait.op_timeout) } else { self.options().wait.recv_timeout };
         // Started by the first poll that finds nothing: a completion claimed at once costs no
         // clock read. Loops that sleep read the clock on every round.
         let mut watch = self.core().stopwatch();

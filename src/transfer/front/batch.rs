@@ -130,7 +130,7 @@ impl<'b> Batch<'_, 'b> {
     /// Every posted request has completed or been flushed when this returns (the process aborts
     /// if the device never flushes borrowed memory). An empty batch succeeds.
     pub fn submit(self) -> Result<()> {
-        let depth = self.conn.options().send_depth as usize;
+        let depth = self.conn.options().qp.send_depth as usize;
         let chunk = (depth / 4).max(1);
         let mut guard = InFlight::new(self.conn);
         let mut tails = Vec::new();

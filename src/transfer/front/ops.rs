@@ -28,19 +28,19 @@ impl Connection {
     /// # Errors
     /// - The connection's earlier failure, at once ([`Error::Operation`], [`Error::Verbs`],
     ///   [`Error::Closed`]).
-    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` or a
-    ///   part empty, over 4 GiB - 1 bytes in all, more parts than the queue pair's
-    ///   scatter/gather entries), [`Error::NotRegistered`] (a part not registered in
-    ///   [`Connection::pd`]), [`Error::OutOfBounds`] (the range does not fit in `remote`),
-    ///   [`Error::Timeout`] (no send-queue room within
-    ///   [`Options::op_timeout`](crate::transfer::Options::op_timeout)), [`Error::Verbs`] or
-    ///   [`Error::Io`] (the post refused, or waiting for room failed).
+    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` or a part
+    ///   empty, over 4 GiB - 1 bytes in all, more parts than the queue pair's scatter/gather
+    ///   entries), [`Error::NotRegistered`] (a part not registered in [`Connection::pd`]),
+    ///   [`Error::OutOfBounds`] (the range does not fit in `remote`), [`Error::Timeout`] (no
+    ///   send-queue room within
+    ///   [`WaitOptions::op_timeout`](crate::transfer::WaitOptions::op_timeout)), [`Error::Verbs`]
+    ///   or [`Error::Io`] (the post refused, or waiting for room failed).
     /// - Posted, and the connection failed: [`Error::Operation`] (a failed completion, e.g.
     ///   `REM_ACCESS_ERR` when the peer's key, range or
-    ///   [`Options::remote_access`](crate::transfer::Options::remote_access) does not allow it),
-    ///   [`Error::Timeout`] (no completion within `op_timeout`), [`Error::Verbs`] or [`Error::Io`]
-    ///   (polling or waiting failed). It returns once the NIC is done with `local`; if the device
-    ///   never flushes the request, the process aborts.
+    ///   [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) does not allow
+    ///   it), [`Error::Timeout`] (no completion within `wait.op_timeout`), [`Error::Verbs`] or
+    ///   [`Error::Io`] (polling or waiting failed). It returns once the NIC is done with `local`;
+    ///   if the device never flushes the request, the process aborts.
     pub fn write<G: Gather + ?Sized>(&self, local: &G, remote: &RemoteBuf, offset: u64) -> Result<()> {
         self.run_borrowed(Action::Write { remote, offset, imm: None }, self.local_sges(local)?).map(|_| ())
     }
@@ -76,7 +76,7 @@ impl Connection {
     /// SEND of all of `local` — one buffer, or a gather list sent as one message, the
     /// concatenation of its parts ([`Gather`]) — (the peer must post a receive:
     /// [`Connection::recv`]). Small messages (up to
-    /// [`Options::max_inline`](crate::transfer::Options::max_inline) bytes in all) go inline.
+    /// [`QpOptions::max_inline`](crate::transfer::QpOptions::max_inline) bytes in all) go inline.
     ///
     /// # Errors
     /// As [`Connection::write`] (no remote range); the SEND fails with [`Error::Operation`]
@@ -108,10 +108,10 @@ impl Connection {
     /// # Errors
     /// - As [`Connection::write`] for `local` and the wait (no remote range, no send-queue
     ///   room to wait for).
-    /// - [`Error::InvalidArgument`] if `recv_depth` receives are already posted, [`Error::Verbs`]
-    ///   if the device refuses the receive: nothing is posted.
+    /// - [`Error::InvalidArgument`] if `qp.recv_depth` receives are already posted,
+    ///   [`Error::Verbs`] if the device refuses the receive: nothing is posted.
     /// - Waits as long as the peer is silent, unless
-    ///   [`Options::recv_timeout`](crate::transfer::Options::recv_timeout) is set: then
+    ///   [`WaitOptions::recv_timeout`](crate::transfer::WaitOptions::recv_timeout) is set: then
     ///   [`Error::Timeout`] if no SEND arrives in time (the connection is failed).
     /// - [`Error::Disconnected`] if the connection is found dead meanwhile (the peer closed it or
     ///   exited, its RDMA CM disconnected, the port went down).

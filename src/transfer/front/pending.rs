@@ -73,9 +73,9 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     ///   connection was closed (or its completion path failed);
     /// - [`Error::Disconnected`]: it was flushed because the connection was found dead (the
     ///   peer went away, the device or port failed);
-    /// - [`Error::Timeout`] (the connection's `op_timeout` expired, or for a receive its
-    ///   `recv_timeout`, if set), [`Error::Verbs`] or [`Error::Io`] (polling or waiting failed):
-    ///   the connection is failed, flushed first.
+    /// - [`Error::Timeout`] (the connection's `wait.op_timeout` expired, or for a receive its
+    ///   `wait.recv_timeout`, if set), [`Error::Verbs`] or [`Error::Io`] (polling or waiting
+    ///   failed): the connection is failed, flushed first.
     ///
     /// - [`Error::Protocol`]: the completion's opcode does not fit the request (a device
     ///   fault): no byte of the buffer is reported written.
@@ -176,7 +176,7 @@ impl Connection {
     ///   queue pair's scatter/gather entries, over 4 GiB - 1 bytes in all),
     ///   [`Error::NotRegistered`] (a part not registered in this connection's PD),
     ///   [`Error::OutOfBounds`] (the range does not fit in `remote`);
-    /// - [`Error::Timeout`] (no send-queue room within the connection's `op_timeout`),
+    /// - [`Error::Timeout`] (no send-queue room within the connection's `wait.op_timeout`),
     ///   [`Error::Verbs`] or [`Error::Io`] (the post refused, or waiting for room failed).
     ///
     /// The operation's own failure comes from [`Pending::wait`].

@@ -4,12 +4,12 @@
 //! A peer process that exits closes its setup TCP stream or disconnects its CM id, and the
 //! connection watcher hears of it at once. A peer *host* that loses power, or a cut cable, says
 //! nothing: an idle connection would wait forever. With keepalive, the liveness thread posts a
-//! zero-length RDMA WRITE on the connection every `keepalive`. It names no memory on either side
-//! (a zero-length request's remote key is not checked), so it costs one packet and its ACK. The
-//! peer's NIC answers it without its application; an unreachable one does not, and the transport
-//! retries it `retry_count` times, `4.096 µs × 2^ack_timeout` apart, before completing it with
-//! `RETRY_EXC_ERR`. That completion — or the probe being out for its deadline, for devices
-//! that retry for ever — fails the connection with
+//! zero-length RDMA WRITE on the connection every `keepalive`. It names no memory on either side (a
+//! zero-length request's remote key is not checked), so it costs one packet and its ACK. The peer's
+//! NIC answers it without its application; an unreachable one does not, and the transport retries
+//! it `qp.retry_count` times, `4.096 µs × 2^qp.ack_timeout` apart, before completing it with
+//! `RETRY_EXC_ERR`. That completion — or the probe being out for its deadline, for devices that
+//! retry for ever — fails the connection with
 //! [`Disconnect::KeepaliveFailed`](crate::Disconnect::KeepaliveFailed); the QP is moved to the
 //! error state, so every waiter gets its flush.
 //!
@@ -18,14 +18,14 @@
 //! dead peer — unless the device's timer runs well past nominal (the specification allows 4x)
 //! and the interval is short.
 //!
-//! A probe goes out only on an empty send queue. Requests ahead of it could hold it up for any
-//! time with the peer alive — a SEND waiting for the peer to post a receive (RNR retries), a
-//! large WRITE on a slow link — and its deadline would take that for a dead peer. Requests in
-//! flight are probes of their own: they complete, or fail by the same transport retries (or by
-//! their blocking waiter's [`Options::op_timeout`](crate::transfer::Options::op_timeout)). A
-//! request that never completes — the transport retrying for ever (rxe at retry count 7) with
-//! nobody waiting under a deadline (an abandoned `Pending`, an async operation) — keeps the
-//! probes in, and a dead peer is then not found by keepalive.
+//! A probe goes out only on an empty send queue. Requests ahead of it could hold it up for any time
+//! with the peer alive — a SEND waiting for the peer to post a receive (RNR retries), a large WRITE
+//! on a slow link — and its deadline would take that for a dead peer. Requests in flight are probes
+//! of their own: they complete, or fail by the same transport retries (or by their blocking
+//! waiter's [`WaitOptions::op_timeout`](crate::transfer::WaitOptions::op_timeout)). A request that
+//! never completes — the transport retrying for ever (rxe at retry count 7) with nobody waiting
+//! under a deadline (an abandoned `Pending`, an async operation) — keeps the probes in, and a dead
+//! peer is then not found by keepalive.
 //!
 //! Nobody waits for a probe: whichever thread reaps its completion drops it. The watcher
 //! reaps the send CQ itself while a probe is out, since an idle application polls nothing. A

@@ -228,10 +228,10 @@ impl Connection {
             }
             Action::Control(op) => op,
         };
-        // A payload of at most `max_inline` bytes is copied into the work request at post time.
+        // A payload of at most `qp.max_inline` bytes is copied into the work request at post time.
         let payload = matches!(op, SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write(_) | SendOp::WriteWithImm(..));
         let flags =
-            if payload && len <= self.options().max_inline as usize { SendFlags::INLINE } else { SendFlags::NONE };
+            if payload && len <= self.options().qp.max_inline as usize { SendFlags::INLINE } else { SendFlags::NONE };
         Ok(Request { op: Some(op), sges, flags })
     }
 

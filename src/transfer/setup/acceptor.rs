@@ -1,10 +1,10 @@
 //! What a TCP listener's handshakes share with its accept calls, whichever driver runs them
 //! (the blocking [`crate::transfer::Listener`]'s own accept calls, or tokio tasks for
-//! [`crate::transfer::AsyncListener`]): admission (at most [`Options::max_handshakes`]
+//! [`crate::transfer::AsyncListener`]): admission (at most [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes)
 //! handshakes at once; further clients wait in the kernel's backlog), *offers*, the failure
 //! bookkeeping, and the handshake itself ([`Accepting::handshake`]).
 //!
-//! A handshake has one deadline for the whole exchange ([`Options::connect_timeout`]): a client
+//! A handshake has one deadline for the whole exchange ([`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)): a client
 //! that trickles its bytes is dropped when it expires, whatever the others do. A client whose
 //! hello arrived waits for an *offer* — an [`crate::transfer::Listener::accept_with`] call (or
 //! its async twin) with the blob to send — and only then gets a QP; the accept call gets that
@@ -75,8 +75,10 @@ pub struct HandshakeFailure {
     /// The client's address.
     pub peer: SocketAddr,
     /// What went wrong: [`Error::Io`] (its TCP connection failed, timed out, or closed),
-    /// [`Error::Authentication`], [`Error::Protocol`], or [`Error::Timeout`] (no accept call
-    /// took the client within [`Options::connect_timeout`]: this side was not accepting).
+    /// [`Error::Authentication`], [`Error::Protocol`], or [`Error::Timeout`] (no accept call took
+    /// the client within
+    /// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout): this side
+    /// was not accepting).
     pub error: Error,
 }
 
@@ -161,7 +163,7 @@ pub(crate) struct Accepting {
     stop: AtomicBool,
 }
 
-/// A handshake's slot among [`Options::max_handshakes`], given back when it drops.
+/// A handshake's slot among [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes), given back when it drops.
 pub(crate) struct Ticket(Arc<Accepting>);
 
 impl Drop for Ticket {
@@ -204,9 +206,9 @@ impl Accepting {
         &self.pd
     }
 
-    /// A new handshake's deadline: [`Options::connect_timeout`] from now.
+    /// A new handshake's deadline: [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) from now.
     pub(crate) fn deadline(&self) -> Deadline {
-        Deadline::after(self.opts.connect_timeout)
+        Deadline::after(self.opts.setup.connect_timeout)
     }
 
     /// Handshakes in flight (TCP accepted, not yet handed to an accept call or failed).
@@ -214,12 +216,12 @@ impl Accepting {
         self.queues.lock().in_flight
     }
 
-    /// At most this many handshakes in flight ([`Options::max_handshakes`]).
+    /// At most this many handshakes in flight ([`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes)).
     pub(crate) fn max_handshakes(&self) -> usize {
-        self.opts.max_handshakes.max(1)
+        self.opts.setup.max_handshakes.max(1)
     }
 
-    /// A slot for one more handshake, unless [`Options::max_handshakes`] are in flight.
+    /// A slot for one more handshake, unless [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes) are in flight.
     pub(crate) fn admit(self: &Arc<Self>) -> Option<Ticket> {
         let mut q = self.queues.lock();
         if q.in_flight >= self.max_handshakes() {
@@ -229,7 +231,7 @@ impl Accepting {
         Some(Ticket(self.clone()))
     }
 
-    /// Ready while fewer than [`Options::max_handshakes`] handshakes are in flight; else woken
+    /// Ready while fewer than [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes) handshakes are in flight; else woken
     /// when one ends.
     #[cfg(feature = "tokio")]
     pub(crate) fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
@@ -328,7 +330,7 @@ impl Accepting {
     /// needs time to finish the exchange). An offer is used only if the client (on `s`) is
     /// still there and someone still waits for the answer.
     async fn take_offer(&self, s: &mut impl Socket, deadline: Deadline) -> Result<Offer> {
-        let margin = MARGIN.min(self.opts.connect_timeout / 4);
+        let margin = MARGIN.min(self.opts.setup.connect_timeout / 4);
         let until = deadline.at().checked_sub(margin).unwrap_or(deadline.at());
         let fd = s.fd();
         poll_fn(|cx| {
@@ -353,9 +355,10 @@ impl Accepting {
             }
             drop(q);
             match s.poll_until(cx, until) {
-                Poll::Ready(()) => {
-                    Poll::Ready(Err(Error::Timeout(self.opts.connect_timeout, "an accept call to take the connection")))
-                }
+                Poll::Ready(()) => Poll::Ready(Err(Error::Timeout(
+                    self.opts.setup.connect_timeout,
+                    "an accept call to take the connection",
+                ))),
                 Poll::Pending => Poll::Pending,
             }
         })

@@ -32,7 +32,7 @@ use crate::transfer::setup::wire::Wire;
 use crate::verbs::Endpoint;
 
 /// A shared secret that both ends of a TCP connection setup must hold
-/// ([`crate::transfer::Options::secret`]). Cheap to clone; its `Debug` output never shows the
+/// ([`crate::transfer::SetupOptions::secret`]). Cheap to clone; its `Debug` output never shows the
 /// bytes. Use at least 16 random bytes (e.g. from a key file).
 #[derive(Clone)]
 pub struct Secret(Arc<[u8]>);

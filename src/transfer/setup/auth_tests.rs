@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::transfer::setup::wire::{block_on, Plain};
-use crate::transfer::Options;
+use crate::transfer::{Options, SetupOptions};
 use crate::verbs::{Gid, Mtu};
 
 fn ep(qpn: u32) -> Endpoint {
@@ -232,8 +232,11 @@ fn macs_bind_role_nonces_endpoints_and_blob() {
 
 #[test]
 fn secrets_are_never_printed_and_never_empty() {
-    let opts = Options { secret: secret("hunter2-very-secret"), ..Options::default() };
-    let shown = format!("{opts:?} {:?}", opts.secret);
+    let opts = Options {
+        setup: SetupOptions { secret: secret("hunter2-very-secret"), ..Default::default() },
+        ..Options::default()
+    };
+    let shown = format!("{opts:?} {:?}", opts.setup.secret);
     assert!(!shown.contains("hunter2"), "{shown}");
     assert!(shown.contains("<redacted>"), "{shown}");
     assert!(matches!(Secret::new(""), Err(Error::InvalidArgument(_))));

@@ -7,7 +7,7 @@
 
 use crate::error::Result;
 use crate::transfer::liveness::watch::Source;
-use crate::transfer::{Connection, Options, WaitMode};
+use crate::transfer::{Connection, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
 use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
 
 /// Depth of the control channel's send and receive queues: the most control messages one side
@@ -18,13 +18,16 @@ pub(crate) const DEPTH: u32 = 32;
 /// no remote rights, retried forever while the peer's receives are busy.
 pub(crate) fn options(opts: &Options) -> Options {
     Options {
-        send_depth: DEPTH,
-        recv_depth: DEPTH,
-        max_inline: 64,
-        rnr_retry: 7,
-        wait: WaitMode::Event,
-        remote_access: Access::NONE,
-        secret: None,
+        qp: QpOptions {
+            send_depth: DEPTH,
+            recv_depth: DEPTH,
+            max_inline: 64,
+            rnr_retry: 7,
+            remote_access: Access::NONE,
+            ..opts.qp.clone()
+        },
+        wait: WaitOptions { mode: WaitMode::Event, ..opts.wait.clone() },
+        setup: SetupOptions { secret: None, ..opts.setup.clone() },
         shared_receive: None,
         // The data connection's probes cover the path and the peer.
         keepalive: None,
@@ -119,9 +122,9 @@ impl Prepared {
     /// The step of [`Prepared::finish`] that the peer's endpoints decide: the QPs to RTR/RTS
     /// towards them (a device refuses an unroutable GID here).
     pub(crate) fn connect_to(&self, opts: &Options, peer: &Endpoint, peer_control: Option<&Endpoint>) -> Result<()> {
-        self.data.0.connect(peer, &opts.connect_options())?;
+        self.data.0.connect(peer, &opts.qp.connect_options())?;
         if let (Some(mine), Some(theirs)) = (&self.control, peer_control) {
-            mine.0.connect(theirs, &options(opts).connect_options())?;
+            mine.0.connect(theirs, &options(opts).qp.connect_options())?;
         }
         Ok(())
     }
@@ -158,5 +161,54 @@ impl Connection {
         a.start_watch(None)?;
         b.start_watch(None)?;
         Ok((a, b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::transfer::{DeviceChoice, Secret};
+
+    /// The control channel takes its own queue sizes, wait mode and rights, and keeps the data
+    /// connection's transport timing, device, deadlines and limits.
+    #[test]
+    fn the_control_channel_keeps_the_data_connections_timing_and_device() {
+        let data = Options {
+            qp: QpOptions {
+                send_depth: 1000,
+                max_inline: 0,
+                retry_count: 3,
+                ack_timeout: 9,
+                rnr_retry: 2,
+                remote_access: Access::REMOTE_WRITE,
+                ..Default::default()
+            },
+            device: DeviceChoice { name: Some("dev1".into()), port: Some(2), gid_index: Some(3) },
+            setup: SetupOptions {
+                connect_timeout: Duration::from_secs(3),
+                max_handshakes: 5,
+                secret: Some(Secret::new("k").unwrap()),
+            },
+            wait: WaitOptions {
+                mode: WaitMode::BusyPoll,
+                spin: Duration::from_micros(7),
+                op_timeout: Duration::from_secs(4),
+                recv_timeout: Some(Duration::from_secs(6)),
+            },
+            keepalive: Some(Duration::from_secs(1)),
+            shared_receive: None,
+        };
+        let c = options(&data);
+        assert_eq!((c.qp.send_depth, c.qp.recv_depth, c.qp.max_inline, c.qp.rnr_retry), (DEPTH, DEPTH, 64, 7));
+        assert_eq!(c.qp.remote_access, Access::NONE);
+        assert_eq!((c.qp.retry_count, c.qp.ack_timeout), (3, 9), "the data connection's transport timing");
+        assert_eq!((c.device.name.as_deref(), c.device.port, c.device.gid_index), (Some("dev1"), Some(2), Some(3)));
+        assert_eq!((c.setup.connect_timeout, c.setup.max_handshakes), (Duration::from_secs(3), 5));
+        assert!(c.setup.secret.is_none() && c.keepalive.is_none() && c.shared_receive.is_none());
+        assert!(matches!(c.wait.mode, WaitMode::Event));
+        assert_eq!((c.wait.spin, c.wait.op_timeout), (Duration::from_micros(7), Duration::from_secs(4)));
+        assert_eq!(c.wait.recv_timeout, Some(Duration::from_secs(6)));
     }
 }

@@ -32,7 +32,7 @@ pub(crate) async fn serve<W: Socket>(
     control: bool,
     blob: &mut impl Blob<W>,
 ) -> std::result::Result<Established, Failed> {
-    let heard = auth::hear(&mut s, opts.secret.as_ref()).await?;
+    let heard = auth::hear(&mut s, opts.setup.secret.as_ref()).await?;
     let blob = blob.take(&mut s).await?;
     let prepared = Prepared::new(pd, opts, control).map_err(Failed::ours)?;
     let (me, control) = prepared.endpoints();
@@ -53,7 +53,7 @@ pub(crate) async fn serve<W: Socket>(
     })?;
     let mut conn = x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(Failed::ours)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).write_to(&mut s).await?;
-    tracing::debug!(%peer, authenticated = opts.secret.is_some(), "accepted RDMA connection");
+    tracing::debug!(%peer, authenticated = opts.setup.secret.is_some(), "accepted RDMA connection");
     keep_watched(&mut conn, s).map_err(Failed::ours)?;
     Ok(conn)
 }
@@ -107,7 +107,7 @@ pub(crate) trait Dial {
 }
 
 /// The client side: a TCP connection to one of `addrs`, then the exchange, all within
-/// [`Options::connect_timeout`]; with `control`, offers a control channel (set up if the
+/// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout); with `control`, offers a control channel (set up if the
 /// listener offers one too).
 pub(crate) async fn connect<D: Dial>(
     mut d: D,
@@ -117,7 +117,7 @@ pub(crate) async fn connect<D: Dial>(
     blob: &[u8],
     control: bool,
 ) -> Result<Established> {
-    let deadline = Deadline::after(opts.connect_timeout);
+    let deadline = Deadline::after(opts.setup.connect_timeout);
     if addrs.is_empty() {
         return Err(Error::InvalidArgument("the address resolved to nothing".into()));
     }
@@ -156,10 +156,10 @@ pub(crate) async fn connect<D: Dial>(
     let s = match (stream, last) {
         (Some(s), _) => s,
         (None, Some((target, e))) => return Err(io(format!("connecting to {target} (is the peer listening?)"))(e)),
-        (None, None) => return Err(Error::Timeout(opts.connect_timeout, "a TCP connection to the peer")),
+        (None, None) => return Err(Error::Timeout(opts.setup.connect_timeout, "a TCP connection to the peer")),
     };
     let mut s = d.wire(s, deadline)?;
-    let x = auth::client(&mut s, opts.secret.as_ref(), blob, || {
+    let x = auth::client(&mut s, opts.setup.secret.as_ref(), blob, || {
         let prepared = Prepared::new(pd, opts, control)?;
         let (me, control) = prepared.endpoints();
         Ok((prepared, me, control))

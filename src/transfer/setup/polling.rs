@@ -4,7 +4,7 @@
 //!
 //! Every handshake is the shared exchange (`Accepting::handshake`) as a future over a
 //! non-blocking socket ([`Polled`]). One caller at a time *drives*: it `poll(2)`s the listening
-//! socket (while fewer than [`crate::transfer::Options::max_handshakes`] handshakes are in
+//! socket (while fewer than [`crate::transfer::SetupOptions::max_handshakes`] handshakes are in
 //! flight), every handshake's socket and a bell (rung by new offers), until each handshake's
 //! own deadline at most, and polls the futures that can go on. An accept call drives until its
 //! own answer came; the others wait for theirs, or for the turn to drive. The gauges

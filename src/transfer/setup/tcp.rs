@@ -1,10 +1,12 @@
 //! Connection setup over TCP: endpoints (and an optional application blob) are exchanged with a
-//! small versioned message (authenticated when [`Options::secret`] is set: see the `auth`
-//! module), then both QPs go to RTS and confirm with a `Ready` message before either side may
-//! post.
+//! small versioned message (authenticated when
+//! [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) is set: see the `auth` module),
+//! then both QPs go to RTS and confirm with a `Ready` message before either side may post.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::transfer::setup::acceptor::{self, Accepting, HandshakeFailure, Reply};
 use crate::transfer::setup::control::Established;
@@ -16,8 +18,8 @@ use crate::verbs::Pd;
 
 /// Accepts RDMA connections whose endpoints arrive over TCP.
 ///
-/// Handshakes run side by side, several at once (up to [`Options::max_handshakes`]), each
-/// bounded as a whole by [`Options::connect_timeout`]: a slow or silent client delays nobody
+/// Handshakes run side by side, several at once (up to [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes)), each
+/// bounded as a whole by [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout): a slow or silent client delays nobody
 /// else. A client whose exchange reached the point where this side must answer waits for an
 /// accept call; its queue pair is created only then.
 ///
@@ -88,8 +90,9 @@ impl Listener {
         self.accept_with(&[])
     }
 
-    /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to
-    /// the peer with this side's endpoint. With [`Options::secret`] set, the peer must prove it
+    /// Accepts the next connection, sending `blob` (e.g. an encoded [`crate::RemoteBuf`]) to the
+    /// peer with this side's endpoint. With
+    /// [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) set, the peer must prove it
     /// holds the same secret before a QP is created for it or `blob` is sent. Waits for a client
     /// whose exchange reached that point, driving the listener's handshakes meanwhile (see
     /// [`Listener`]).
@@ -122,7 +125,7 @@ impl Listener {
     }
 
     /// How many client setups are running now: TCP connections taken and not yet handed to an
-    /// accept call or failed (at most [`crate::transfer::Options::max_handshakes`]; further
+    /// accept call or failed (at most [`crate::transfer::SetupOptions::max_handshakes`]; further
     /// clients wait in the kernel's backlog). A gauge for monitoring a server under load.
     ///
     /// Unless an accept call is driving the handshakes, it first takes one pass over them that
@@ -171,23 +174,26 @@ impl Connection {
     }
 
     /// Connects, sending `blob` to the peer with this side's endpoint. With
-    /// [`Options::secret`] set, the listener must prove it holds the same secret before a QP is
-    /// created or `blob` is sent.
+    /// [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) set, the listener must prove
+    /// it holds the same secret before a QP is created or `blob` is sent.
     ///
     /// # Errors
     /// - [`Error::Io`] if reading or writing the TCP connection fails, the whole exchange takes
-    ///   longer than [`Options::connect_timeout`], or the listener closes it.
+    ///   longer than
+    ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout), or the
+    ///   listener closes it.
     /// - [`Error::Authentication`] if the secrets differ or only one side has one.
     /// - [`Error::Protocol`] if the listener sends something other than the exchange expects.
     /// - [`Error::InvalidArgument`] if `blob` is longer than
     ///   [`MAX_BLOB`](crate::transfer::MAX_BLOB).
     /// - As [`Connection::pair`] if creating or connecting the QP fails.
-    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address
-    ///   `addr` resolves to is tried in turn, within [`Options::connect_timeout`] for the whole
-    ///   setup: the last failure is reported; while every address refuses the connection —
+    /// - [`Error::Io`] if `addr` cannot be resolved or the TCP connect fails (each address `addr`
+    ///   resolves to is tried in turn, within
+    ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) for the
+    ///   whole setup: the last failure is reported; while every address refuses the connection —
     ///   nothing listens there yet — they are tried again until that deadline, so a client may
-    ///   start before its server); [`Error::Timeout`] if no address was tried before the
-    ///   deadline; [`Error::InvalidArgument`] if it resolves to nothing.
+    ///   start before its server); [`Error::Timeout`] if no address was tried before the deadline;
+    ///   [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
     }

@@ -43,7 +43,7 @@ impl Deadline {
     pub(crate) fn left(&self) -> std::io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let why = format!("the connection setup took longer than {:?} (Options::connect_timeout)", self.limit);
+            let why = format!("the connection setup took longer than {:?} (SetupOptions::connect_timeout)", self.limit);
             return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
         }
         Ok(left)

@@ -107,16 +107,16 @@ impl AsyncCmListener {
     /// the finished connection (the peer sees it close).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another
-    /// device than the PD's; [`Error::Timeout`] if the peer does not confirm the connection
-    /// within [`Options::connect_timeout`]; [`Error::Protocol`] for a malformed request, a peer
-    /// that rejected or dropped the connection meanwhile; [`Error::DeviceRemoved`] once the
-    /// listener's device was removed (noticed within about a second);
-    /// [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the event channel
-    /// cannot be read, the setup task on the blocking pool panics or is cancelled, or the
-    /// connection cannot be registered with the runtime's reactor. Otherwise as
-    /// [`CmListener::accept_with`]. Only a removed device ends the listener: after any other
-    /// error (one peer's), accept the next connection.
+    /// [`Error::InvalidArgument`] if `blob` is too long or the request came through another device
+    /// than the PD's; [`Error::Timeout`] if the peer does not confirm the connection within
+    /// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout);
+    /// [`Error::Protocol`] for a malformed request, a peer that rejected or dropped the connection
+    /// meanwhile; [`Error::DeviceRemoved`] once the listener's device was removed (noticed within
+    /// about a second); [`Error::Verbs`] if an RDMA CM or verbs call fails; [`Error::Io`] if the
+    /// event channel cannot be read, the setup task on the blocking pool panics or is cancelled, or
+    /// the connection cannot be registered with the runtime's reactor. Otherwise as
+    /// [`CmListener::accept_with`]. Only a removed device ends the listener: after any other error
+    /// (one peer's), accept the next connection.
     pub async fn accept_with(&self, blob: &[u8]) -> Result<AsyncConnection> {
         check_accept_blob(blob, true)?;
         // A look at the device once a second (a wildcard listener gets no DEVICE_REMOVAL of

@@ -53,7 +53,7 @@ use crate::verbs::{Endpoint, Pd};
 /// - **Posting** happens when the operation is called; a full send queue makes the future wait
 ///   (not the thread) for room.
 /// - **Waiting**: a future first polls the CQ for a short, adaptive time
-///   ([`Options::spin`]), then sleeps; a driver task per connection sleeps on the
+///   ([`WaitOptions::spin`](crate::transfer::WaitOptions::spin)), then sleeps; a driver task per connection sleeps on the
 ///   completion channel through tokio's reactor and wakes it. Nothing blocks an executor
 ///   thread: the TCP setup exchange runs as async code on the runtime (creating and connecting
 ///   a queue pair are short kernel calls); RDMA CM setup runs on tokio's blocking pool.
@@ -61,9 +61,10 @@ use crate::verbs::{Endpoint, Pd};
 ///   branch not taken) never frees memory the NIC may touch. Its buffer is parked with the
 ///   connection and freed when the completion, or the flush after a failure or close, is
 ///   reaped. A dropped receive stays posted: the next SEND lands in it and is discarded.
-/// - **Failures** are the blocking API's: the first failed completion fails the connection
-///   (its queue pair goes to the error state) and every later operation returns that error at
-///   once. There is no per-operation timeout ([`Options::op_timeout`] is for blocking calls):
+/// - **Failures** are the blocking API's: the first failed completion fails the connection (its
+///   queue pair goes to the error state) and every later operation returns that error at once.
+///   There is no per-operation timeout
+///   ([`WaitOptions::op_timeout`](crate::transfer::WaitOptions::op_timeout) is for blocking calls):
 ///   wrap a future in `tokio::time::timeout`, which is safe (see above).
 ///
 /// The runtime needs I/O enabled (`enable_io` or `enable_all`). Dropping the last handle
@@ -88,7 +89,7 @@ pub(crate) fn async_options(mut opts: Options) -> Result<Options> {
             "async connections receive through their own queues: Options::shared_receive is for blocking ones".into(),
         ));
     }
-    opts.wait = WaitMode::Event;
+    opts.wait.mode = WaitMode::Event;
     Ok(opts)
 }
 
@@ -115,7 +116,7 @@ pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + 
 impl AsyncConnection {
     /// Connects to a [`crate::transfer::Listener`] or [`crate::transfer::AsyncListener`] at
     /// `addr`, in `pd`. The TCP exchange runs as async code on the runtime (the connect retried
-    /// while refused, all within [`Options::connect_timeout`], as [`Connection::connect_with`]
+    /// while refused, all within [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout), as [`Connection::connect_with`]
     /// does). Cancelling the future closes what it set up so far.
     ///
     /// # Errors
@@ -220,7 +221,7 @@ impl AsyncConnection {
         let stop = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             waiters: driver::Waiters::default(),
-            spin: Spin::new(conn.options().spin),
+            spin: Spin::new(conn.options().wait.spin),
             words: scratch::Words::new(conn.pd(), 8),
             stop: stop.clone(),
             driver_alive: std::sync::atomic::AtomicBool::new(false),

@@ -213,7 +213,7 @@ async fn serve(cs: &Arc<ControlShared>, sh: &Arc<Shared>, seq: u64, len: u64, ac
     if len > limits.max_request {
         return refuse(RemoteRefusal::TooLarge, limits.max_request);
     }
-    if !sh.conn().options().remote_access.contains(access) || !heap.access().contains(Access::MW_BIND) {
+    if !sh.conn().options().qp.remote_access.contains(access) || !heap.access().contains(Access::MW_BIND) {
         return refuse(RemoteRefusal::Rights, 0);
     }
     if let Err(left) = cs.lending.lock().room(len, &limits) {

@@ -22,7 +22,7 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// Accepts RDMA connections whose endpoints arrive over TCP, as
 /// [`crate::transfer::Listener`] does (handshakes side by side, several at once, each within
-/// [`Options::connect_timeout`]), for tokio: the TCP accepting is a task on the runtime and each
+/// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)), for tokio: the TCP accepting is a task on the runtime and each
 /// handshake another (no thread of its own); an accept call is a future that waits for a
 /// handshake to serve. Peers connect with [`AsyncConnection::connect`] or
 /// [`crate::transfer::Connection::connect`].

@@ -42,7 +42,7 @@ impl AsyncConnection {
     /// ([`crate::transfer::AsyncListener::serve_remote_memory`]).
     ///
     /// The rights a peer may ask for are those of this connection's
-    /// [`crate::transfer::Options::remote_access`] (remote read and/or write).
+    /// [`crate::transfer::QpOptions::remote_access`] (remote read and/or write).
     ///
     /// # Errors
     /// [`Error::NoControlChannel`] if the peer is not an async connection;
@@ -138,7 +138,7 @@ impl AsyncConnection {
     /// With the buffer back in [`Rejected`]:
     /// - [`Error::NoControlChannel`]; [`Error::InvalidArgument`] (rights other than remote
     ///   read/write, or beyond this connection's
-    ///   [`Options::remote_access`](crate::transfer::Options::remote_access));
+    ///   [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access));
     ///   [`Error::NotRegistered`] (not memory of a heap bound to this connection's PD), or a
     ///   heap without [`Access::MW_BIND`] ([`Error::InvalidArgument`]); [`Error::Verbs`]
     ///   (allocating the window, or the exact registration); the connection's failure (or
@@ -154,9 +154,9 @@ impl AsyncConnection {
             if cs.dead.load(Ordering::Acquire) {
                 return Err(self.gone());
             }
-            if !self.options().remote_access.contains(access) {
+            if !self.options().qp.remote_access.contains(access) {
                 return Err(Error::InvalidArgument(
-                    "a push grants rights this connection's Options::remote_access does not allow".into(),
+                    "a push grants rights this connection's QpOptions::remote_access does not allow".into(),
                 ));
             }
             Ok((cs.clone(), bits))

@@ -39,9 +39,9 @@ use raw::{
 /// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
 /// connect unauthenticated.
 fn check_no_secret(opts: &Options) -> Result<()> {
-    if opts.secret.is_some() {
+    if opts.setup.secret.is_some() {
         return Err(Error::InvalidArgument(
-            "Options::secret is only supported by the TCP exchange (Listener / Connection::connect), not by RDMA CM"
+            "SetupOptions::secret is only supported by the TCP exchange (Listener / Connection::connect), not by RDMA CM"
                 .into(),
         ));
     }
@@ -85,12 +85,14 @@ impl Connection {
     /// As [`Connection::connect_cm`], sending `blob` (≤ [`MAX_CM_BLOB`] bytes) to the peer.
     ///
     /// # Errors
-    /// - [`Error::InvalidArgument`] if `blob` is too long, [`Options::secret`] is set (the shared
-    ///   secret needs the TCP exchange), `addr` resolves to nothing, or the address routes
-    ///   through another device than `pd`'s.
+    /// - [`Error::InvalidArgument`] if `blob` is too long,
+    ///   [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) is set (the shared secret
+    ///   needs the TCP exchange), `addr` resolves to nothing, or the address routes through another
+    ///   device than `pd`'s.
     /// - [`Error::Io`] if `addr` cannot be resolved or the CM's event channel cannot be read.
     /// - [`Error::Timeout`] if resolving the address and route and the peer's answer take longer
-    ///   than [`Options::connect_timeout`] (the error names the time that was left).
+    ///   than [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)
+    ///   (the error names the time that was left).
     /// - [`Error::Protocol`] if the CM reports another event than expected (address or route
     ///   resolution failed, the peer rejected the connection or is unreachable), resolves no
     ///   device, or the peer's reply is malformed.
@@ -125,12 +127,12 @@ impl Connection {
     ) -> Result<Established> {
         check_no_secret(&opts)?;
         let target = resolve(addr)?;
-        let deadline = Instant::now() + opts.connect_timeout;
+        let deadline = Instant::now() + opts.setup.connect_timeout;
         let left = || Some(deadline.saturating_duration_since(Instant::now()));
         let channel = Channel::new()?;
         let id = Id::new(&channel)?;
         let mut dst = sockaddr(target);
-        let ms = opts.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
+        let ms = opts.setup.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: live id; dst is a valid sockaddr.
         if unsafe {
             ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
@@ -202,8 +204,9 @@ impl CmListener {
     /// Listens on `addr` (an IP address of a local RDMA device, and a port).
     ///
     /// # Errors
-    /// - [`Error::InvalidArgument`] if [`Options::secret`] is set (the shared secret needs the
-    ///   TCP exchange) or `addr` resolves to nothing.
+    /// - [`Error::InvalidArgument`] if
+    ///   [`SetupOptions::secret`](crate::transfer::SetupOptions::secret) is set (the shared secret
+    ///   needs the TCP exchange) or `addr` resolves to nothing.
     /// - [`Error::Io`] if `addr` cannot be resolved.
     /// - [`Error::Verbs`] if creating the CM event channel or id, binding (e.g. the address is in
     ///   use) or listening fails.
@@ -223,9 +226,9 @@ impl CmListener {
         if unsafe { ffi::rdma_bind_addr(id.0, (&mut sa as *mut libc::sockaddr_storage).cast()) } != 0 {
             return Err(Error::verbs("rdma_bind_addr", 0));
         }
-        // Connect requests no accept call has taken yet queue up to `max_handshakes`; the kernel
-        // rejects those beyond.
-        let backlog = opts.max_handshakes.clamp(1, i32::MAX as usize) as i32;
+        // Connect requests no accept call has taken yet queue up to `setup.max_handshakes`; the
+        // kernel rejects those beyond.
+        let backlog = opts.setup.max_handshakes.clamp(1, i32::MAX as usize) as i32;
         // SAFETY: bound id.
         if unsafe { ffi::rdma_listen(id.0, backlog) } != 0 {
             return Err(Error::verbs("rdma_listen", 0));
@@ -247,7 +250,7 @@ impl CmListener {
     /// - [`Error::InvalidArgument`] if `blob` is too long (checked before a request is taken)
     ///   or the request came through another device than the PD's.
     /// - [`Error::Timeout`] if the peer does not confirm the connection within
-    ///   [`Options::connect_timeout`].
+    ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout).
     /// - [`Error::Protocol`] for a malformed request, a peer that rejected or dropped the
     ///   connection meanwhile.
     /// - [`Error::DeviceRemoved`] once the listener's device was removed: the listener is done
@@ -260,10 +263,12 @@ impl CmListener {
     /// connection. A rejected or failed request is rejected toward its client (its CM id is
     /// destroyed, which answers it with a REJ), so nothing of it is left.
     ///
-    /// Several threads may accept at once: a client that never confirms its connection (it
-    /// sent a request, got the answer and went silent) holds one accept call for
-    /// [`Options::connect_timeout`], not the others. Requests no accept call has taken yet
-    /// queue up to [`Options::max_handshakes`]; the kernel rejects those beyond.
+    /// Several threads may accept at once: a client that never confirms its connection (it sent a
+    /// request, got the answer and went silent) holds one accept call for
+    /// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout), not the
+    /// others. Requests no accept call has taken yet queue up to
+    /// [`SetupOptions::max_handshakes`](crate::transfer::SetupOptions::max_handshakes); the kernel
+    /// rejects those beyond.
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
         self.id.1.check("this RDMA CM listener")?;
         check_accept_blob(blob, false)?;
@@ -364,10 +369,11 @@ impl CmListener {
     }
 }
 
-/// Accepts `req`, answering with `blob`, and waits (at most [`Options::connect_timeout`]) until
-/// the connection is established; with `control`, offers a control channel (set up if the peer
-/// offered one too). `blob` passed [`check_accept_blob`] before the request was taken (a
-/// caller's mistake must not cost a peer its connection). Blocks.
+/// Accepts `req`, answering with `blob`, and waits (at most
+/// [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)) until the
+/// connection is established; with `control`, offers a control channel (set up if the peer offered
+/// one too). `blob` passed [`check_accept_blob`] before the request was taken (a caller's mistake
+/// must not cost a peer its connection). Blocks.
 pub(crate) fn accept_request(
     req: CmRequest,
     pd: &Pd,
@@ -394,8 +400,11 @@ pub(crate) fn accept_request(
     if unsafe { ffi::rdma_accept(child, &mut param) } != 0 {
         return Err(Error::verbs("rdma_accept", 0));
     }
-    let est =
-        expect_event(&hold._channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, Some(opts.connect_timeout))?;
+    let est = expect_event(
+        &hold._channel,
+        ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+        Some(opts.setup.connect_timeout),
+    )?;
     if est.id != child {
         return Err(Error::Protocol("RDMA CM: ESTABLISHED for another connection".into()));
     }
@@ -405,6 +414,7 @@ pub(crate) fn accept_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transfer::SetupOptions;
 
     /// A request with malformed private data fails that accept only (its id and channel go
     /// in order, the peer is rejected) and the listener accepts the next one.
@@ -435,6 +445,9 @@ mod tests {
     fn secrets_are_refused() {
         assert!(check_no_secret(&Options::default()).is_ok());
         let secret = Some(crate::transfer::Secret::new("k").unwrap());
-        assert!(matches!(check_no_secret(&Options { secret, ..Options::default() }), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            check_no_secret(&Options { setup: SetupOptions { secret, ..Default::default() }, ..Options::default() }),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }

@@ -391,8 +391,8 @@ pub(crate) fn conn_param(qp: &Qp, pd: &Pd, opts: &Options, private: &[u8]) -> Re
         responder_resources: dev.max_qp_rd_atom.clamp(1, 255) as u8,
         initiator_depth: dev.max_qp_init_rd_atom.clamp(1, 255) as u8,
         flow_control: 1,
-        retry_count: opts.retry_count.min(7),
-        rnr_retry_count: opts.rnr_retry.min(7),
+        retry_count: opts.qp.retry_count.min(7),
+        rnr_retry_count: opts.qp.rnr_retry.min(7),
         // The CM tells the peer whether this side takes receives from a shared queue.
         srq: u8::from(qp.srq().is_some()),
         qp_num: qp.qpn(),
