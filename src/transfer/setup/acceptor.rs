@@ -34,16 +34,26 @@ use crate::verbs::Pd;
 
 /// Where a handshake's outcome goes: the accept call that offered the blob.
 pub(crate) enum Reply {
-    Blocking(std::sync::mpsc::SyncSender<Result<Established>>),
+    /// A blocking accept call: the answer's channel, and whether the call still waits.
+    Blocking(std::sync::mpsc::SyncSender<Result<Established>>, Arc<AtomicBool>),
     #[cfg(feature = "tokio")]
     Async(tokio::sync::oneshot::Sender<Result<Established>>),
 }
 
 impl Reply {
-    /// Whether nobody waits for the answer any more (a cancelled async accept).
+    /// A blocking accept call's reply, its answer's receiver, and the guard that says the call
+    /// waits (until it drops: the call returned or unwound).
+    pub(crate) fn blocking() -> (Reply, std::sync::mpsc::Receiver<Result<Established>>, Waiting) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let waiting = Arc::new(AtomicBool::new(true));
+        (Reply::Blocking(tx, waiting.clone()), rx, Waiting(waiting))
+    }
+
+    /// Whether nobody waits for the answer any more (a cancelled async accept, a blocking one
+    /// that unwound).
     fn is_closed(&self) -> bool {
         match self {
-            Reply::Blocking(_) => false,
+            Reply::Blocking(_, waiting) => !waiting.load(Ordering::Acquire),
             #[cfg(feature = "tokio")]
             Reply::Async(tx) => tx.is_closed(),
         }
@@ -53,10 +63,19 @@ impl Reply {
         // A receiver that is gone (a cancelled async accept) drops the connection: the client
         // sees its setup stream close.
         match self {
-            Reply::Blocking(tx) => drop(tx.send(r)),
+            Reply::Blocking(tx, _) => drop(tx.send(r)),
             #[cfg(feature = "tokio")]
             Reply::Async(tx) => drop(tx.send(r)),
         }
+    }
+}
+
+/// A blocking accept call waiting for its answer; its drop says it no longer does.
+pub(crate) struct Waiting(Arc<AtomicBool>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -327,13 +346,19 @@ impl Accepting {
     }
 
     /// Waits for an accept call's offer, until a margin before `deadline` (the accept call
-    /// needs time to finish the exchange). An offer is used only if the client (on `s`) is
-    /// still there and someone still waits for the answer.
+    /// needs time to finish the exchange). A client (on `s`) that hangs up meanwhile fails at
+    /// once (it is looked at each time this is polled, and the driver wakes it then); an offer
+    /// is used only if someone still waits for the answer.
     async fn take_offer(&self, s: &mut impl Socket, deadline: Deadline) -> Result<Offer> {
         let margin = MARGIN.min(self.opts.setup.connect_timeout / 4);
         let until = deadline.at().checked_sub(margin).unwrap_or(deadline.at());
         let fd = s.fd();
         poll_fn(|cx| {
+            if !peer_open(fd) {
+                return Poll::Ready(Err(Error::Protocol(
+                    "the client closed its connection while waiting to be accepted".into(),
+                )));
+            }
             let mut q = self.queues.lock();
             if self.stop.load(Ordering::Acquire) {
                 return Poll::Ready(Err(Error::Closed));
@@ -341,15 +366,9 @@ impl Accepting {
             // Offers of cancelled accepts go; the rest wait their turn.
             q.offers.retain(|o| !o.reply.is_closed());
             if let Some(o) = q.offers.pop_front() {
-                if peer_open(fd) {
-                    return Poll::Ready(Ok(o));
-                }
-                drop(q);
-                self.put(o, true);
-                return Poll::Ready(Err(Error::Protocol(
-                    "the client closed its connection while waiting to be accepted".into(),
-                )));
+                return Poll::Ready(Ok(o));
             }
+            s.watch_hangup();
             if !q.waiting.iter().any(|w| w.will_wake(cx.waker())) {
                 q.waiting.push(cx.waker().clone());
             }

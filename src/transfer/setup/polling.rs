@@ -24,10 +24,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use crate::transfer::setup::acceptor::{no_answer, Accepting, Ticket};
+use crate::fork::Born;
+use crate::transfer::setup::acceptor::{no_answer, Accepting, Reply, Ticket};
 use crate::transfer::setup::control::Established;
 use crate::transfer::setup::wire::{Deadline, Socket, Wire};
 
@@ -137,6 +138,10 @@ impl Socket for Polled {
         self.s.as_raw_fd()
     }
 
+    fn watch_hangup(&mut self) {
+        self.slot.interest.fetch_or(libc::POLLRDHUP, Ordering::Relaxed);
+    }
+
     fn into_std(self) -> Result<TcpStream> {
         Ok(self.s)
     }
@@ -199,6 +204,32 @@ pub(crate) struct Polling {
     /// Callers that do not drive wait here for their answer or for the turn.
     gate: Mutex<()>,
     turn: Condvar,
+    /// A fork()ed child's copies of the handshakes (and of the locks, which a parent thread
+    /// may have held at the fork) are the parent's: a child neither drives nor locks them.
+    born: Born,
+    /// Passes taken (tests look for a driver that spins).
+    #[cfg(test)]
+    passes: std::sync::atomic::AtomicUsize,
+    /// `accept(2)` calls to fail with `EMFILE` (tests).
+    #[cfg(test)]
+    fail_accepts: std::sync::atomic::AtomicUsize,
+}
+
+/// The turn to drive: whoever holds one drives. Giving it back (also when unwinding) tells the
+/// callers waiting at the gate, so that one of them takes the turn or sees its answer.
+struct Turn<'a> {
+    /// Dropped first (fields drop in order): the turn is free before the waiters hear of it.
+    d: MutexGuard<'a, Driving>,
+    _told: TellWaiters<'a>,
+}
+
+/// Tells the callers waiting at the gate when dropped.
+struct TellWaiters<'a>(&'a Polling);
+
+impl Drop for TellWaiters<'_> {
+    fn drop(&mut self) {
+        self.0.tell_waiters();
+    }
 }
 
 impl Polling {
@@ -215,7 +246,22 @@ impl Polling {
             driving: Mutex::new(Driving { handshakes: Vec::new(), paused_until: None }),
             gate: Mutex::new(()),
             turn: Condvar::new(),
+            born: Born::now(),
+            #[cfg(test)]
+            passes: Default::default(),
+            #[cfg(test)]
+            fail_accepts: Default::default(),
         })
+    }
+
+    /// Whether the listener lives in the process that bound it (not in a fork()ed child).
+    fn here(&self) -> bool {
+        self.born.here()
+    }
+
+    /// The turn to drive, unless another caller has it.
+    fn try_turn(&self) -> Option<Turn<'_>> {
+        self.driving.try_lock().map(|d| Turn { d, _told: TellWaiters(self) })
     }
 
     /// The shared accepting state.
@@ -223,26 +269,37 @@ impl Polling {
         &self.accepting
     }
 
-    /// Waits for the answer on `rx` (an accept call's offer), driving the handshakes while no
-    /// other caller does.
-    pub(crate) fn wait(&self, rx: &Receiver<Result<Established>>) -> Result<Established> {
+    /// An accept call: offers `blob` and waits for the answer, driving the handshakes while no
+    /// other caller does. Once it returns or unwinds, no handshake takes its offer.
+    ///
+    /// # Errors
+    /// The answer's (see [`crate::transfer::Listener::accept_with`]); [`Error::Forked`] in a
+    /// fork()ed child (its handshakes are the parent's, and a parent thread may have held
+    /// their locks); [`Error::Protocol`] if the handshake ended without answering (a panic:
+    /// it dropped the sender).
+    pub(crate) fn accept(&self, blob: &[u8]) -> Result<Established> {
+        self.born.check("this listener")?;
+        let (reply, rx, _waiting) = Reply::blocking();
+        self.accepting.offer(blob.to_vec(), reply);
+        self.wait(&rx)
+    }
+
+    /// Waits for the answer on `rx`, driving the handshakes while no other caller does.
+    fn wait(&self, rx: &Receiver<Result<Established>>) -> Result<Established> {
         let answer = |rx: &Receiver<Result<Established>>| match rx.try_recv() {
             Ok(r) => Some(r),
             Err(TryRecvError::Disconnected) => Some(Err(no_answer())),
             Err(TryRecvError::Empty) => None,
         };
         loop {
-            if let Some(mut d) = self.driving.try_lock() {
-                let r = loop {
+            if let Some(mut turn) = self.try_turn() {
+                // Giving the turn back (the drop) lets a waiting caller take it.
+                return loop {
                     if let Some(r) = answer(rx) {
                         break r;
                     }
-                    self.pass(&mut d, true);
+                    self.pass(&mut turn.d, true);
                 };
-                drop(d);
-                // The turn is free: a waiting caller takes it.
-                self.tell_waiters();
-                return r;
             }
             let mut g = self.gate.lock();
             // Under the gate: an answer or the end of a turn after this look is told below.
@@ -255,11 +312,16 @@ impl Polling {
         }
     }
 
-    /// One pass that does not wait, unless another caller drives (the gauges' look).
-    pub(crate) fn progress(&self) {
-        if let Some(mut d) = self.driving.try_lock() {
-            self.pass(&mut d, false);
+    /// One pass that does not wait, unless another caller drives (the gauges' look), and the
+    /// shared state to read; none in a fork()ed child (nothing there is its own).
+    pub(crate) fn progress(&self) -> Option<&Accepting> {
+        if !self.here() {
+            return None;
         }
+        if let Some(mut turn) = self.try_turn() {
+            self.pass(&mut turn.d, false);
+        }
+        Some(&self.accepting)
     }
 
     /// Wakes the callers waiting for their answer or the turn.
@@ -271,9 +333,13 @@ impl Polling {
     /// One round: waits (with `wait`) until a socket has events, the bell rang or a handshake's
     /// time came; takes new clients while there is room; polls the handshakes that can go on.
     fn pass(&self, d: &mut Driving, wait: bool) {
+        #[cfg(test)]
+        self.passes.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        let room =
-            self.accepting.in_flight() < self.accepting.max_handshakes() && d.paused_until.is_none_or(|t| now >= t);
+        // A pause after a failed accept(2) ends once passed (else its time, in the past, would
+        // make every later wait a zero timeout).
+        d.paused_until = d.paused_until.filter(|t| now < *t);
+        let room = self.accepting.in_flight() < self.accepting.max_handshakes() && d.paused_until.is_none();
         let mut fds = Vec::with_capacity(2 + d.handshakes.len());
         fds.push(libc::pollfd { fd: self.bell.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         fds.push(libc::pollfd { fd: self.tcp.as_raw_fd(), events: if room { libc::POLLIN } else { 0 }, revents: 0 });
@@ -317,7 +383,7 @@ impl Polling {
     /// Takes the clients waiting in the backlog, while there is room.
     fn take_clients(&self, d: &mut Driving) {
         while let Some(ticket) = self.accepting.admit() {
-            match self.tcp.accept() {
+            match self.accept_tcp() {
                 Ok((s, peer)) => {
                     if let Some(h) = self.start(s, peer, ticket) {
                         d.handshakes.push(h);
@@ -332,6 +398,15 @@ impl Polling {
                 }
             }
         }
+    }
+
+    /// `accept(2)` on the listening socket (tests make it fail with `EMFILE`).
+    fn accept_tcp(&self) -> std::io::Result<(TcpStream, SocketAddr)> {
+        #[cfg(test)]
+        if self.fail_accepts.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+            return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+        }
+        self.tcp.accept()
     }
 
     /// A handshake on a new client's stream (polled at once by the pass); none if its socket
@@ -353,10 +428,19 @@ impl Polling {
         let run = Box::pin(self.accepting.clone().handshake(wire, peer, deadline, ticket));
         Some(InFlight { fd, deadline: deadline.at(), waker: Waker::from(slot.clone()), slot, run })
     }
+}
 
-    /// Forgets the handshakes without dropping them (a fork()ed child: their queue pairs are
-    /// the parent's).
-    pub(crate) fn forget(&self) {
-        std::mem::forget(std::mem::take(&mut self.driving.lock().handshakes));
+impl Drop for Polling {
+    fn drop(&mut self) {
+        if !self.here() {
+            // A fork()ed child: the handshakes (their queue pairs) are the parent's, not this
+            // child's to destroy. No lock: a parent thread may have held it at the fork.
+            std::mem::forget(std::mem::take(&mut self.driving.get_mut().handshakes));
+        }
+        // The handshakes close with the listener; the port is free after.
     }
 }
+
+#[cfg(test)]
+#[path = "polling_tests.rs"]
+mod tests;

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-use crate::transfer::setup::acceptor::{self, Accepting, HandshakeFailure, Reply};
+use crate::transfer::setup::acceptor::{self, Accepting, HandshakeFailure};
 use crate::transfer::setup::control::Established;
 use crate::transfer::setup::handshake::{self, io, BlockingDial};
 use crate::transfer::setup::polling::Polling;
@@ -30,6 +30,10 @@ use crate::verbs::Pd;
 /// clients wait in the kernel's backlog or where their exchange stopped, and a handshake whose
 /// deadline passed meanwhile fails at the next call.
 ///
+/// Connecting a client's queue pair to its endpoint is a kernel call made by the driving call:
+/// on RoCE, toward an address the kernel must first resolve (ARP), it can take about a second,
+/// and the listener's other handshakes wait that long (their deadlines still hold).
+///
 /// ```no_run
 /// use mralloc::transfer::{Listener, Options};
 /// # let pd = mralloc::verbs::Pd::new(&mralloc::verbs::Context::open_default()?)?;
@@ -41,8 +45,6 @@ use crate::verbs::Pd;
 pub struct Listener {
     addr: SocketAddr,
     polling: Polling,
-    /// A fork()ed child's copies of the handshakes are the parent's.
-    born: crate::fork::Born,
 }
 
 impl std::fmt::Debug for Listener {
@@ -58,9 +60,11 @@ impl Listener {
     /// Listens on `addr` for connections in `pd`.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), or the socket cannot
-    /// be made non-blocking.
-    /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
+    /// [`Error::Io`] if `addr` cannot be resolved or bound (e.g. in use), the socket cannot be
+    /// made non-blocking, or the listener's eventfd (which wakes a driving accept call) cannot
+    /// be created.
+    /// [`Error::DeviceRemoved`] if `pd`'s device was removed; [`Error::Forked`] in a fork()ed
+    /// child of the process that opened it.
     pub fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<Listener> {
         Listener::bind_offering(addr, pd, &opts, false)
     }
@@ -70,7 +74,7 @@ impl Listener {
         pd.context().usable_for_new()?;
         let (tcp, addr) = acceptor::bind(addr)?;
         let polling = Polling::new(tcp, Accepting::new(pd, opts, control))?;
-        Ok(Listener { addr, polling, born: crate::fork::Born::now() })
+        Ok(Listener { addr, polling })
     }
 
     /// The address it listens on.
@@ -115,13 +119,7 @@ impl Listener {
     /// - [`Error::Forked`] in a fork()ed child; [`Error::Protocol`] if a handshake ended
     ///   without an answer (a panic).
     pub fn accept_with(&self, blob: &[u8]) -> Result<Connection> {
-        // A fork()ed child's handshakes are the parent's (and a parent thread may hold its
-        // locks).
-        self.born.check("this listener")?;
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.polling.accepting().offer(blob.to_vec(), Reply::Blocking(tx));
-        // The handshake that takes the offer always answers (a panic there drops the sender).
-        self.polling.wait(&rx).map(Established::into_blocking)
+        self.polling.accept(blob).map(Established::into_blocking)
     }
 
     /// How many client setups are running now: TCP connections taken and not yet handed to an
@@ -130,9 +128,10 @@ impl Listener {
     ///
     /// Unless an accept call is driving the handshakes, it first takes one pass over them that
     /// does not wait (clients waiting in the backlog are taken, expired handshakes end).
+    ///
+    /// 0 in a fork()ed child: the handshakes are the parent's (the gauges take no pass there).
     pub fn handshakes_in_flight(&self) -> usize {
-        self.polling.progress();
-        self.polling.accepting().in_flight()
+        self.polling.progress().map_or(0, Accepting::in_flight)
     }
 
     /// How many clients' setups failed since the listener was bound (see
@@ -140,8 +139,7 @@ impl Listener {
     ///
     /// As [`Listener::handshakes_in_flight`], it first takes a pass over the handshakes.
     pub fn failed_handshakes(&self) -> u64 {
-        self.polling.progress();
-        self.polling.accepting().failed_total()
+        self.polling.progress().map_or(0, Accepting::failed_total)
     }
 
     /// The most recent failed client setups (at most 64; older ones are only counted), oldest
@@ -149,18 +147,7 @@ impl Listener {
     ///
     /// As [`Listener::handshakes_in_flight`], it first takes a pass over the handshakes.
     pub fn take_handshake_failures(&self) -> Vec<HandshakeFailure> {
-        self.polling.progress();
-        self.polling.accepting().take_failures()
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if !self.born.here() {
-            // The parent's handshakes (their queue pairs): not this child's to destroy.
-            self.polling.forget();
-        }
-        // The handshakes close with the listener; the port is free after.
+        self.polling.progress().map_or_else(Vec::new, Accepting::take_failures)
     }
 }
 

@@ -55,8 +55,11 @@ impl TokioWire {
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                     r => return Poll::Ready(r),
                 },
-                // The deadline's timer wakes the task too; past it, the next loop fails.
-                Poll::Pending if self.expiry.as_mut().poll(cx).is_ready() => continue,
+                // The deadline's timer wakes the task too; once it fired, the exchange is over
+                // (whatever the clock says: tokio's may be paused or ahead of `Instant`).
+                Poll::Pending if self.expiry.as_mut().poll(cx).is_ready() => {
+                    return Poll::Ready(Err(self.deadline.expired()))
+                }
                 Poll::Pending => return Poll::Pending,
             }
         }

@@ -43,10 +43,15 @@ impl Deadline {
     pub(crate) fn left(&self) -> std::io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let why = format!("the connection setup took longer than {:?} (SetupOptions::connect_timeout)", self.limit);
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
+            return Err(self.expired());
         }
         Ok(left)
+    }
+
+    /// The exchange's timeout error.
+    pub(crate) fn expired(&self) -> std::io::Error {
+        let why = format!("the connection setup took longer than {:?} (SetupOptions::connect_timeout)", self.limit);
+        std::io::Error::new(std::io::ErrorKind::TimedOut, why)
     }
 }
 
@@ -69,6 +74,11 @@ pub(crate) trait Socket: Wire {
 
     /// The socket, to keep with the connection for its life (its watcher reads it).
     fn into_std(self) -> Result<TcpStream>;
+
+    /// Has the task woken when the peer hangs up or the socket fails (a handshake waiting for
+    /// an accept call, which looks at the socket each time it is polled). Drivers that poll
+    /// their tasks otherwise need nothing.
+    fn watch_hangup(&mut self) {}
 }
 
 /// Fills `buf`; a peer that closes first is [`std::io::ErrorKind::UnexpectedEof`].

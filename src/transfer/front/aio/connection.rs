@@ -117,10 +117,11 @@ impl AsyncConnection {
     /// Connects to a [`crate::transfer::Listener`] or [`crate::transfer::AsyncListener`] at
     /// `addr`, in `pd`. The TCP exchange runs as async code on the runtime (the connect retried
     /// while refused, all within [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout), as [`Connection::connect_with`]
-    /// does). Cancelling the future closes what it set up so far.
+    /// does). Call it inside a tokio runtime with I/O and time enabled. Cancelling the future
+    /// closes what it set up so far.
     ///
     /// # Errors
-    /// As [`Connection::connect_with`]; [`Error::Io`] also if the runtime has no I/O driver.
+    /// As [`Connection::connect_with`]; [`Error::Io`] also if the runtime lacks I/O or timers.
     pub async fn connect(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncConnection> {
         AsyncConnection::connect_with(addr, pd, opts, &[]).await
     }
@@ -135,6 +136,7 @@ impl AsyncConnection {
         opts: Options,
         blob: &[u8],
     ) -> Result<AsyncConnection> {
+        super::reactor::require_io_and_timers("connecting (it needs a tokio runtime with I/O and time enabled)")?;
         let addrs = resolve(addr).await?;
         let opts = async_options(opts)?;
         let conn = handshake::connect(TokioDial, &addrs, pd, &opts, blob, true).await?;

@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::transfer::front::aio::connection::async_options;
 use crate::transfer::front::aio::lending::{check_lending_heap, RemoteLimits};
+use crate::transfer::front::aio::reactor::require_io_and_timers;
 use crate::transfer::setup::acceptor::{self, no_answer, Accepting, Reply};
 use crate::transfer::setup::tokio_wire::TokioWire;
 use crate::transfer::{AsyncConnection, Options};
@@ -61,9 +62,11 @@ impl AsyncListener {
     /// time enabled.
     ///
     /// # Errors
-    /// [`Error::Io`] if `addr` cannot be resolved or bound, or the socket cannot be registered
-    /// with the runtime's reactor. [`Error::DeviceRemoved`] if `pd`'s device was removed.
+    /// [`Error::Io`] if the runtime lacks I/O or timers, `addr` cannot be resolved or bound, or
+    /// the socket cannot be registered with the runtime's reactor. [`Error::DeviceRemoved`] if
+    /// `pd`'s device was removed.
     pub async fn bind(addr: impl ToSocketAddrs, pd: &Pd, opts: Options) -> Result<AsyncListener> {
+        require_io_and_timers("binding an AsyncListener (it needs a tokio runtime with I/O and time enabled)")?;
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
             .await
             .map_err(|source| Error::Io { what: "resolving the listener's address".into(), source })?
