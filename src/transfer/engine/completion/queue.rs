@@ -82,7 +82,20 @@ impl Tickets {
     /// A request posted as `id` (signaled: its completion will be reaped). A completed ticket
     /// in its slot (left unclaimed for a turn of the ring) moves to the spill; one still in
     /// flight makes the ring grow (up to its largest size; past it, the spill takes it).
+    #[inline(always)]
     pub(super) fn submitted(&mut self, id: u64, retires: u32, op: &'static str) {
+        let slot = &mut self.ring[(id & self.mask) as usize];
+        if slot.is_none() {
+            *slot = Some((id, Lifecycle::Submitted { retires, op }));
+        } else {
+            self.submitted_taken(id, retires, op);
+        }
+    }
+
+    /// [`Tickets::submitted`] where the slot is taken.
+    #[cold]
+    #[inline(never)]
+    fn submitted_taken(&mut self, id: u64, retires: u32, op: &'static str) {
         let entry = (id, Lifecycle::Submitted { retires, op });
         let i = (id & self.mask) as usize;
         match &self.ring[i] {
@@ -128,6 +141,7 @@ impl Tickets {
         }
     }
 
+    #[inline(always)]
     fn lifecycle(&mut self, at: At) -> &mut Lifecycle {
         match at {
             At::Ring(i) => &mut self.ring[i].as_mut().expect("a ticket found in the table").1,
@@ -136,7 +150,7 @@ impl Tickets {
     }
 
     /// The ticket at `at` ([`Tickets::find`]).
-    #[inline]
+    #[inline(always)]
     pub(super) fn at(&self, at: At) -> &Lifecycle {
         match at {
             At::Ring(i) => &self.ring[i].as_ref().expect("a ticket found in the table").1,
@@ -145,7 +159,7 @@ impl Tickets {
     }
 
     /// The ticket at `at` completed with `o` (it was `Submitted`).
-    #[inline]
+    #[inline(always)]
     pub(super) fn complete(&mut self, at: At, o: Outcome) {
         let l = self.lifecycle(at);
         debug_assert!(matches!(l, Lifecycle::Submitted { .. }));
@@ -162,7 +176,7 @@ impl Tickets {
     }
 
     /// Takes the ticket at `at` out of the table.
-    #[inline]
+    #[inline(always)]
     pub(super) fn remove_at(&mut self, at: At) -> Lifecycle {
         let l = match at {
             At::Ring(i) => self.ring[i].take().expect("a ticket found in the table").1,
