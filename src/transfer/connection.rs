@@ -21,8 +21,13 @@ use crate::verbs::{Access, Cq, Endpoint, Pd, Qp, RegisteredBuf};
 /// it declares their memory lost (leaked, never released).
 pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(5);
 
-/// A reliable connection to one peer. Operations are in [`crate::transfer`]'s `ops`, `pending`
-/// and `batch` modules; this type owns the queue pair and routes completions to their waiters.
+/// A reliable connection to one peer: it owns the queue pair and routes completions to their
+/// waiters. Its operations come in three front ends with the same names and argument order:
+/// blocking calls on borrowed memory ([`Connection::write`], [`Connection::read`],
+/// [`Connection::send`], [`Connection::recv`], atomics), owned non-blocking ones returning a
+/// [`crate::transfer::Pending`] ([`Connection::post_write`], `post_read`, `post_send`,
+/// `post_recv`), and [`Connection::batch`] (many requests, one doorbell); each takes one buffer
+/// or a gather/scatter list.
 ///
 /// Once any operation fails (a failed completion, a timeout, a failing verbs call on the
 /// completion path), the QP is in the error state and every later post fails fast with the

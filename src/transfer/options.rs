@@ -28,16 +28,22 @@ pub enum WaitMode {
 /// and leave the rest to `..Default::default()`:
 ///
 /// ```
-/// use mralloc::transfer::{Options, QpOptions, WaitOptions};
+/// use mralloc::transfer::{Options, QpOptions, Secret, SetupOptions, WaitOptions};
 /// use mralloc::verbs::Access;
 /// use std::time::Duration;
 ///
 /// let opts = Options {
 ///     qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() },
+///     setup: SetupOptions {
+///         secret: Some(Secret::new("a long shared secret")?),
+///         connect_timeout: Duration::from_secs(5),
+///         ..Default::default()
+///     },
 ///     wait: WaitOptions { op_timeout: Duration::from_secs(5), ..Default::default() },
 ///     ..Default::default()
 /// };
 /// assert_eq!(opts.qp.send_depth, 256);
+/// # Ok::<(), mralloc::Error>(())
 /// ```
 ///
 /// Defaults suit a data-center RC link.

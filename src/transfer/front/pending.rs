@@ -64,7 +64,9 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     /// Waits for the completion and returns the buffer (also when the operation failed: the NIC
     /// is done with it either way) with what the operation delivered: for a receive, which kind
     /// of message arrived and how many bytes of the buffer it wrote ([`Received`]; none when
-    /// the peer's WRITE with immediate consumed it), never more than was posted.
+    /// the peer's WRITE with immediate consumed it), never more than was posted. For a SEND,
+    /// WRITE or READ only [`Received`]'s length means something (the bytes the request moved);
+    /// its kind and immediate describe arrivals.
     ///
     /// # Errors
     /// With the buffer back in [`Rejected`]:
