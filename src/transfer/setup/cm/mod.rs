@@ -20,20 +20,21 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
+use crate::transfer::setup::backoff::Backoff;
 use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::{Connection, Options};
-use crate::verbs::Pd;
+use crate::verbs::{Access, Pd};
 
 pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 
 pub(crate) use private::check_accept_blob;
-use private::{check_blob, frame, unframe};
+use private::{check_blob, frame, unframe, Unframed};
 pub(crate) use raw::raw_event;
 #[cfg(feature = "tokio")]
 use raw::try_event;
 use raw::{
-    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_addr_of, peer_endpoint, resolve,
-    sockaddr, Channel, CmHold, Id,
+    check_device, cm_connect, cm_connect_control, conn_param, expect_event, expect_kind, next_event, peer_addr_of,
+    peer_endpoint, resolve, sockaddr, Channel, CmHold, Id,
 };
 
 /// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
@@ -55,13 +56,12 @@ fn established(
     opts: &Options,
     prepared: Prepared,
     peer_qpn: u32,
-    peer_control: Option<u32>,
-    blob: Vec<u8>,
+    (blob, peer_control, peer_grants): Unframed,
     hold: CmHold,
 ) -> Result<Established> {
     let peer = peer_endpoint(&prepared.data.0, peer_qpn);
     let control = prepared.control.as_ref().zip(peer_control).map(|(mine, qpn)| peer_endpoint(&mine.0, qpn));
-    let mut conn = prepared.wrap(pd, opts, peer, control, blob)?;
+    let mut conn = prepared.wrap(pd, opts, peer, control, blob, peer_grants)?;
     // SAFETY: the connection's live id.
     conn.set_peer_addr(unsafe { peer_addr_of(hold.id.0) });
     // The channel now only brings DISCONNECTED / DEVICE_REMOVAL: the watcher reads it.
@@ -90,10 +90,14 @@ impl Connection {
     ///   through another device than `pd`'s.
     /// - [`Error::Io`] if `addr` cannot be resolved or the CM's event channel cannot be read.
     /// - [`Error::Timeout`] if resolving the address and route and the peer's answer take longer
-    ///   than [`Options::connect_timeout`] (the error names the time that was left).
+    ///   than [`Options::connect_timeout`] (the error names the time that was left), or nothing
+    ///   listens at `addr` until then: a connect the peer's CM rejects for want of a listener
+    ///   (the peer is starting) is tried again, after a pause growing to half a second, until
+    ///   the deadline.
     /// - [`Error::Protocol`] if the CM reports another event than expected (address or route
-    ///   resolution failed, the peer rejected the connection or is unreachable), resolves no
-    ///   device, or the peer's reply is malformed.
+    ///   resolution failed, the peer rejected the connection otherwise or is unreachable),
+    ///   resolves no device, or the peer's reply is malformed (or comes from an older mralloc,
+    ///   whose private data carries no rights).
     /// - [`Error::Verbs`] if an RDMA CM or verbs call fails; as [`Connection::pair`] for
     ///   creating the queue pair.
     pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
@@ -111,61 +115,107 @@ impl Connection {
     ) -> Result<Established> {
         let max = if control { MAX_ASYNC_CM_BLOB } else { MAX_CM_BLOB };
         check_blob(blob, max, "an RDMA CM connect blob")?;
-        Connection::connect_cm_framed(addr, pd, opts, control, |offer| frame(blob, offer))
+        Connection::connect_cm_framed(addr, pd, opts, control, |rights, offer| frame(rights, blob, offer))
     }
 
-    /// The connect itself: `private` makes the REQ's private data from the control QP's number
-    /// (if `control`).
+    /// The connect, tried again while nothing listens at `addr`: `private` makes the REQ's
+    /// private data from the rights this side's QP grants and the control QP's number (if
+    /// `control`).
     fn connect_cm_framed(
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
         control: bool,
-        private: impl FnOnce(Option<u32>) -> Vec<u8>,
+        private: impl Fn(Access, Option<u32>) -> Vec<u8>,
     ) -> Result<Established> {
         check_no_secret(&opts)?;
         let target = resolve(addr)?;
         let deadline = Instant::now() + opts.connect_timeout;
-        let left = || Some(deadline.saturating_duration_since(Instant::now()));
-        let channel = Channel::new()?;
-        let id = Id::new(&channel)?;
-        let mut dst = sockaddr(target);
-        let ms = opts.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: live id; dst is a valid sockaddr.
-        if unsafe {
-            ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
-        } != 0
-        {
-            return Err(Error::verbs("rdma_resolve_addr", 0));
+        let mut backoff = Backoff::new();
+        loop {
+            if let Attempt::Connected(est) = connect_cm_once(target, pd, &opts, control, deadline, &private)? {
+                return Ok(*est);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(
+                    opts.connect_timeout,
+                    "an RDMA CM listener at the peer (every connect was rejected: nothing listens there)",
+                ));
+            }
+            std::thread::sleep(backoff.pause(left));
         }
-        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, left())?;
-        // SAFETY: live, address-resolved id.
-        if unsafe { ffi::rdma_resolve_route(id.0, ms) } != 0 {
-            return Err(Error::verbs("rdma_resolve_route", 0));
-        }
-        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, left())?;
-        check_device(id.0, pd)?;
-        let prepared = Prepared::new(pd, &opts, control)?;
-        let framed = private(prepared.control.as_ref().map(|c| c.0.qpn()));
-        let mut param = conn_param(&prepared.data.0, pd, &opts, &framed)?;
-        // SAFETY: live, route-resolved id; param (and the data it points at) outlive the call.
-        if unsafe { ffi::rdma_connect(id.0, &mut param) } != 0 {
-            return Err(Error::verbs("rdma_connect", 0));
-        }
-        let resp = expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE, left())?;
-        let (peer_blob, peer_control) = unframe(&resp.private)?;
-        cm_connect(id.0, &prepared.data.0)?;
-        // The control QP is ready before the listener learns the connection is established.
-        if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
-            cm_connect_control(id.0, &mine.0, qpn)?;
-        }
-        // SAFETY: live id that received its connect response.
-        if unsafe { ffi::rdma_establish(id.0) } != 0 {
-            return Err(Error::verbs("rdma_establish", 0));
-        }
-        let hold = CmHold { id, _channel: channel };
-        established(pd, &opts, prepared, resp.qp_num, peer_control, peer_blob, hold)
     }
+}
+
+/// How one RDMA CM connect attempt ended, if not with an error.
+enum Attempt {
+    Connected(Box<Established>),
+    /// The peer's CM rejected the request because nothing listens at the address (yet).
+    NotListening,
+}
+
+/// One connect attempt, within `deadline`: resolve, prepare the QPs, connect.
+fn connect_cm_once(
+    target: std::net::SocketAddr,
+    pd: &Pd,
+    opts: &Options,
+    control: bool,
+    deadline: Instant,
+    private: &impl Fn(Access, Option<u32>) -> Vec<u8>,
+) -> Result<Attempt> {
+    let left = || Some(deadline.saturating_duration_since(Instant::now()));
+    let channel = Channel::new()?;
+    let id = Id::new(&channel)?;
+    let mut dst = sockaddr(target);
+    let ms = opts.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: live id; dst is a valid sockaddr.
+    if unsafe {
+        ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
+    } != 0
+    {
+        return Err(Error::verbs("rdma_resolve_addr", 0));
+    }
+    expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, left())?;
+    // SAFETY: live, address-resolved id.
+    if unsafe { ffi::rdma_resolve_route(id.0, ms) } != 0 {
+        return Err(Error::verbs("rdma_resolve_route", 0));
+    }
+    expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, left())?;
+    check_device(id.0, pd)?;
+    let prepared = Prepared::new(pd, opts, control)?;
+    let framed = private(prepared.grants(), prepared.control.as_ref().map(|c| c.0.qpn()));
+    let mut param = conn_param(&prepared.data.0, pd, opts, &framed)?;
+    // SAFETY: live, route-resolved id; param (and the data it points at) outlive the call.
+    if unsafe { ffi::rdma_connect(id.0, &mut param) } != 0 {
+        return Err(Error::verbs("rdma_connect", 0));
+    }
+    let resp = next_event(&channel, left())?;
+    if resp.kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED && no_listener(resp.status) {
+        return Ok(Attempt::NotListening);
+    }
+    let resp = expect_kind(resp, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE)?;
+    let unframed = unframe(&resp.private)?;
+    let peer_control = unframed.1;
+    cm_connect(id.0, &prepared.data.0)?;
+    // The control QP is ready before the listener learns the connection is established.
+    if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
+        cm_connect_control(id.0, &mine.0, qpn)?;
+    }
+    // SAFETY: live id that received its connect response.
+    if unsafe { ffi::rdma_establish(id.0) } != 0 {
+        return Err(Error::verbs("rdma_establish", 0));
+    }
+    let hold = CmHold { id, _channel: channel };
+    established(pd, opts, prepared, resp.qp_num, unframed, hold).map(|e| Attempt::Connected(Box::new(e)))
+}
+
+/// Whether a REJECTED event's status says nothing listens at the address: the reason
+/// `IB_CM_REJ_INVALID_SERVICE_ID` (InfiniBand and RoCE CMs, rxe's included) or `-ECONNREFUSED`
+/// (iWARP). A listener's own rejection (`IB_CM_REJ_CONSUMER_DEFINED`) is not retried.
+fn no_listener(status: i32) -> bool {
+    const IB_CM_REJ_INVALID_SERVICE_ID: i32 = 8;
+    status == IB_CM_REJ_INVALID_SERVICE_ID || status == -libc::ECONNREFUSED
 }
 
 /// A connect request taken from a listener, its id already moved to an event channel of its
@@ -379,7 +429,8 @@ pub(crate) fn accept_request(
     // From here on the id and its channel drop together, the id first (on every error path).
     let hold = CmHold { id: child, _channel: own };
     let child = hold.id.0;
-    let (peer_blob, peer_control) = unframe(&private)?;
+    let unframed = unframe(&private)?;
+    let peer_control = unframed.1;
     check_device(child, pd)?;
     // A control QP only if the peer offered one: nothing is created that cannot be connected.
     let prepared = Prepared::new(pd, opts, control && peer_control.is_some())?;
@@ -387,7 +438,7 @@ pub(crate) fn accept_request(
     if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
         cm_connect_control(child, &mine.0, qpn)?;
     }
-    let framed = frame(blob, prepared.control.as_ref().map(|c| c.0.qpn()));
+    let framed = frame(prepared.grants(), blob, prepared.control.as_ref().map(|c| c.0.qpn()));
     let mut param = conn_param(&prepared.data.0, pd, opts, &framed)?;
     // SAFETY: the child id of a connect request; param (and the data it points at) outlive the
     // call.
@@ -399,7 +450,7 @@ pub(crate) fn accept_request(
     if est.id != child {
         return Err(Error::Protocol("RDMA CM: ESTABLISHED for another connection".into()));
     }
-    established(pd, opts, prepared, qp_num, peer_control, peer_blob, hold)
+    established(pd, opts, prepared, qp_num, unframed, hold)
 }
 
 #[cfg(test)]
@@ -418,8 +469,9 @@ mod tests {
         let (ip2, pd2) = (ip.clone(), pd.clone());
         let client = std::thread::spawn(move || {
             let bad = [200u8, 1, 2]; // claims 200 bytes
-            let r =
-                Connection::connect_cm_framed((ip2.as_str(), port), &pd2, Options::default(), false, |_| bad.to_vec());
+            let r = Connection::connect_cm_framed((ip2.as_str(), port), &pd2, Options::default(), false, |_, _| {
+                bad.to_vec()
+            });
             assert!(r.is_err(), "a rejected request");
             let c = Connection::connect_cm_with((ip2.as_str(), port), &pd2, Options::default(), b"fine");
             c.unwrap()
