@@ -230,7 +230,9 @@ fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing()
             .collect();
         let garbage: Vec<RawCm> =
             (0..GARBAGE).map(|i| RawCm::request(&ip, port, &[200, 1, 2], 0x4200 + i as u32)).collect();
-        let half: Vec<RawCm> = (0..HALF_OPEN).map(|i| RawCm::request(&ip, port, &[0], 0x4300 + i as u32)).collect();
+        // Well-formed private data (the rights byte, granting nothing, and an empty blob).
+        let half: Vec<RawCm> =
+            (0..HALF_OPEN).map(|i| RawCm::request(&ip, port, &[0xe0, 0], 0x4300 + i as u32)).collect();
         let t = Instant::now();
         let c = Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"real").unwrap();
         let real = (t.elapsed(), c.peer_blob().to_vec());

@@ -196,26 +196,31 @@ fn an_altered_welcome_is_refused_by_the_client() {
     let k = Secret::new("tamper").unwrap();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    std::thread::scope(|sc| {
-        // A server that holds the secret, but whose Welcome blob is changed on the way (the MAC
-        // covers the blob it meant to send).
-        let srv = sc.spawn(|| {
-            let mut s = stream(l.accept().unwrap().0);
-            let ch = Message::recv(&mut s).unwrap();
-            let ns = [9u8; NONCE_LEN];
-            let proof = tag(mac(&k, "server-proof", &ch.nonce, &ns, None).unwrap());
-            Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(&mut s).unwrap();
-            Message::recv(&mut s).unwrap();
-            let mut w = Message::new(Kind::Welcome, Some(ep(2)), b"rkey 0x1234".to_vec());
-            w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some(&w)).unwrap());
-            w.blob = b"rkey 0x6666".to_vec();
-            w.send(&mut s).unwrap();
-            Message::recv(&mut s).unwrap()
+    // The blob, or the rights the server grants, changed on the way (the MAC covers both).
+    let alterations: [fn(&mut Message); 2] =
+        [|w| w.blob = b"rkey 0x6666".to_vec(), |w| w.rights = Access::REMOTE_WRITE | Access::REMOTE_READ];
+    for alter in alterations {
+        std::thread::scope(|sc| {
+            // A server that holds the secret, but whose Welcome is changed on the way.
+            let srv = sc.spawn(|| {
+                let mut s = stream(l.accept().unwrap().0);
+                let ch = Message::recv(&mut s).unwrap();
+                let ns = [9u8; NONCE_LEN];
+                let proof = tag(mac(&k, "server-proof", &ch.nonce, &ns, None).unwrap());
+                Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(&mut s).unwrap();
+                Message::recv(&mut s).unwrap();
+                let mut w = Message::new(Kind::Welcome, Some(ep(2)), b"rkey 0x1234".to_vec());
+                w.rights = rights_of(2);
+                w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some(&w)).unwrap());
+                alter(&mut w);
+                w.send(&mut s).unwrap();
+                Message::recv(&mut s).unwrap()
+            });
+            let c = run_side(&mut stream(TcpStream::connect(addr).unwrap()), false, Some(&k), b"client blob", 1);
+            assert_eq!(auth_err(&c), AuthFailure::WrongSecret);
+            assert_eq!(srv.join().unwrap().refusal, Some(Refusal::WrongSecret), "the server is told");
         });
-        let c = run_side(&mut stream(TcpStream::connect(addr).unwrap()), false, Some(&k), b"client blob", 1);
-        assert_eq!(auth_err(&c), AuthFailure::WrongSecret);
-        assert_eq!(srv.join().unwrap().refusal, Some(Refusal::WrongSecret), "the server is told");
-    });
+    }
 }
 
 #[test]
