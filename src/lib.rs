@@ -130,7 +130,8 @@
 //! registration of just the buffer without remote rights (Soft-RoCE on Linux 6.1 checks a window
 //! only against the region under it). Lent remote memory (feature `tokio`) is keyed the same
 //! way. And a connection's queue pair admits one-sided operations only with the rights its
-//! [`transfer::QpOptions::remote_access`] asked for.
+//! [`transfer::QpOptions::remote_access`] asked for; the setup tells the peer, which refuses
+//! the others before posting them ([`Error::NotGranted`]).
 //! [`transfer::MappedFile`] maps and registers a file (read-only to send it, `create` to receive
 //! one), so files move NIC to NIC without a copy.
 //!

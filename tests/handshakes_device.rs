@@ -241,7 +241,9 @@ fn device_cm_listener_rejects_garbage_and_half_open_requests_and_leaks_nothing()
             .collect();
         let garbage: Vec<RawCm> =
             (0..GARBAGE).map(|i| RawCm::request(&ip, port, &[200, 1, 2], 0x4200 + i as u32)).collect();
-        let half: Vec<RawCm> = (0..HALF_OPEN).map(|i| RawCm::request(&ip, port, &[0], 0x4300 + i as u32)).collect();
+        // Well-formed private data (the rights byte, granting nothing, and an empty blob).
+        let half: Vec<RawCm> =
+            (0..HALF_OPEN).map(|i| RawCm::request(&ip, port, &[0xe0, 0], 0x4300 + i as u32)).collect();
         let t = Instant::now();
         let c = Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"real").unwrap();
         let real = (t.elapsed(), c.peer_blob().to_vec());
@@ -403,6 +405,47 @@ fn device_two_accept_calls_take_turns_and_a_silent_client_holds_up_neither() {
     assert!(matches!(failure.error, Error::Io { .. }), "{:?}", failure.error);
     assert!(closed_within(&mut silent, Duration::from_secs(3)), "the silent client was not closed");
     assert_eq!(listener.handshakes_in_flight(), 0);
+}
+
+/// The same for RDMA CM: a connect the peer's CM rejects because nothing listens yet is tried
+/// again until `connect_timeout`; with nobody listening it ends at that deadline, typed.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_cm_client_started_before_its_listener_connects_once_it_listens() {
+    let ip = std::env::var("MRALLOC_CM_ADDR").expect("MRALLOC_CM_ADDR (scripts/softroce sets it)");
+    let (pd, heap) = setup();
+    let port = 40000 + (std::process::id() % 10000) as u16;
+    let client = std::thread::spawn({
+        let (pd, ip) = (pd.clone(), ip.clone());
+        move || {
+            let started = Instant::now();
+            let conn = Connection::connect_cm((ip.as_str(), port), &pd, Options::default());
+            (conn, started.elapsed())
+        }
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(!client.is_finished(), "the rejected CM connect gave up instead of trying again");
+    let listener = CmListener::bind((ip.as_str(), port), &pd, Options::default()).unwrap();
+    let server = listener.accept().unwrap();
+    let (conn, took) = client.join().unwrap();
+    let conn = conn.unwrap();
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    let msg = heap.alloc(64).unwrap();
+    let inbox = server.post_recv(heap.alloc(64).unwrap()).unwrap();
+    conn.send(&msg).unwrap();
+    assert_eq!(inbox.wait().unwrap().1.len, 64);
+    drop((conn, server, listener));
+    // Nobody ever listens: the deadline ends it.
+    let opts = Options {
+        setup: SetupOptions { connect_timeout: Duration::from_millis(1500), ..Default::default() },
+        ..Options::default()
+    };
+    let started = Instant::now();
+    let e = Connection::connect_cm((ip.as_str(), port + 1), &pd, opts).unwrap_err();
+    let took = started.elapsed();
+    println!("CM connect with nobody listening: {e} after {took:?}");
+    assert!(matches!(e, Error::Timeout(..)) && e.to_string().contains("nothing listens"), "{e:?}");
+    assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(8), "{took:?}");
 }
 
 /// A client may start before its server: a refused TCP connect (nothing listens yet) is tried

@@ -136,10 +136,11 @@ fn device_keepalive_waits_for_a_send_queue_held_up_by_the_peer() {
     assert!(a.error().is_none() && b.error().is_none(), "a: {:?}, b: {:?}", a.error(), b.error());
 }
 
-/// rxe moves the target of a request its QP does not allow (here a READ, with no remote read
-/// rights on the connection) to the error state with no completion on that side. With nothing
-/// outstanding there, only the next probe — flushed — tells: the connection fails with
-/// `KeepaliveFailed { WrFlushErr }` instead of looking healthy for ever.
+/// rxe moves the target of a request it refuses (here a WRITE under a key that does not exist:
+/// a READ its QP does not allow is refused before posting now) to the error state with no
+/// completion on that side. With nothing outstanding there, only the next probe — flushed —
+/// tells: the connection fails with `KeepaliveFailed { WrFlushErr }` instead of looking healthy
+/// for ever.
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_keepalive_finds_a_qp_that_went_to_the_error_state_silently() {
@@ -148,9 +149,9 @@ fn device_keepalive_finds_a_qp_that_went_to_the_error_state_silently() {
     let every = Duration::from_millis(100);
     let (a, b) = Connection::pair(&pd, &keepalive(every)).unwrap();
     let target = heap.alloc(64).unwrap().expose().unwrap();
-    let mut got = heap.alloc(64).unwrap();
-    let e = a.read(&mut got, &target.remote(), 0).unwrap_err();
-    assert_eq!(e.wc_status(), Some(WcStatus::RemInvReqErr), "the READ b's QP does not allow: {e}");
+    let forged = mralloc::RemoteBuf { rkey: target.remote().rkey ^ 0x00ff_ff00, ..target.remote() };
+    let e = a.write(&heap.alloc(64).unwrap(), &forged, 0).unwrap_err();
+    assert_eq!(e.wc_status(), Some(WcStatus::RemAccessErr), "the WRITE under a forged key: {e}");
     let start = Instant::now();
     while b.error().is_none() && start.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(5));

@@ -95,7 +95,7 @@ pub enum RemoteRefusal {
     LimitReached = 3,
     /// The peer's heap could not allocate it.
     OutOfMemory = 4,
-    /// Rights the peer's connection or heap does not allow (its `Options::remote_access`, or
+    /// Rights the peer's connection or heap does not allow (its `QpOptions::remote_access`, or
     /// a heap without `Access::MW_BIND`).
     Rights = 5,
     /// Making the key failed at the peer (binding a memory window, or registering the buffer).

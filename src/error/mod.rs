@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-use crate::verbs::{WcOpcode, WcStatus};
+use crate::verbs::{Access, Verb, WcOpcode, WcStatus};
 
 mod detail;
 mod hints;
@@ -136,6 +136,22 @@ pub enum Error {
         /// `strerror(errno)`.
         text: String,
     },
+    /// A one-sided request needs a right the peer's queue pair does not grant this connection
+    /// ([`crate::transfer::Connection::peer_grants`]): refused before anything was posted, the
+    /// connection stays usable. The peer grants it in its
+    /// [`crate::transfer::QpOptions::remote_access`].
+    #[error(
+        "the peer does not grant {} on this connection, which {verb} needs: nothing was posted \
+         (the peer grants it with QpOptions::remote_access on its side)",
+        right_name(*.right)
+    )]
+    NotGranted {
+        /// The request's verb.
+        verb: Verb,
+        /// The missing right: [`Access::REMOTE_WRITE`], [`Access::REMOTE_READ`] or
+        /// [`Access::REMOTE_ATOMIC`].
+        right: Access,
+    },
     /// A peer sent something that is not a valid mralloc connection message.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -252,6 +268,18 @@ fn fmt_hint(hint: &Option<String>) -> String {
     }
 }
 
+fn right_name(right: Access) -> &'static str {
+    if right == Access::REMOTE_WRITE {
+        "REMOTE_WRITE"
+    } else if right == Access::REMOTE_READ {
+        "REMOTE_READ"
+    } else if right == Access::REMOTE_ATOMIC {
+        "REMOTE_ATOMIC"
+    } else {
+        "a remote right"
+    }
+}
+
 fn fmt_list(items: &[String]) -> String {
     if items.is_empty() {
         "none".to_string()
@@ -311,7 +339,8 @@ impl Error {
             Error::Authentication(_)
             | Error::NoRemoteAccess
             | Error::NoWholeChunkAccess
-            | Error::RemoteRefused { .. } => K::PermissionDenied,
+            | Error::RemoteRefused { .. }
+            | Error::NotGranted { .. } => K::PermissionDenied,
             Error::InvalidArgument(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => K::InvalidInput,
             Error::Protocol(_) | Error::MalformedEndpoint(_) => K::InvalidData,
             Error::LimitExceeded { .. } | Error::OutOfMemory { .. } => K::OutOfMemory,
@@ -365,6 +394,7 @@ impl Error {
             Error::NoSuchDevice { .. } => "NoSuchDevice",
             Error::NoSuchIndex { .. } => "NoSuchIndex",
             Error::NoWholeChunkAccess => "NoWholeChunkAccess",
+            Error::NotGranted { .. } => "NotGranted",
             Error::NotRegistered { .. } => "NotRegistered",
             Error::Operation { .. } => "Operation",
             Error::OutOfBounds { .. } => "OutOfBounds",

@@ -54,6 +54,9 @@ pub struct Connection {
     pd: Pd,
     peer: Endpoint,
     peer_blob: Vec<u8>,
+    /// The rights the peer's QP grants this side (as its setup message said): untrusted, they
+    /// only make [`Connection::request`] refuse earlier, never enable anything.
+    peer_grants: Access,
     /// The peer's IP address and port, as setup saw it (none for a pair).
     peer_addr: Option<std::net::SocketAddr>,
     opts: Options,
@@ -139,6 +142,7 @@ impl Connection {
         (qp, send_cq, recv_cq): (Qp, Cq, Cq),
         peer: Endpoint,
         peer_blob: Vec<u8>,
+        peer_grants: Access,
     ) -> Result<Connection> {
         let scratch = RegisteredBuf::new(pd, 64, Access::LOCAL_WRITE)?;
         // Unknown (the query failed): one entry works on every device.
@@ -181,6 +185,7 @@ impl Connection {
             pd: pd.clone(),
             peer,
             peer_blob,
+            peer_grants: peer_grants.remote_only(),
             peer_addr: None,
             opts,
             core,
@@ -277,6 +282,17 @@ impl Connection {
     /// [`crate::RemoteBuf`]); empty if none.
     pub fn peer_blob(&self) -> &[u8] {
         &self.peer_blob
+    }
+
+    /// What the peer lets this side do into its memory through the connection: the remote
+    /// rights its queue pair grants ([`Access::REMOTE_WRITE`], [`Access::REMOTE_READ`],
+    /// [`Access::REMOTE_ATOMIC`]), as its setup message announced them — the peer's
+    /// [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access), plus `REMOTE_WRITE` if it set [`Options::keepalive`] (its
+    /// probes need it). A one-sided request the peer did not grant is refused here, before it
+    /// is posted, with [`Error::NotGranted`]. The memory a request names must grant the right
+    /// as well (its key): these rights are necessary, not sufficient.
+    pub fn peer_grants(&self) -> Access {
+        self.peer_grants
     }
 
     /// The peer's IP address and port as the setup saw it: the other end of the TCP stream

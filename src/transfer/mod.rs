@@ -29,7 +29,9 @@
 //!   connection only (a type 2 memory window, over a registration of just the buffer on devices
 //!   that do not confine windows).
 //! - Remote rights: a connection lets its peer RDMA WRITE, READ or use atomics on this side's
-//!   memory only if [`QpOptions::remote_access`] asks for it (default: none; SENDs always work).
+//!   memory only if [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) asks for it (default: none; SENDs always work).
+//!   The setup carries each side's rights to the other ([`Connection::peer_grants`]): a request
+//!   the peer did not grant is refused before it is posted ([`crate::Error::NotGranted`]).
 //!
 //! Local memory is anything [`Local`]: heap [`crate::Buffer`]s, slices of any heap memory (keys
 //! from [`crate::keys_of`]), [`crate::verbs::RegisteredBuf`]s and mapped files; foreign memory is

@@ -128,8 +128,11 @@ pub struct QpOptions {
     /// What the *peer* may do into this side's memory through the connection: RDMA WRITE (and
     /// write-with-immediate), READ and atomics ([`Access::REMOTE_WRITE`],
     /// [`Access::REMOTE_READ`], [`Access::REMOTE_ATOMIC`]; other bits are ignored). Default
-    /// [`Access::NONE`]: the peer can only SEND, and its one-sided requests fail at its end
-    /// with a remote error completion. The side whose memory is the *target* asks: a server
+    /// [`Access::NONE`]: the peer can only SEND. The setup (TCP exchange, RDMA CM, a pair)
+    /// tells the peer what this side grants
+    /// ([`Connection::peer_grants`](crate::transfer::Connection::peer_grants) there), and the
+    /// peer refuses a one-sided request this side did not grant before posting it
+    /// ([`crate::Error::NotGranted`]). The side whose memory is the *target* asks: a server
     /// that offers a buffer for the client to write into needs `REMOTE_WRITE`; a client that
     /// only writes needs nothing. The memory itself must grant the right as well (its heap's
     /// access, or a [`crate::transfer::Connection::grant`]).

@@ -220,11 +220,11 @@ pub fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Bytes of the TCP setup exchange's fixed header (magic, version, kind, code, two endpoints,
-/// nonce, MAC, blob length: `src/transfer/exchange.rs`); a `Hello` without a blob or a secret
+/// Bytes of the TCP setup exchange's fixed header (magic, version, kind, code, rights, two endpoints,
+/// nonce, MAC, blob length: `src/transfer/setup/exchange.rs`); a `Hello` without a blob or a secret
 /// is exactly this long. The wire format is the crate's own: tests that forge messages take a
 /// real client's and change what they test.
-pub const HELLO_LEN: usize = 4 + 2 + 1 + 1 + 32 + 32 + 32 + 32 + 4;
+pub const HELLO_LEN: usize = 4 + 2 + 1 + 1 + 1 + 32 + 32 + 32 + 32 + 4;
 
 /// A well-formed `Hello`, as a real client (`Connection::connect`, no blob, no secret) sends it
 /// first, captured on a plain TCP socket. The client then gives up (its connect fails).

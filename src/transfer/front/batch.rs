@@ -65,7 +65,9 @@ impl<'b> Batch<'_, 'b> {
     /// [`Error::InvalidArgument`] (`local` or a part empty, over 4 GiB - 1 bytes in all, more
     /// parts than the queue pair's scatter/gather entries);
     /// [`Error::NotRegistered`] (a part not registered in the connection's PD);
-    /// [`Error::OutOfBounds`] (the range does not fit in `remote`).
+    /// [`Error::OutOfBounds`] (the range does not fit in `remote`); [`Error::NotGranted`] (the peer
+    /// does not grant `REMOTE_WRITE` — `REMOTE_READ` for a READ —, see
+    /// [`Connection::peer_grants`](crate::transfer::Connection::peer_grants)).
     pub fn write<G: Gather + ?Sized>(&mut self, local: &'b G, remote: &RemoteBuf, offset: u64) -> Result<&mut Self> {
         self.push(Action::Write { remote, offset, imm: None }, self.conn.local_sges(local))
     }

@@ -28,13 +28,15 @@ impl Connection {
     /// # Errors
     /// - The connection's earlier failure, at once ([`Error::Operation`], [`Error::Verbs`],
     ///   [`Error::Closed`]).
-    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` or a part
-    ///   empty, over 4 GiB - 1 bytes in all, more parts than the queue pair's scatter/gather
-    ///   entries), [`Error::NotRegistered`] (a part not registered in [`Connection::pd`]),
-    ///   [`Error::OutOfBounds`] (the range does not fit in `remote`), [`Error::Timeout`] (no
-    ///   send-queue room within
-    ///   [`WaitOptions::op_timeout`](crate::transfer::WaitOptions::op_timeout)), [`Error::Verbs`]
-    ///   or [`Error::Io`] (the post refused, or waiting for room failed).
+    /// - Nothing posted, the connection still usable: [`Error::InvalidArgument`] (`local` or a
+    ///   part empty, over 4 GiB - 1 bytes in all, more parts than the queue pair's
+    ///   scatter/gather entries), [`Error::NotRegistered`] (a part not registered in
+    ///   [`Connection::pd`]), [`Error::OutOfBounds`] (the range does not fit in `remote`),
+    ///   [`Error::NotGranted`] (the peer's queue pair does not grant the right the request
+    ///   needs, [`Connection::peer_grants`]: `REMOTE_WRITE` here),
+    ///   [`Error::Timeout`] (no send-queue room within
+    ///   [`Options::op_timeout`](crate::transfer::WaitOptions::op_timeout)), [`Error::Verbs`] or
+    ///   [`Error::Io`] (the post refused, or waiting for room failed).
     /// - Posted, and the connection failed: [`Error::Operation`] (a failed completion, e.g.
     ///   `REM_ACCESS_ERR` when the peer's key, range or
     ///   [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) does not allow
@@ -66,7 +68,8 @@ impl Connection {
     /// scatter list filled in order ([`Scatter`]).
     ///
     /// # Errors
-    /// As [`Connection::write`] (the peer must allow `REMOTE_READ`). Memory registered
+    /// As [`Connection::write`] (the peer must grant `REMOTE_READ`, else
+    /// [`Error::NotGranted`]). Memory registered
     /// without `LOCAL_WRITE` (a read-only [`MappedFile`](crate::transfer::MappedFile)) fails the
     /// READ, and the connection, with [`Error::Operation`].
     pub fn read<S: Scatter + ?Sized>(&self, local: &mut S, remote: &RemoteBuf, offset: u64) -> Result<()> {
@@ -144,7 +147,8 @@ impl Connection {
     /// # Errors
     /// - [`Error::OutOfBounds`] if the 8-byte word at `offset` is not inside `remote`;
     ///   [`Error::InvalidArgument`] if it is not 8-byte aligned.
-    /// - Otherwise as [`Connection::write`]; the peer must grant `REMOTE_ATOMIC`.
+    /// - Otherwise as [`Connection::write`]; the peer must grant `REMOTE_ATOMIC`
+    ///   ([`Error::NotGranted`] before posting if it does not).
     pub fn fetch_add(&self, remote: &RemoteBuf, offset: u64, add: u64) -> Result<u64> {
         self.atomic(Action::FetchAdd { remote, offset, add })
     }

@@ -177,8 +177,10 @@ impl Connection {
     /// - [`Error::InvalidArgument`] (an empty buffer or part, no parts, more parts than the
     ///   queue pair's scatter/gather entries, over 4 GiB - 1 bytes in all),
     ///   [`Error::NotRegistered`] (a part not registered in this connection's PD),
-    ///   [`Error::OutOfBounds`] (the range does not fit in `remote`);
-    /// - [`Error::Timeout`] (no send-queue room within the connection's `wait.op_timeout`),
+    ///   [`Error::OutOfBounds`] (the range does not fit in `remote`), [`Error::NotGranted`] (the
+    ///   peer does not grant `REMOTE_WRITE` — `REMOTE_READ` for a READ —, see
+    ///   [`Connection::peer_grants`]);
+    /// - [`Error::Timeout`] (no send-queue room within the connection's `op_timeout`),
     ///   [`Error::Verbs`] or [`Error::Io`] (the post refused, or waiting for room failed).
     ///
     /// The operation's own failure comes from [`Pending::wait`].

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::remote::RemoteBuf;
 use crate::transfer::request::received::Posted;
 use crate::transfer::Connection;
-use crate::verbs::{RemoteAddr, SendFlags, SendOp, SendWr, Sge, Verb};
+use crate::verbs::{Access, RemoteAddr, SendFlags, SendOp, SendWr, Sge, Verb};
 
 /// A request's local memory: none, one entry, or a scatter/gather list. (`pub` for the sealed
 /// `Parts` trait only: unreachable from outside the crate.)
@@ -81,6 +81,19 @@ pub(crate) enum Action<'r> {
 }
 
 impl Action<'_> {
+    /// The right the peer's queue pair must grant for it: none for two-sided and the
+    /// connection's own requests (a keepalive probe is built without a check, by
+    /// [`Request::probe`]).
+    #[inline]
+    pub(crate) fn needs(&self) -> Option<Access> {
+        match self {
+            Action::Write { .. } => Some(Access::REMOTE_WRITE),
+            Action::Read { .. } => Some(Access::REMOTE_READ),
+            Action::FetchAdd { .. } | Action::CompareSwap { .. } => Some(Access::REMOTE_ATOMIC),
+            Action::Send { .. } | Action::Recv | Action::RecvImm | Action::Control(_) => None,
+        }
+    }
+
     /// The verb, as errors name it.
     pub(crate) fn verb(&self) -> Verb {
         match self {
@@ -192,9 +205,14 @@ impl Connection {
     ///   empty entry, more entries than the queue pair's scatter/gather limit, more than
     ///   4 GiB - 1 bytes in all, an atomic whose local word is not 8 bytes or whose remote word
     ///   is not 8-byte aligned, memory given to a connection-internal request;
-    /// - [`Error::OutOfBounds`]: the remote range does not fit in the remote buffer.
+    /// - [`Error::OutOfBounds`]: the remote range does not fit in the remote buffer;
+    /// - [`Error::NotGranted`]: a WRITE, READ or atomic the peer's queue pair does not grant
+    ///   ([`Connection::peer_grants`]).
     #[inline(always)]
     pub(crate) fn request(&self, action: Action<'_>, sges: SgeList) -> Result<Request> {
+        if let Some(right) = action.needs().filter(|r| !self.peer_grants().contains(*r)) {
+            return Err(Error::NotGranted { verb: action.verb(), right });
+        }
         // The common case, one non-empty entry for an operation that takes memory, checks in a
         // few instructions (a front end's constant action folds the matches away); the rest in
         // `check_list`.

@@ -27,9 +27,9 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::{AuthFailure, Error, Result};
-use crate::transfer::setup::exchange::{Kind, Message, Refusal, MAC_LEN, NONCE_LEN, VERSION};
+use crate::transfer::setup::exchange::{encode_rights, Kind, Message, Refusal, MAC_LEN, NONCE_LEN, VERSION};
 use crate::transfer::setup::wire::Wire;
-use crate::verbs::Endpoint;
+use crate::verbs::{Access, Endpoint};
 
 /// A shared secret that both ends of a TCP connection setup must hold
 /// ([`crate::transfer::SetupOptions::secret`]). Cheap to clone; its `Debug` output never shows the
@@ -81,7 +81,7 @@ fn nonce() -> Result<Nonce> {
 
 /// The MAC one role sends: HMAC-SHA-256 under the secret over a label naming the protocol
 /// version and the role, both nonces, and (for `Hello` / `Welcome`) the sender's endpoint,
-/// control endpoint (32 zero bytes if none) and length-prefixed blob.
+/// control endpoint (32 zero bytes if none), rights byte and length-prefixed blob.
 fn mac(secret: &Secret, role: &str, nc: &Nonce, ns: &Nonce, sent: Option<&Message>) -> Result<Hmac<Sha256>> {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&secret.0)
         .map_err(|_| Error::InvalidArgument("the shared secret cannot key HMAC-SHA-256".into()))?;
@@ -92,6 +92,7 @@ fn mac(secret: &Secret, role: &str, nc: &Nonce, ns: &Nonce, sent: Option<&Messag
         let bytes = |e: Option<Endpoint>| e.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes());
         m.update(&bytes(sent.endpoint));
         m.update(&bytes(sent.control));
+        m.update(&[encode_rights(sent.rights)]);
         m.update(&(sent.blob.len() as u64).to_be_bytes());
         m.update(&sent.blob);
     }
@@ -135,17 +136,20 @@ pub(crate) fn expect(m: Message, kind: Kind) -> Result<Message> {
 }
 
 /// What an exchange produced: what `prepare` returned, this side's endpoint, the peer's
-/// endpoint, control endpoint (if it offered a control channel) and blob.
+/// endpoint, control endpoint (if it offered a control channel), blob and the rights its QP
+/// grants this side (its word: untrusted).
 pub(crate) struct Exchanged<T> {
     pub prepared: T,
     pub me: Endpoint,
     pub peer: Endpoint,
     pub peer_control: Option<Endpoint>,
     pub peer_blob: Vec<u8>,
+    pub peer_grants: Access,
 }
 
-/// What `prepare` returns: its product, this side's endpoint and control endpoint (if any).
-pub(crate) type Prepared<T> = (T, Endpoint, Option<Endpoint>);
+/// What `prepare` returns: its product, this side's endpoint, control endpoint (if any) and the
+/// rights its QP grants the peer.
+pub(crate) type Prepared<T> = (T, Endpoint, Option<Endpoint>, Access);
 
 /// The client's side up to the peer's `Welcome`. `prepare` (creating this side's QP) runs only
 /// once the server proved it holds the secret (at once without one).
@@ -166,8 +170,8 @@ pub(crate) async fn client<T>(
             Some((k, nc, ns))
         }
     };
-    let (prepared, me, control) = prepare()?;
-    let mut hello = Message { control, ..Message::new(Kind::Hello, Some(me), blob.to_vec()) };
+    let (prepared, me, control, rights) = prepare()?;
+    let mut hello = Message { control, rights, ..Message::new(Kind::Hello, Some(me), blob.to_vec()) };
     if let Some((k, nc, ns)) = &nonces {
         hello.mac = tag(mac(k, "client-hello", nc, ns, Some(&hello))?);
     }
@@ -177,7 +181,8 @@ pub(crate) async fn client<T>(
     if let Some((k, nc, ns)) = &nonces {
         verify(s, mac(k, "server-welcome", nc, ns, Some(&welcome))?, &welcome.mac).await?;
     }
-    Ok(Exchanged { prepared, me, peer, peer_control: welcome.control, peer_blob: welcome.blob })
+    let (peer_control, peer_grants) = (welcome.control, welcome.rights);
+    Ok(Exchanged { prepared, me, peer, peer_control, peer_blob: welcome.blob, peer_grants })
 }
 
 /// A client the server heard from: its `Hello`, checked (with a secret, the client proved it
@@ -221,19 +226,20 @@ pub(crate) async fn hear(s: &mut impl Wire, secret: Option<&Secret>) -> Result<H
 pub(crate) async fn welcome<T>(
     s: &mut impl Wire,
     heard: Heard,
-    (prepared, me, control): Prepared<T>,
+    (prepared, me, control, rights): Prepared<T>,
     blob: Vec<u8>,
 ) -> Result<Exchanged<T>> {
     let Heard { hello, nonces } = heard;
     let peer = hello.endpoint.ok_or_else(|| Error::Protocol("a Hello message without an endpoint".into()))?;
     // A control channel needs both sides: offer one only to a client that offered its own.
     let control = control.filter(|_| hello.control.is_some());
-    let mut welcome = Message { control, ..Message::new(Kind::Welcome, Some(me), blob) };
+    let mut welcome = Message { control, rights, ..Message::new(Kind::Welcome, Some(me), blob) };
     if let Some((k, nc, ns)) = &nonces {
         welcome.mac = tag(mac(k, "server-welcome", nc, ns, Some(&welcome))?);
     }
     welcome.write_to(s).await?;
-    Ok(Exchanged { prepared, me, peer, peer_control: hello.control, peer_blob: hello.blob })
+    let (peer_control, peer_grants) = (hello.control, hello.rights);
+    Ok(Exchanged { prepared, me, peer, peer_control, peer_blob: hello.blob, peer_grants })
 }
 
 #[cfg(test)]

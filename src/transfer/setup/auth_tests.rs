@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::*;
 use crate::transfer::setup::wire::{block_on, Plain};
 use crate::transfer::{Options, SetupOptions};
-use crate::verbs::{Gid, Mtu};
+use crate::verbs::{Access, Gid, Mtu};
 
 fn ep(qpn: u32) -> Endpoint {
     Endpoint { qpn, psn: 1, gid: Gid::from_bytes([7; 16]), lid: 0, mtu: Mtu::Mtu1024 }
@@ -33,7 +33,7 @@ fn run_side(s: &mut TcpStream, is_server: bool, secret: Option<&Secret>, blob: &
     let control = Cell::new(false);
     let prepare = || {
         prepared.set(true);
-        Ok(((), ep(qpn), Some(ep(qpn + 100))))
+        Ok(((), ep(qpn), Some(ep(qpn + 100)), rights_of(qpn)))
     };
     let s = &mut Plain(s);
     let r = if is_server {
@@ -51,11 +51,21 @@ fn run_side(s: &mut TcpStream, is_server: bool, secret: Option<&Secret>, blob: &
             if let Some(control) = x.peer_control {
                 assert_eq!(control.qpn, x.peer.qpn + 100, "the control endpoint came through");
             }
+            assert_eq!(x.peer_grants, rights_of(x.peer.qpn), "the peer's rights came through");
             control.set(x.peer_control.is_some());
             x.peer_blob
         }),
         prepared: prepared.get(),
         control: control.get(),
+    }
+}
+
+/// The rights the side with data QP `qpn` grants (each side its own).
+fn rights_of(qpn: u32) -> Access {
+    if qpn == 1 {
+        Access::REMOTE_READ
+    } else {
+        Access::REMOTE_WRITE | Access::REMOTE_ATOMIC
     }
 }
 
@@ -154,7 +164,8 @@ fn a_recorded_client_exchange_replayed_to_the_server_is_refused() {
         let srv = sc.spawn(|| run_side(&mut stream(l.accept().unwrap().0), true, k.as_ref(), b"server blob", 2));
         let mut s = stream(TcpStream::connect(addr).unwrap());
         let mut tap = Tap { s: &mut s, sent: Vec::new() };
-        block_on(client(&mut Plain(&mut tap), k.as_ref(), b"client blob", || Ok(((), ep(1), None)))).unwrap();
+        block_on(client(&mut Plain(&mut tap), k.as_ref(), b"client blob", || Ok(((), ep(1), None, rights_of(1)))))
+            .unwrap();
         let sent = tap.sent;
         assert!(srv.join().unwrap().result.is_ok());
         sent
@@ -185,26 +196,31 @@ fn an_altered_welcome_is_refused_by_the_client() {
     let k = Secret::new("tamper").unwrap();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    std::thread::scope(|sc| {
-        // A server that holds the secret, but whose Welcome blob is changed on the way (the MAC
-        // covers the blob it meant to send).
-        let srv = sc.spawn(|| {
-            let mut s = stream(l.accept().unwrap().0);
-            let ch = Message::recv(&mut s).unwrap();
-            let ns = [9u8; NONCE_LEN];
-            let proof = tag(mac(&k, "server-proof", &ch.nonce, &ns, None).unwrap());
-            Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(&mut s).unwrap();
-            Message::recv(&mut s).unwrap();
-            let mut w = Message::new(Kind::Welcome, Some(ep(2)), b"rkey 0x1234".to_vec());
-            w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some(&w)).unwrap());
-            w.blob = b"rkey 0x6666".to_vec();
-            w.send(&mut s).unwrap();
-            Message::recv(&mut s).unwrap()
+    // The blob, or the rights the server grants, changed on the way (the MAC covers both).
+    let alterations: [fn(&mut Message); 2] =
+        [|w| w.blob = b"rkey 0x6666".to_vec(), |w| w.rights = Access::REMOTE_WRITE | Access::REMOTE_READ];
+    for alter in alterations {
+        std::thread::scope(|sc| {
+            // A server that holds the secret, but whose Welcome is changed on the way.
+            let srv = sc.spawn(|| {
+                let mut s = stream(l.accept().unwrap().0);
+                let ch = Message::recv(&mut s).unwrap();
+                let ns = [9u8; NONCE_LEN];
+                let proof = tag(mac(&k, "server-proof", &ch.nonce, &ns, None).unwrap());
+                Message { nonce: ns, mac: proof, ..Message::new(Kind::Proof, None, Vec::new()) }.send(&mut s).unwrap();
+                Message::recv(&mut s).unwrap();
+                let mut w = Message::new(Kind::Welcome, Some(ep(2)), b"rkey 0x1234".to_vec());
+                w.rights = rights_of(2);
+                w.mac = tag(mac(&k, "server-welcome", &ch.nonce, &ns, Some(&w)).unwrap());
+                alter(&mut w);
+                w.send(&mut s).unwrap();
+                Message::recv(&mut s).unwrap()
+            });
+            let c = run_side(&mut stream(TcpStream::connect(addr).unwrap()), false, Some(&k), b"client blob", 1);
+            assert_eq!(auth_err(&c), AuthFailure::WrongSecret);
+            assert_eq!(srv.join().unwrap().refusal, Some(Refusal::WrongSecret), "the server is told");
         });
-        let c = run_side(&mut stream(TcpStream::connect(addr).unwrap()), false, Some(&k), b"client blob", 1);
-        assert_eq!(auth_err(&c), AuthFailure::WrongSecret);
-        assert_eq!(srv.join().unwrap().refusal, Some(Refusal::WrongSecret), "the server is told");
-    });
+    }
 }
 
 #[test]

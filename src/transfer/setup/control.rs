@@ -105,6 +105,13 @@ impl Prepared {
         (self.data.0.endpoint(), self.control.as_ref().map(|c| c.0.endpoint()))
     }
 
+    /// The rights this side grants the peer, as the exchange announces them: those its data QP
+    /// was built with ([`Connection::prepare`] sets them, from [`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) and
+    /// keepalive's WRITE).
+    pub(crate) fn grants(&self) -> Access {
+        self.data.0.remote_access()
+    }
+
     /// Connects the data QP to `peer` and, when both sides offered one, the control QP to
     /// `peer_control`; wraps them.
     pub(crate) fn finish(
@@ -114,9 +121,10 @@ impl Prepared {
         peer: Endpoint,
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
+        peer_grants: Access,
     ) -> Result<Established> {
         self.connect_to(opts, &peer, peer_control.as_ref())?;
-        self.wrap(pd, opts, peer, peer_control, peer_blob)
+        self.wrap(pd, opts, peer, peer_control, peer_blob, peer_grants)
     }
 
     /// The step of [`Prepared::finish`] that the peer's endpoints decide: the QPs to RTR/RTS
@@ -130,7 +138,8 @@ impl Prepared {
     }
 
     /// The rest of [`Prepared::finish`], this side's own: the connected QPs become a
-    /// connection (and its control channel, when both sides offered one).
+    /// connection (and its control channel, when both sides offered one). `peer_grants`: the
+    /// rights the peer announced for its data QP.
     pub(crate) fn wrap(
         self,
         pd: &Pd,
@@ -138,10 +147,16 @@ impl Prepared {
         peer: Endpoint,
         peer_control: Option<Endpoint>,
         peer_blob: Vec<u8>,
+        peer_grants: Access,
     ) -> Result<Established> {
-        let conn = Connection::wrap(pd, opts, self.data, peer, peer_blob)?;
+        let conn = Connection::wrap(pd, opts, self.data, peer, peer_blob, peer_grants)?;
         let control = match (self.control, peer_control) {
-            (Some(mine), Some(theirs)) => Some(Connection::wrap(pd, &options(opts), mine, theirs, Vec::new())?),
+            (Some(mine), Some(theirs)) => {
+                // Both sides build their control QP from `options`, which grants nothing: the
+                // peer's grants what this side's does.
+                let grants = mine.0.remote_access();
+                Some(Connection::wrap(pd, &options(opts), mine, theirs, Vec::new(), grants)?)
+            }
             _ => None,
         };
         Ok(Established { conn, control })
@@ -154,8 +169,9 @@ impl Connection {
         let a = Prepared::new(pd, opts, control)?;
         let b = Prepared::new(pd, opts, control)?;
         let ((ea, ca), (eb, cb)) = (a.endpoints(), b.endpoints());
-        let mut a = a.finish(pd, opts, eb, cb, Vec::new())?;
-        let mut b = b.finish(pd, opts, ea, ca, Vec::new())?;
+        let (ga, gb) = (a.grants(), b.grants());
+        let mut a = a.finish(pd, opts, eb, cb, Vec::new(), gb)?;
+        let mut b = b.finish(pd, opts, ea, ca, Vec::new(), ga)?;
         // One process: the device's events, and each end's drop, tell the other.
         Established::tie(&mut a, &mut b);
         a.start_watch(None)?;

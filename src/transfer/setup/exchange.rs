@@ -1,14 +1,16 @@
-//! The out-of-band connection message exchanged over TCP (protocol version 3).
+//! The out-of-band connection message exchanged over TCP (protocol version 4).
 //!
 //! ```text
-//! "mRdx" | version u16 | kind u8 | code u8 | endpoint (32 bytes) | control endpoint (32)
-//!        | nonce (32) | mac (32) | blob length u32 | blob
+//! "mRdx" | version u16 | kind u8 | code u8 | rights u8 | endpoint (32 bytes)
+//!        | control endpoint (32) | nonce (32) | mac (32) | blob length u32 | blob
 //! ```
 //!
 //! A field a kind does not use is all zero (an absent endpoint is 32 zero bytes). Only `Hello`
 //! and `Welcome` carry an endpoint (they must), a control endpoint (they may: the queue pair of
-//! the connection's control channel, which async connections use for remote memory) and a blob;
-//! only `Refused` has a non-zero code.
+//! the connection's control channel, which async connections use for remote memory), the
+//! rights the sender's queue pair grants the receiver ([`encode_rights`]: bit 0 RDMA WRITE, bit
+//! 1 READ, bit 2 atomics; no other bit) and a blob; only `Refused` has a non-zero code. The
+//! rights are the peer's word: they only ever make the receiver refuse a request earlier.
 //! Every field is checked before anything is allocated: a wrong magic or version, an unknown
 //! kind or code, a truncated message or a blob longer than [`MAX_BLOB`] is a typed error, never a
 //! panic or an unbounded allocation.
@@ -30,13 +32,13 @@ use crate::error::{AuthFailure, Error, Result};
 #[cfg(test)]
 use crate::transfer::setup::wire::Plain;
 use crate::transfer::setup::wire::{self, Wire};
-use crate::verbs::Endpoint;
+use crate::verbs::{Access, Endpoint};
 
 /// Magic bytes of a connection message.
 pub const MAGIC: [u8; 4] = *b"mRdx";
 /// Protocol version this build speaks (2: nonces, MACs and the authentication kinds; 3: the
-/// control endpoint).
-pub const VERSION: u16 = 3;
+/// control endpoint; 4: the rights byte).
+pub const VERSION: u16 = 4;
 /// Largest application blob a TCP setup carries with an endpoint (`Listener::accept_with`,
 /// `Connection::connect_with`).
 pub const MAX_BLOB: usize = 64 << 10;
@@ -45,8 +47,9 @@ pub const NONCE_LEN: usize = 32;
 /// Bytes of a MAC (HMAC-SHA-256).
 pub const MAC_LEN: usize = 32;
 /// Bytes before the blob.
-pub const HEADER: usize = 4 + 2 + 1 + 1 + 2 * Endpoint::ENCODED_LEN + NONCE_LEN + MAC_LEN + 4;
-const AT_ENDPOINT: usize = 8;
+pub const HEADER: usize = 4 + 2 + 1 + 1 + 1 + 2 * Endpoint::ENCODED_LEN + NONCE_LEN + MAC_LEN + 4;
+const AT_RIGHTS: usize = 8;
+const AT_ENDPOINT: usize = AT_RIGHTS + 1;
 const AT_CONTROL: usize = AT_ENDPOINT + Endpoint::ENCODED_LEN;
 const AT_NONCE: usize = AT_CONTROL + Endpoint::ENCODED_LEN;
 const AT_MAC: usize = AT_NONCE + NONCE_LEN;
@@ -104,6 +107,9 @@ pub struct Message {
     pub endpoint: Option<Endpoint>,
     /// The sender's control-channel QP endpoint, if it offers one (`Hello`, `Welcome` only).
     pub control: Option<Endpoint>,
+    /// The rights the sender's QP grants the receiver (`Hello`, `Welcome` only; remote rights
+    /// only).
+    pub rights: Access,
     /// The sender's nonce (`Challenge`, `Proof`), else zero.
     pub nonce: [u8; NONCE_LEN],
     /// The sender's MAC (`Proof`, and `Hello` / `Welcome` with a secret), else zero.
@@ -116,10 +122,26 @@ fn malformed(why: String) -> Error {
     Error::Protocol(why)
 }
 
+/// Bytes of the magic and the version, which every version of the protocol starts with.
+const PREFIX: usize = 6;
+
+/// Checks the magic and the version (`prefix`: [`PREFIX`] bytes).
+fn check_prefix(prefix: &[u8]) -> Result<()> {
+    if prefix[..4] != MAGIC {
+        return Err(malformed(format!("bad magic {:02x?} (not an mralloc peer?)", &prefix[..4])));
+    }
+    let version = u16::from_be_bytes([prefix[4], prefix[5]]);
+    if version != VERSION {
+        return Err(malformed(format!("peer speaks protocol version {version}, this build speaks {VERSION}")));
+    }
+    Ok(())
+}
+
 impl Message {
     /// A message of `kind` with an endpoint and a blob; no nonce, MAC or code.
     pub fn new(kind: Kind, endpoint: Option<Endpoint>, blob: Vec<u8>) -> Message {
-        Message { kind, refusal: None, endpoint, control: None, nonce: [0; NONCE_LEN], mac: [0; MAC_LEN], blob }
+        let (nonce, mac) = ([0; NONCE_LEN], [0; MAC_LEN]);
+        Message { kind, refusal: None, endpoint, control: None, rights: Access::NONE, nonce, mac, blob }
     }
 
     /// A `Refused` message.
@@ -139,16 +161,18 @@ impl Message {
                 self.blob.len()
             )));
         }
-        check_shape(self.kind, self.refusal, self.endpoint.is_some(), self.control.is_some(), self.blob.len())
-            .map_err(|e| match e {
-                Error::Protocol(why) => Error::InvalidArgument(why),
-                e => e,
-            })?;
+        let rights = encode_rights(self.rights);
+        let fields = Fields { endpoint: self.endpoint.is_some(), control: self.control.is_some(), rights: rights != 0 };
+        check_shape(self.kind, self.refusal, fields, self.blob.len()).map_err(|e| match e {
+            Error::Protocol(why) => Error::InvalidArgument(why),
+            e => e,
+        })?;
         let mut b = Vec::with_capacity(HEADER + self.blob.len());
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&VERSION.to_be_bytes());
         b.push(self.kind as u8);
         b.push(self.refusal.map_or(0, |r| r as u8));
+        b.push(rights);
         b.extend_from_slice(&self.endpoint.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes()));
         b.extend_from_slice(&self.control.map_or([0; Endpoint::ENCODED_LEN], |e| e.to_bytes()));
         b.extend_from_slice(&self.nonce);
@@ -162,21 +186,16 @@ impl Message {
     /// against [`MAX_BLOB`] and the kind).
     ///
     /// # Errors
-    /// [`Error::Protocol`] for a truncated header, a wrong magic or version, an unknown kind or
-    /// refusal code, a malformed endpoint, a blob length above [`MAX_BLOB`], or fields the kind
+    /// [`Error::Protocol`] for a truncated header, a wrong magic or version (an older peer's
+    /// message is refused by its version, before any other field is read), an unknown kind or
+    /// refusal code, a rights byte with a bit no right has, a malformed endpoint, a blob length above [`MAX_BLOB`], or fields the kind
     /// does not allow (an endpoint, control endpoint, blob or refusal code where it has none, a
     /// `Hello` or `Welcome` without an endpoint, a `Refused` without a code).
     pub fn parse_header(h: &[u8]) -> Result<(Message, usize)> {
         if h.len() < HEADER {
             return Err(malformed(format!("truncated header: {} of {HEADER} bytes", h.len())));
         }
-        if h[..4] != MAGIC {
-            return Err(malformed(format!("bad magic {:02x?} (not an mralloc peer?)", &h[..4])));
-        }
-        let version = u16::from_be_bytes([h[4], h[5]]);
-        if version != VERSION {
-            return Err(malformed(format!("peer speaks protocol version {version}, this build speaks {VERSION}")));
-        }
+        check_prefix(&h[..PREFIX])?;
         let kind = match h[6] {
             1 => Kind::Hello,
             2 => Kind::Welcome,
@@ -193,6 +212,7 @@ impl Message {
             3 => Some(Refusal::WrongSecret),
             c => return Err(malformed(format!("unknown refusal code {c}"))),
         };
+        let rights = decode_rights(h[AT_RIGHTS])?;
         let endpoint_at = |raw: &[u8]| -> Result<Option<Endpoint>> {
             if raw.iter().all(|&x| x == 0) {
                 return Ok(None);
@@ -205,9 +225,11 @@ impl Message {
         if len > MAX_BLOB {
             return Err(malformed(format!("blob length {len} exceeds the {MAX_BLOB}-byte limit")));
         }
-        check_shape(kind, refusal, endpoint.is_some(), control.is_some(), len)?;
+        let fields = Fields { endpoint: endpoint.is_some(), control: control.is_some(), rights: !rights.is_empty() };
+        check_shape(kind, refusal, fields, len)?;
         let mut m = Message::new(kind, endpoint, Vec::new());
         m.refusal = refusal;
+        m.rights = rights;
         m.control = control;
         m.nonce.copy_from_slice(&h[AT_NONCE..AT_MAC]);
         m.mac.copy_from_slice(&h[AT_MAC..AT_LEN]);
@@ -246,7 +268,11 @@ impl Message {
     /// closes the stream mid-message.
     pub(crate) async fn read_from(r: &mut impl Wire) -> Result<Message> {
         let mut h = [0u8; HEADER];
-        wire::read_exact(r, &mut h).await.map_err(|e| io("reading a connection message", e))?;
+        // Magic and version first: another version's header may be shorter (waiting for the
+        // rest would hold the exchange up until its deadline).
+        wire::read_exact(r, &mut h[..PREFIX]).await.map_err(|e| io("reading a connection message", e))?;
+        check_prefix(&h[..PREFIX])?;
+        wire::read_exact(r, &mut h[PREFIX..]).await.map_err(|e| io("reading a connection message", e))?;
         let (mut m, len) = Message::parse_header(&h)?;
         let mut blob = vec![0u8; len];
         wire::read_exact(r, &mut blob).await.map_err(|e| io("reading a connection message's blob", e))?;
@@ -267,13 +293,45 @@ impl Message {
     }
 }
 
+/// The rights a QP grants, as the rights byte carries them: bit 0 RDMA WRITE, bit 1 READ, bit 2
+/// atomics.
+const RIGHT_BITS: [(Access, u8); 3] = [(Access::REMOTE_WRITE, 1), (Access::REMOTE_READ, 2), (Access::REMOTE_ATOMIC, 4)];
+
+/// The rights byte of `rights` (non-remote bits ignored).
+pub(crate) fn encode_rights(rights: Access) -> u8 {
+    RIGHT_BITS.iter().filter(|(a, _)| rights.contains(*a)).fold(0, |b, (_, bit)| b | bit)
+}
+
+/// The rights a rights byte names.
+///
+/// # Errors
+/// [`Error::Protocol`] if it has a bit no right has.
+pub(crate) fn decode_rights(byte: u8) -> Result<Access> {
+    let known = RIGHT_BITS.iter().fold(0, |b, (_, bit)| b | bit);
+    if byte & !known != 0 {
+        return Err(malformed(format!("rights byte {byte:#04x} has bits no right has")));
+    }
+    Ok(RIGHT_BITS.iter().filter(|(_, bit)| byte & bit != 0).fold(Access::NONE, |r, (a, _)| r | *a))
+}
+
+/// Which optional fields a message has set.
+struct Fields {
+    endpoint: bool,
+    control: bool,
+    rights: bool,
+}
+
 /// Which fields a kind may use: an endpoint is required in `Hello` / `Welcome` and absent from
-/// the authentication kinds; only `Hello` / `Welcome` carry a control endpoint or a blob; only
-/// `Refused` (and it always) has a code.
-fn check_shape(kind: Kind, refusal: Option<Refusal>, endpoint: bool, control: bool, blob_len: usize) -> Result<()> {
+/// the authentication kinds; only `Hello` / `Welcome` carry a control endpoint, rights or a
+/// blob; only `Refused` (and it always) has a code.
+fn check_shape(kind: Kind, refusal: Option<Refusal>, fields: Fields, blob_len: usize) -> Result<()> {
+    let Fields { endpoint, control, rights } = fields;
     let carries = matches!(kind, Kind::Hello | Kind::Welcome);
     if !carries && control {
         return Err(malformed(format!("a {kind:?} message with a control endpoint")));
+    }
+    if !carries && rights {
+        return Err(malformed(format!("a {kind:?} message with rights")));
     }
     if carries && !endpoint {
         return Err(malformed(format!("a {kind:?} message without an endpoint")));
@@ -300,139 +358,5 @@ fn io(what: &str, e: std::io::Error) -> Error {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::verbs::{Gid, Mtu};
-    use proptest::prelude::*;
-
-    fn ep() -> Endpoint {
-        Endpoint { qpn: 7, psn: 9, gid: Gid::from_bytes([1; 16]), lid: 0, mtu: Mtu::Mtu1024 }
-    }
-
-    fn samples() -> Vec<Message> {
-        let mut hello = Message::new(Kind::Hello, Some(ep()), b"remote-buf".to_vec());
-        hello.mac = [0xAB; MAC_LEN];
-        hello.control = Some(Endpoint { qpn: 8, ..ep() });
-        let mut challenge = Message::new(Kind::Challenge, None, Vec::new());
-        challenge.nonce = [3; NONCE_LEN];
-        let mut proof = Message::new(Kind::Proof, None, Vec::new());
-        proof.nonce = [4; NONCE_LEN];
-        proof.mac = [5; MAC_LEN];
-        vec![
-            hello,
-            Message::new(Kind::Welcome, Some(ep()), vec![]),
-            Message::new(Kind::Ready, Some(ep()), vec![]),
-            Message::new(Kind::Ready, None, vec![]),
-            challenge,
-            proof,
-            Message::refused(Refusal::SecretRequired),
-            Message::refused(Refusal::NoSecret),
-            Message::refused(Refusal::WrongSecret),
-        ]
-    }
-
-    #[test]
-    fn round_trip_every_kind() {
-        for m in samples() {
-            let b = m.encode().unwrap();
-            assert_eq!(b.len(), HEADER + m.blob.len());
-            assert_eq!(Message::decode(&b).unwrap(), m);
-            assert_eq!(Message::recv(&mut &b[..]).unwrap(), m);
-        }
-    }
-
-    #[test]
-    fn rejects_bad_input() {
-        let good = Message::new(Kind::Welcome, Some(ep()), vec![]).encode().unwrap();
-        let mut b = good.clone();
-        b[5] = 9;
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("version 9"));
-        let mut b = good.clone();
-        b[5] = 2; // a version-2 peer is told which version this build speaks
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("this build speaks 3"));
-        let mut b = good.clone();
-        b[0] = b'X';
-        assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
-        let mut b = good.clone();
-        b[AT_LEN..AT_LEN + 4].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("exceeds"));
-        assert!(Message::recv(&mut &good[..10]).is_err());
-        let big = Message::new(Kind::Hello, Some(ep()), vec![0; MAX_BLOB + 1]);
-        assert!(big.encode().is_err());
-    }
-
-    #[test]
-    fn rejects_fields_a_kind_does_not_use() {
-        let shape = |m: &Message| m.encode().unwrap_err();
-        assert!(matches!(shape(&Message::new(Kind::Hello, None, vec![])), Error::InvalidArgument(_)));
-        assert!(matches!(shape(&Message::new(Kind::Challenge, Some(ep()), vec![])), Error::InvalidArgument(_)));
-        assert!(matches!(shape(&Message::new(Kind::Ready, None, vec![1])), Error::InvalidArgument(_)));
-        assert!(matches!(shape(&Message::new(Kind::Refused, None, vec![])), Error::InvalidArgument(_)));
-        let ready = Message { control: Some(ep()), ..Message::new(Kind::Ready, Some(ep()), vec![]) };
-        assert!(matches!(shape(&ready), Error::InvalidArgument(_)));
-        // The same rules on the wire: a Proof with a blob, a Hello with a code, a zeroed Hello
-        // endpoint, an unknown code.
-        let proof = Message::new(Kind::Proof, None, vec![]).encode().unwrap();
-        let mut b = proof.clone();
-        b[AT_LEN + 3] = 1;
-        b.push(0);
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("blob"));
-        let hello = Message::new(Kind::Hello, Some(ep()), vec![]).encode().unwrap();
-        let mut b = hello.clone();
-        b[7] = 3;
-        assert!(matches!(Message::decode(&b), Err(Error::Protocol(_))));
-        let mut b = hello.clone();
-        b[AT_ENDPOINT..AT_CONTROL].fill(0);
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("without an endpoint"));
-        let mut b = Message::refused(Refusal::NoSecret).encode().unwrap();
-        b[7] = 200;
-        assert!(Message::decode(&b).unwrap_err().to_string().contains("refusal code 200"));
-    }
-
-    proptest! {
-        #[test]
-        fn parser_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let _ = Message::decode(&bytes);
-            let _ = Message::recv(&mut &bytes[..]);
-        }
-
-        /// Arbitrary bytes behind a valid magic and version reach every later check.
-        #[test]
-        fn parser_is_bounded_behind_a_valid_prefix(kind in 0u8..8, code in 0u8..5, rest in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let mut b = MAGIC.to_vec();
-            b.extend_from_slice(&VERSION.to_be_bytes());
-            b.push(kind);
-            b.push(code);
-            b.extend_from_slice(&rest);
-            if let Ok(m) = Message::recv(&mut &b[..]) {
-                prop_assert!(m.blob.len() <= MAX_BLOB);
-                prop_assert_eq!(Message::decode(&m.encode().unwrap()).unwrap(), m);
-            }
-        }
-
-        #[test]
-        fn parser_survives_corrupted_valid_messages(which in 0usize..9, pos in 0usize..200, val in any::<u8>(), blob in proptest::collection::vec(any::<u8>(), 0..32)) {
-            let mut m = samples().swap_remove(which);
-            if matches!(m.kind, Kind::Hello | Kind::Welcome) {
-                m.blob = blob;
-            }
-            let orig = m.encode().unwrap();
-            prop_assert_eq!(&Message::decode(&orig).unwrap(), &m, "encode/decode round trip");
-            let mut b = orig.clone();
-            let i = pos % b.len();
-            b[i] = val;
-            match Message::decode(&b) {
-                Ok(d) => {
-                    prop_assert!(d.blob.len() <= MAX_BLOB);
-                    // What the parser accepts is what the encoder writes: no second spelling of
-                    // a message, and an unchanged byte gives the original back.
-                    prop_assert_eq!(d.encode().unwrap(), b.clone(), "accepted bytes re-encode the same");
-                    if val == orig[i] {
-                        prop_assert_eq!(d, m);
-                    }
-                }
-                Err(e) => prop_assert!(val != orig[i], "the original bytes were refused: {}", e),
-            }
-        }
-    }
-}
+#[path = "exchange_tests.rs"]
+mod tests;

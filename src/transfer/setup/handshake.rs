@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
 use crate::transfer::setup::auth::{self, expect};
+use crate::transfer::setup::backoff::Backoff;
 use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::setup::exchange::{Kind, Message};
 use crate::transfer::setup::wire::{Deadline, Socket};
@@ -35,8 +36,8 @@ pub(crate) async fn serve<W: Socket>(
     let heard = auth::hear(&mut s, opts.setup.secret.as_ref()).await?;
     let blob = blob.take(&mut s).await?;
     let prepared = Prepared::new(pd, opts, control).map_err(Failed::ours)?;
-    let (me, control) = prepared.endpoints();
-    let x = auth::welcome(&mut s, heard, (prepared, me, control), blob).await?;
+    let ((me, control), grants) = (prepared.endpoints(), prepared.grants());
+    let x = auth::welcome(&mut s, heard, (prepared, me, control, grants), blob).await?;
     // The client checked this side's Welcome (and MAC) before saying Ready: only then is the QP
     // connected. The client posts nothing before this side's Ready, sent once it is.
     expect(Message::read_from(&mut s).await?, Kind::Ready)?;
@@ -51,7 +52,8 @@ pub(crate) async fn serve<W: Socket>(
         Error::DeviceRemoved { .. } | Error::Forked(_) => Failed::ours(e),
         e => Failed::from(e),
     })?;
-    let mut conn = x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob).map_err(Failed::ours)?;
+    let mut conn =
+        x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants).map_err(Failed::ours)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).write_to(&mut s).await?;
     tracing::debug!(%peer, authenticated = opts.setup.secret.is_some(), "accepted RDMA connection");
     keep_watched(&mut conn, s).map_err(Failed::ours)?;
@@ -127,7 +129,7 @@ pub(crate) async fn connect<D: Dial>(
     // after a pause that grows to half a second, until the deadline.
     let mut last = None;
     let mut stream = None;
-    let mut pause = Duration::from_millis(10);
+    let mut backoff = Backoff::new();
     'tries: loop {
         let mut refused = true;
         for target in addrs {
@@ -150,8 +152,7 @@ pub(crate) async fn connect<D: Dial>(
         if !refused || left.is_zero() {
             break;
         }
-        d.pause(pause.min(left)).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
+        d.pause(backoff.pause(left)).await;
     }
     let s = match (stream, last) {
         (Some(s), _) => s,
@@ -161,11 +162,11 @@ pub(crate) async fn connect<D: Dial>(
     let mut s = d.wire(s, deadline)?;
     let x = auth::client(&mut s, opts.setup.secret.as_ref(), blob, || {
         let prepared = Prepared::new(pd, opts, control)?;
-        let (me, control) = prepared.endpoints();
-        Ok((prepared, me, control))
+        let ((me, control), grants) = (prepared.endpoints(), prepared.grants());
+        Ok((prepared, me, control, grants))
     })
     .await?;
-    let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob)?;
+    let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).write_to(&mut s).await?;
     expect(Message::read_from(&mut s).await?, Kind::Ready)?;
     keep_watched(&mut conn, s)?;

@@ -4,6 +4,7 @@
 
 pub(crate) mod acceptor;
 pub(crate) mod auth;
+pub(crate) mod backoff;
 pub(crate) mod cm;
 pub(crate) mod control;
 pub(crate) mod exchange;

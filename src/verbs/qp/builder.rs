@@ -145,6 +145,7 @@ impl QpBuilder {
             mtu: port_info.active_mtu,
             link_layer: port_info.link_layer,
             caps,
+            access: self.access,
             born: ctx.inner.born,
             pd: self.pd,
             send_cq: self.send_cq,

@@ -8,7 +8,7 @@ use rdma_sys as ffi;
 use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::verbs::Srq;
-use crate::verbs::{Cq, Endpoint, Gid, LinkLayer, Mtu, Pd};
+use crate::verbs::{Access, Cq, Endpoint, Gid, LinkLayer, Mtu, Pd};
 
 mod builder;
 mod post;
@@ -108,6 +108,8 @@ pub struct Qp {
     mtu: Mtu,
     link_layer: LinkLayer,
     caps: QpCaps,
+    /// The rights the peer has through it (what [`QpBuilder::remote_access`] set at INIT).
+    access: Access,
     pd: Pd,
     send_cq: Cq,
     recv_cq: Cq,
@@ -154,6 +156,12 @@ impl Qp {
     /// The queue sizes the device granted.
     pub fn caps(&self) -> QpCaps {
         self.caps
+    }
+
+    /// What the peer may do into this side's memory through this QP (the remote rights it was
+    /// built with, [`QpBuilder::remote_access`]; [`Access::NONE`] if none).
+    pub fn remote_access(&self) -> Access {
+        self.access
     }
 
     /// The PD.

@@ -259,6 +259,14 @@ impl AsyncConnection {
         self.conn().peer_blob()
     }
 
+    /// What the peer lets this side do into its memory through the connection (see
+    /// [`crate::transfer::Connection::peer_grants`]): a WRITE, READ or atomic it does not grant
+    /// is refused before it is posted, with [`Error::NotGranted`] (the buffer comes back in
+    /// [`Rejected`]).
+    pub fn peer_grants(&self) -> crate::verbs::Access {
+        self.conn().peer_grants()
+    }
+
     /// The options in force.
     pub fn options(&self) -> &Options {
         self.conn().options()
@@ -301,6 +309,8 @@ impl AsyncConnection {
     /// The buffer (all of a list) comes back in [`Rejected`] with:
     /// - not posted, untouched: [`Error::NotRegistered`] (a part not registered in this
     ///   connection's PD), [`Error::OutOfBounds`] (the range does not fit in `remote`),
+    ///   [`Error::NotGranted`] (the peer does not grant `REMOTE_WRITE` — `REMOTE_READ` for a
+    ///   READ —, see [`AsyncConnection::peer_grants`]),
     ///   [`Error::InvalidArgument`] (an empty buffer or part, no parts, more parts than the
     ///   queue pair's scatter/gather entries, over 4 GiB - 1 bytes in all), the
     ///   connection's failure, at the call or while waiting for room ([`Error::Operation`],

@@ -3,9 +3,11 @@
 //! librdmacm opens device contexts of its own, so a QP in the caller's PD cannot be attached to
 //! the `rdma_cm_id`; it stays external: its number travels in `rdma_conn_param.qp_num`, and its
 //! RTR/RTS attributes come from `rdma_init_qp_attr`. The application blob rides in the CM
-//! private data (at most [`MAX_CM_BLOB`] bytes), and so does the control channel's QP number
-//! when both sides are async (see `private`): the control QP is connected with the data QP's
-//! attributes and the peer's control QP number.
+//! private data (at most [`MAX_CM_BLOB`] bytes), after the rights this side's QP grants the
+//! peer, and so does the control channel's QP number when both sides are async (see
+//! `private`): the control QP is connected with the data QP's attributes and the peer's control
+//! QP number. A connect that finds nothing listening at the peer is tried again until
+//! [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) (the peer may be starting).
 
 mod private;
 mod raw;
@@ -20,20 +22,21 @@ use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
+use crate::transfer::setup::backoff::Backoff;
 use crate::transfer::setup::control::{Established, Prepared};
 use crate::transfer::{Connection, Options};
-use crate::verbs::Pd;
+use crate::verbs::{Access, Pd};
 
 pub use private::{MAX_ASYNC_CM_ACCEPT_BLOB, MAX_ASYNC_CM_BLOB, MAX_CM_ACCEPT_BLOB, MAX_CM_BLOB};
 
 pub(crate) use private::check_accept_blob;
-use private::{check_blob, frame, unframe};
+use private::{check_blob, frame, unframe, Unframed};
 pub(crate) use raw::raw_event;
 #[cfg(feature = "tokio")]
 use raw::try_event;
 use raw::{
-    check_device, cm_connect, cm_connect_control, conn_param, expect_event, peer_addr_of, peer_endpoint, resolve,
-    sockaddr, Channel, CmHold, Id,
+    check_device, cm_connect, cm_connect_control, conn_param, expect_event, expect_kind, next_event, peer_addr_of,
+    peer_endpoint, resolve, sockaddr, Channel, CmHold, Id,
 };
 
 /// RDMA CM private data has no room for the shared-secret handshake: refuse rather than
@@ -55,13 +58,12 @@ fn established(
     opts: &Options,
     prepared: Prepared,
     peer_qpn: u32,
-    peer_control: Option<u32>,
-    blob: Vec<u8>,
+    (blob, peer_control, peer_grants): Unframed,
     hold: CmHold,
 ) -> Result<Established> {
     let peer = peer_endpoint(&prepared.data.0, peer_qpn);
     let control = prepared.control.as_ref().zip(peer_control).map(|(mine, qpn)| peer_endpoint(&mine.0, qpn));
-    let mut conn = prepared.wrap(pd, opts, peer, control, blob)?;
+    let mut conn = prepared.wrap(pd, opts, peer, control, blob, peer_grants)?;
     // SAFETY: the connection's live id.
     conn.set_peer_addr(unsafe { peer_addr_of(hold.id.0) });
     // The channel now only brings DISCONNECTED / DEVICE_REMOVAL: the watcher reads it.
@@ -91,11 +93,14 @@ impl Connection {
     ///   device than `pd`'s.
     /// - [`Error::Io`] if `addr` cannot be resolved or the CM's event channel cannot be read.
     /// - [`Error::Timeout`] if resolving the address and route and the peer's answer take longer
-    ///   than [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout)
-    ///   (the error names the time that was left).
+    ///   than [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) (the error names the time that was left), or nothing
+    ///   listens at `addr` until then: a connect the peer's CM rejects for want of a listener
+    ///   (the peer is starting) is tried again, after a pause growing to half a second, until
+    ///   the deadline.
     /// - [`Error::Protocol`] if the CM reports another event than expected (address or route
-    ///   resolution failed, the peer rejected the connection or is unreachable), resolves no
-    ///   device, or the peer's reply is malformed.
+    ///   resolution failed, the peer rejected the connection otherwise or is unreachable),
+    ///   resolves no device, or the peer's reply is malformed (or comes from an older mralloc,
+    ///   whose private data carries no rights).
     /// - [`Error::Verbs`] if an RDMA CM or verbs call fails; as [`Connection::pair`] for
     ///   creating the queue pair.
     pub fn connect_cm_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
@@ -113,61 +118,119 @@ impl Connection {
     ) -> Result<Established> {
         let max = if control { MAX_ASYNC_CM_BLOB } else { MAX_CM_BLOB };
         check_blob(blob, max, "an RDMA CM connect blob")?;
-        Connection::connect_cm_framed(addr, pd, opts, control, |offer| frame(blob, offer))
+        Connection::connect_cm_framed(addr, pd, opts, control, |rights, offer| frame(rights, blob, offer))
     }
 
-    /// The connect itself: `private` makes the REQ's private data from the control QP's number
-    /// (if `control`).
+    /// The connect, tried again while nothing listens at `addr`: `private` makes the REQ's
+    /// private data from the rights this side's QP grants and the control QP's number (if
+    /// `control`).
     fn connect_cm_framed(
         addr: impl ToSocketAddrs,
         pd: &Pd,
         opts: Options,
         control: bool,
-        private: impl FnOnce(Option<u32>) -> Vec<u8>,
+        private: impl Fn(Access, Option<u32>) -> Vec<u8>,
     ) -> Result<Established> {
         check_no_secret(&opts)?;
         let target = resolve(addr)?;
         let deadline = Instant::now() + opts.setup.connect_timeout;
-        let left = || Some(deadline.saturating_duration_since(Instant::now()));
-        let channel = Channel::new()?;
-        let id = Id::new(&channel)?;
-        let mut dst = sockaddr(target);
-        let ms = opts.setup.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: live id; dst is a valid sockaddr.
-        if unsafe {
-            ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
-        } != 0
-        {
-            return Err(Error::verbs("rdma_resolve_addr", 0));
+        let not_listening = || {
+            Error::Timeout(
+                opts.setup.connect_timeout,
+                "an RDMA CM listener at the peer (every connect was rejected: nothing listens there)",
+            )
+        };
+        let mut backoff = Backoff::new();
+        let mut rejected = false;
+        loop {
+            match connect_cm_once(target, pd, &opts, control, deadline, &private) {
+                Ok(Attempt::Connected(est)) => return Ok(*est),
+                Ok(Attempt::NotListening) => rejected = true,
+                // The deadline passed during a try after nothing listened: that is the reason.
+                Err(Error::Timeout(..)) if rejected => return Err(not_listening()),
+                Err(e) => return Err(e),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(not_listening());
+            }
+            std::thread::sleep(backoff.pause(left));
+            if Instant::now() >= deadline {
+                return Err(not_listening());
+            }
         }
-        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, left())?;
-        // SAFETY: live, address-resolved id.
-        if unsafe { ffi::rdma_resolve_route(id.0, ms) } != 0 {
-            return Err(Error::verbs("rdma_resolve_route", 0));
-        }
-        expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, left())?;
-        check_device(id.0, pd)?;
-        let prepared = Prepared::new(pd, &opts, control)?;
-        let framed = private(prepared.control.as_ref().map(|c| c.0.qpn()));
-        let mut param = conn_param(&prepared.data.0, pd, &opts, &framed)?;
-        // SAFETY: live, route-resolved id; param (and the data it points at) outlive the call.
-        if unsafe { ffi::rdma_connect(id.0, &mut param) } != 0 {
-            return Err(Error::verbs("rdma_connect", 0));
-        }
-        let resp = expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE, left())?;
-        let (peer_blob, peer_control) = unframe(&resp.private)?;
-        cm_connect(id.0, &prepared.data.0)?;
-        // The control QP is ready before the listener learns the connection is established.
-        if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
-            cm_connect_control(id.0, &mine.0, qpn)?;
-        }
-        // SAFETY: live id that received its connect response.
-        if unsafe { ffi::rdma_establish(id.0) } != 0 {
-            return Err(Error::verbs("rdma_establish", 0));
-        }
-        let hold = CmHold { id, _channel: channel };
-        established(pd, &opts, prepared, resp.qp_num, peer_control, peer_blob, hold)
     }
+}
+
+/// How one RDMA CM connect attempt ended, if not with an error.
+enum Attempt {
+    Connected(Box<Established>),
+    /// The peer's CM rejected the request because nothing listens at the address (yet).
+    NotListening,
+}
+
+/// One connect attempt, within `deadline`: resolve, prepare the QPs, connect.
+fn connect_cm_once(
+    target: std::net::SocketAddr,
+    pd: &Pd,
+    opts: &Options,
+    control: bool,
+    deadline: Instant,
+    private: &impl Fn(Access, Option<u32>) -> Vec<u8>,
+) -> Result<Attempt> {
+    let left = || Some(deadline.saturating_duration_since(Instant::now()));
+    let channel = Channel::new()?;
+    let id = Id::new(&channel)?;
+    let mut dst = sockaddr(target);
+    let ms = opts.setup.connect_timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: live id; dst is a valid sockaddr.
+    if unsafe {
+        ffi::rdma_resolve_addr(id.0, std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms)
+    } != 0
+    {
+        return Err(Error::verbs("rdma_resolve_addr", 0));
+    }
+    expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, left())?;
+    // SAFETY: live, address-resolved id.
+    if unsafe { ffi::rdma_resolve_route(id.0, ms) } != 0 {
+        return Err(Error::verbs("rdma_resolve_route", 0));
+    }
+    expect_event(&channel, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, left())?;
+    check_device(id.0, pd)?;
+    let prepared = Prepared::new(pd, opts, control)?;
+    let framed = private(prepared.grants(), prepared.control.as_ref().map(|c| c.0.qpn()));
+    let mut param = conn_param(&prepared.data.0, pd, opts, &framed)?;
+    // SAFETY: live, route-resolved id; param (and the data it points at) outlive the call.
+    if unsafe { ffi::rdma_connect(id.0, &mut param) } != 0 {
+        return Err(Error::verbs("rdma_connect", 0));
+    }
+    let resp = next_event(&channel, left())?;
+    if resp.kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED && no_listener(resp.status) {
+        tracing::debug!(target: "mralloc::transfer", %target, status = resp.status, "RDMA CM connect rejected: nothing listens yet");
+        return Ok(Attempt::NotListening);
+    }
+    let resp = expect_kind(resp, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE)?;
+    let unframed = unframe(&resp.private)?;
+    let peer_control = unframed.1;
+    cm_connect(id.0, &prepared.data.0)?;
+    // The control QP is ready before the listener learns the connection is established.
+    if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
+        cm_connect_control(id.0, &mine.0, qpn)?;
+    }
+    // SAFETY: live id that received its connect response.
+    if unsafe { ffi::rdma_establish(id.0) } != 0 {
+        return Err(Error::verbs("rdma_establish", 0));
+    }
+    let hold = CmHold { id, _channel: channel };
+    established(pd, opts, prepared, resp.qp_num, unframed, hold).map(|e| Attempt::Connected(Box::new(e)))
+}
+
+/// Whether a REJECTED event's status says nothing listens at the address: the reason
+/// `IB_CM_REJ_INVALID_SERVICE_ID` (InfiniBand and RoCE CMs, rxe's included) or `-ECONNREFUSED`
+/// (iWARP). A listener's own rejection (`IB_CM_REJ_CONSUMER_DEFINED`) is not retried.
+fn no_listener(status: i32) -> bool {
+    const IB_CM_REJ_INVALID_SERVICE_ID: i32 = 8;
+    status == IB_CM_REJ_INVALID_SERVICE_ID || status == -libc::ECONNREFUSED
 }
 
 /// A connect request taken from a listener, its id already moved to an event channel of its
@@ -385,7 +448,8 @@ pub(crate) fn accept_request(
     // From here on the id and its channel drop together, the id first (on every error path).
     let hold = CmHold { id: child, _channel: own };
     let child = hold.id.0;
-    let (peer_blob, peer_control) = unframe(&private)?;
+    let unframed = unframe(&private)?;
+    let peer_control = unframed.1;
     check_device(child, pd)?;
     // A control QP only if the peer offered one: nothing is created that cannot be connected.
     let prepared = Prepared::new(pd, opts, control && peer_control.is_some())?;
@@ -393,7 +457,7 @@ pub(crate) fn accept_request(
     if let (Some(mine), Some(qpn)) = (&prepared.control, peer_control) {
         cm_connect_control(child, &mine.0, qpn)?;
     }
-    let framed = frame(blob, prepared.control.as_ref().map(|c| c.0.qpn()));
+    let framed = frame(prepared.grants(), blob, prepared.control.as_ref().map(|c| c.0.qpn()));
     let mut param = conn_param(&prepared.data.0, pd, opts, &framed)?;
     // SAFETY: the child id of a connect request; param (and the data it points at) outlive the
     // call.
@@ -408,46 +472,8 @@ pub(crate) fn accept_request(
     if est.id != child {
         return Err(Error::Protocol("RDMA CM: ESTABLISHED for another connection".into()));
     }
-    established(pd, opts, prepared, qp_num, peer_control, peer_blob, hold)
+    established(pd, opts, prepared, qp_num, unframed, hold)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transfer::SetupOptions;
-
-    /// A request with malformed private data fails that accept only (its id and channel go
-    /// in order, the peer is rejected) and the listener accepts the next one.
-    #[test]
-    #[ignore = "needs an RDMA device: run scripts/test"]
-    fn device_a_malformed_request_fails_only_its_accept() {
-        let ip = std::env::var("MRALLOC_CM_ADDR").expect("MRALLOC_CM_ADDR (scripts/softroce sets it)");
-        let pd = Pd::new(&Options::default().open_device().unwrap()).unwrap();
-        let port = 40000 + (std::process::id() % 20000) as u16;
-        let l = CmListener::bind((ip.as_str(), port), &pd, Options::default()).unwrap();
-        let (ip2, pd2) = (ip.clone(), pd.clone());
-        let client = std::thread::spawn(move || {
-            let bad = [200u8, 1, 2]; // claims 200 bytes
-            let r =
-                Connection::connect_cm_framed((ip2.as_str(), port), &pd2, Options::default(), false, |_| bad.to_vec());
-            assert!(r.is_err(), "a rejected request");
-            let c = Connection::connect_cm_with((ip2.as_str(), port), &pd2, Options::default(), b"fine");
-            c.unwrap()
-        });
-        let first = l.accept();
-        assert!(matches!(first, Err(Error::Protocol(_))), "{:?}", first.err());
-        let second = l.accept_with(b"ok").unwrap();
-        assert_eq!(second.peer_blob(), b"fine");
-        assert_eq!(client.join().unwrap().peer_blob(), b"ok");
-    }
-
-    #[test]
-    fn secrets_are_refused() {
-        assert!(check_no_secret(&Options::default()).is_ok());
-        let secret = Some(crate::transfer::Secret::new("k").unwrap());
-        assert!(matches!(
-            check_no_secret(&Options { setup: SetupOptions { secret, ..Default::default() }, ..Options::default() }),
-            Err(Error::InvalidArgument(_))
-        ));
-    }
-}
+mod tests;

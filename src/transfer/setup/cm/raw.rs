@@ -239,7 +239,7 @@ pub(crate) fn next_event(ch: &Channel, timeout: Option<Duration>) -> Result<Even
 }
 
 /// Checks that `e` is a `want` event.
-fn expect_kind(e: Event, want: u32) -> Result<Event> {
+pub(crate) fn expect_kind(e: Event, want: u32) -> Result<Event> {
     if e.kind != want {
         return Err(Error::Protocol(format!(
             "RDMA CM: expected {}, got {} (status {})",
