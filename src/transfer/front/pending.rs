@@ -84,11 +84,15 @@ impl<'c, B: Send + 'static> Pending<'c, B> {
     ///
     /// [`Error::FlushLost`] comes without the buffer (leaked: the NIC may still use it).
     pub fn wait(mut self) -> std::result::Result<(B, Received), Rejected<B>> {
+        // Should the wait unwind, the Pending's drop parks the buffer.
         let r = self.conn.wait(self.ticket);
         let mut buf = self.buf.take().expect("a Pending holds its buffer until waited");
-        // SAFETY: `c` is this request's successful completion, posted as `self.posted` into
-        // `buf` (which the Pending held since).
-        match r.and_then(|c| unsafe { c.deliver_into(&mut buf, self.posted, self.fill) }) {
+        let (posted, fill) = (self.posted, self.fill);
+        // Nothing left to drop: the buffer is out, the rest is `Copy`.
+        std::mem::forget(self);
+        // SAFETY: `c` is this request's successful completion, posted as `posted` into `buf`
+        // (which the Pending held since).
+        match r.and_then(|c| unsafe { c.deliver_into(&mut buf, posted, fill) }) {
             Ok(got) => Ok((buf, got)),
             Err(error @ Error::FlushLost { .. }) => {
                 // The NIC may still own the memory: leak it rather than hand it back.
