@@ -10,7 +10,8 @@
 //!   return while the NIC may touch the memory. Every front end names a remote range the same
 //!   way — `(local, remote, offset)` — and every request's local side may be a
 //!   gather/scatter list of buffers: one request, several entries (borrowed for blocking and
-//!   batched requests, [`Gather`] / [`Scatter`]; owned for the others, below).
+//!   batched requests, [`Gather`] / [`Scatter`]; owned for the others, [`OwnedGather`] /
+//!   [`OwnedScatter`], below).
 //! - Non-blocking operations own it ([`IoBuf`], [`IoBufMut`]; sub-ranges as [`Slice`]; a list
 //!   as `Vec<B>` or `[B; N]` of them):
 //!   [`Connection::post_write`] and friends return a [`Pending`] that keeps the buffer until its
@@ -69,6 +70,7 @@ pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use options::{DeviceChoice, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
 pub use request::iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use request::local::{Local, LocalMut};
+pub use request::owned::{OwnedGather, OwnedScatter};
 pub use request::parts::{Gather, Scatter};
 pub use request::received::{Arrival, Received};
 pub use setup::acceptor::HandshakeFailure;

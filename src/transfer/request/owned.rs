@@ -25,29 +25,26 @@ mod sealed {
     use crate::transfer::request::SgeList;
     use crate::verbs::Pd;
 
-    /// Owned memory the NIC reads for one request: one [`IoBuf`](crate::transfer::IoBuf), or
-    /// a gather list of them (`Vec<B>`, `[B; N]`). Sealed and unnameable outside the crate:
-    /// implement `IoBuf` for your own memory.
+    /// How an owned source becomes a request's gather list (private: seals [`OwnedGather`](super::OwnedGather)).
     #[diagnostic::on_unimplemented(
         message = "`{Self}` is no owned memory the NIC may read for a non-blocking or async operation",
         label = "not one owned `IoBuf`, nor a list (`Vec<B>`, `[B; N]`) of owned `IoBuf`s",
         note = "an operation that may outlive its call owns its memory: no references, in a list or alone"
     )]
-    pub trait OwnedGather: Send + 'static {
+    pub trait Source: Send + 'static {
         /// The entries, each registered in `pd` (unchecked for count and emptiness: the
         /// request's check does that).
         fn sge_list(&self, pd: &Pd) -> Result<SgeList>;
     }
 
-    /// Owned memory the NIC writes for one request (the target of a READ or receive): one
-    /// [`IoTarget`](crate::transfer::IoTarget), or a scatter list of them (`Vec<B>`,
-    /// `[B; N]`), filled in order. Sealed and unnameable outside the crate.
+    /// How an owned target becomes a request's scatter list, and learns what landed in it
+    /// (private: seals [`OwnedScatter`](super::OwnedScatter)).
     #[diagnostic::on_unimplemented(
         message = "`{Self}` is no owned memory the NIC may write for a non-blocking or async operation",
         label = "not one owned `IoTarget` (an `IoBufMut`, an `UninitBuffer`), nor a list (`Vec<B>`, `[B; N]`) of them",
         note = "the NIC writes a READ's or receive's target: every part must be owned and writable"
     )]
-    pub trait OwnedScatter: Send + 'static {
+    pub trait Target: Send + 'static {
         /// The entries, each registered in `pd` (unchecked for count and emptiness).
         fn target_list(&mut self, pd: &Pd) -> Result<SgeList>;
 
@@ -61,7 +58,41 @@ mod sealed {
     }
 }
 
-pub(crate) use sealed::{OwnedGather, OwnedScatter};
+pub(crate) use sealed::{Source, Target};
+
+/// Owned memory the NIC reads for one non-blocking or async request (`post_write`,
+/// `post_send`, the async `write`/`send`): one [`IoBuf`], or a gather list of them — `Vec<B>`
+/// or `[B; N]` — sent or written as the concatenation of its parts; the operation gives the
+/// whole value back. Sealed (implement [`IoBuf`] for your own memory); name it to write
+/// functions that take "one buffer or a list":
+///
+/// ```no_run
+/// use mralloc::transfer::{Connection, OwnedGather};
+///
+/// /// Sends `parts` (one buffer, a `Vec` or an array of them) as one message; gives them back.
+/// fn send_all<B: OwnedGather>(conn: &Connection, parts: B) -> mralloc::Result<B> {
+///     Ok(conn.post_send(parts)?.wait()?.0)
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is no owned memory the NIC may read for a non-blocking or async operation",
+    label = "not one owned `IoBuf`, nor a list (`Vec<B>`, `[B; N]`) of owned `IoBuf`s",
+    note = "an operation that may outlive its call owns its memory: no references, in a list or alone"
+)]
+pub trait OwnedGather: sealed::Source {}
+impl<T: sealed::Source> OwnedGather for T {}
+
+/// Owned memory the NIC writes for one non-blocking or async request (`post_read`,
+/// `post_recv`, the async `read`/`recv`): one [`IoTarget`], or a scatter list of them —
+/// `Vec<B>` or `[B; N]` — filled in order; the operation gives the whole value back. Sealed
+/// (implement [`IoTarget`] for your own memory).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is no owned memory the NIC may write for a non-blocking or async operation",
+    label = "not one owned `IoTarget` (an `IoBufMut`, an `UninitBuffer`), nor a list (`Vec<B>`, `[B; N]`) of them",
+    note = "the NIC writes a READ's or receive's target: every part must be owned and writable"
+)]
+pub trait OwnedScatter: sealed::Target {}
+impl<T: sealed::Target> OwnedScatter for T {}
 
 /// The entry of one owned source.
 #[inline]
@@ -91,26 +122,26 @@ unsafe fn fill_in_order<'a, B: IoTarget + 'a>(parts: impl Iterator<Item = &'a mu
     }
 }
 
-impl<B: IoBuf> OwnedGather for B {
+impl<B: IoBuf> Source for B {
     #[inline]
     fn sge_list(&self, pd: &Pd) -> Result<SgeList> {
         source_sge(self, pd).map(SgeList::One)
     }
 }
 
-impl<B: IoBuf> OwnedGather for Vec<B> {
+impl<B: IoBuf> Source for Vec<B> {
     fn sge_list(&self, pd: &Pd) -> Result<SgeList> {
         self.iter().map(|b| source_sge(b, pd)).collect::<Result<Vec<Sge>>>().map(SgeList::from_vec)
     }
 }
 
-impl<B: IoBuf, const N: usize> OwnedGather for [B; N] {
+impl<B: IoBuf, const N: usize> Source for [B; N] {
     fn sge_list(&self, pd: &Pd) -> Result<SgeList> {
         self.iter().map(|b| source_sge(b, pd)).collect::<Result<Vec<Sge>>>().map(SgeList::from_vec)
     }
 }
 
-impl<B: IoTarget> OwnedScatter for B {
+impl<B: IoTarget> Target for B {
     #[inline]
     fn target_list(&mut self, pd: &Pd) -> Result<SgeList> {
         target_sge(self, pd).map(SgeList::One)
@@ -123,7 +154,7 @@ impl<B: IoTarget> OwnedScatter for B {
     }
 }
 
-impl<B: IoTarget> OwnedScatter for Vec<B> {
+impl<B: IoTarget> Target for Vec<B> {
     fn target_list(&mut self, pd: &Pd) -> Result<SgeList> {
         self.iter_mut().map(|b| target_sge(b, pd)).collect::<Result<Vec<Sge>>>().map(SgeList::from_vec)
     }
@@ -134,7 +165,7 @@ impl<B: IoTarget> OwnedScatter for Vec<B> {
     }
 }
 
-impl<B: IoTarget, const N: usize> OwnedScatter for [B; N] {
+impl<B: IoTarget, const N: usize> Target for [B; N] {
     fn target_list(&mut self, pd: &Pd) -> Result<SgeList> {
         self.iter_mut().map(|b| target_sge(b, pd)).collect::<Result<Vec<Sge>>>().map(SgeList::from_vec)
     }
@@ -190,18 +221,18 @@ mod tests {
         ] {
             let mut list = parts(&[4, 8, 2]);
             // SAFETY: `n` is at most the 14 bytes of the parts (no memory is read).
-            unsafe { OwnedScatter::filled(&mut list, n) };
+            unsafe { Target::filled(&mut list, n) };
             assert_eq!(told(&list), want, "{n} bytes over parts of 4, 8, 2");
 
             let mut array: [Recorded; 3] = parts(&[4, 8, 2]).try_into().ok().unwrap();
             // SAFETY: as above.
-            unsafe { OwnedScatter::filled(&mut array, n) };
+            unsafe { Target::filled(&mut array, n) };
             assert_eq!(told(&array), want, "{n} bytes over an array of 4, 8, 2");
         }
         // One part: told exactly what landed.
         let mut one = parts(&[16]).pop().unwrap();
         // SAFETY: 9 <= 16.
-        unsafe { OwnedScatter::filled(&mut one, 9) };
+        unsafe { Target::filled(&mut one, 9) };
         assert_eq!(one.filled, Some(9));
     }
 }
