@@ -93,11 +93,15 @@ impl ChunkRec {
     /// [`ChunkRec::mr_in`] finds it).
     #[inline]
     pub(crate) fn lkey_in(&self, pd: *mut ffi::ibv_pd) -> Option<u32> {
-        (0..MAX_PDS).find_map(|slot| {
-            self.mr_in(slot, pd)?;
-            // Written before the registration was published (`mr_in` read it with acquire).
-            Some((self.keys[slot].load(Ordering::Relaxed) >> 32) as u32)
-        })
+        let (slot, _) = self.registration_in(pd)?;
+        // Written before the registration was published (`mr_in` read it with acquire).
+        Some((self.keys[slot].load(Ordering::Relaxed) >> 32) as u32)
+    }
+
+    /// The slot and registration of this chunk in `pd`, if it has one ([`ChunkRec::mr_in`]).
+    #[inline]
+    pub(crate) fn registration_in(&self, pd: *mut ffi::ibv_pd) -> Option<(usize, *mut ffi::ibv_mr)> {
+        (0..MAX_PDS).find_map(|slot| Some((slot, self.mr_in(slot, pd)?)))
     }
 
     /// Whether the chunk is (or may still be) registered with any PD.

@@ -73,7 +73,7 @@ fn mr_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Keys)> {
 /// it was registered with.
 pub(crate) fn mr_and_access_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Access)> {
     let (_, rec) = chunk::find(ptr as usize)?;
-    let mr = (0..chunk::MAX_PDS).find_map(|slot| rec.mr_in(slot, pd.as_raw()))?;
+    let (_, mr) = rec.registration_in(pd.as_raw())?;
     // Written before the registration was published (read with acquire by `mr_in`).
     let access = Access::from_bits_truncate(rec.access.load(std::sync::atomic::Ordering::Relaxed));
     Some((mr, access))

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::transfer::liveness::watch::Source;
 use crate::transfer::setup::backoff::Backoff;
 use crate::transfer::setup::control::{Established, Prepared};
+use crate::transfer::setup::wire::Deadline;
 use crate::transfer::{Connection, Options};
 use crate::verbs::{Access, Pd};
 
@@ -133,7 +134,8 @@ impl Connection {
     ) -> Result<Established> {
         check_no_secret(&opts)?;
         let target = resolve(addr)?;
-        let deadline = Instant::now() + opts.setup.connect_timeout;
+        // Overflow-safe, as the TCP setup's (`Duration::MAX` means no limit).
+        let deadline = Deadline::after(opts.setup.connect_timeout).at();
         let not_listening = || {
             Error::Timeout(
                 opts.setup.connect_timeout,
