@@ -59,9 +59,25 @@ impl Connection {
                 self.options().qp.send_depth
             )));
         };
+        self.check()?;
+        // The common case: room at once (no clock, no loop).
+        // SAFETY: the caller's contract.
+        match unsafe { self.attempt(chain, true)? } {
+            Attempt::Posted(tail) => Ok(Ticket::send(tail)),
+            Attempt::Partial(e, accepted) => Err(self.after_partial(tail.name(), e, accepted)),
+            // SAFETY: the caller's contract.
+            Attempt::Full => unsafe { self.submit_when_room(chain) },
+        }
+    }
+
+    /// [`Connection::submit`] once the send queue was found full: waits for room.
+    ///
+    /// # Safety
+    /// As [`Connection::submit`].
+    #[inline(never)]
+    unsafe fn submit_when_room(&self, chain: &[Request]) -> Result<Ticket> {
         // A chain is reported by its signaled tail.
-        let op = tail.name();
-        // Started by the first full queue: a post that finds room reads no clock.
+        let op = chain[chain.len() - 1].name();
         let mut watch = self.core().stopwatch();
         loop {
             self.check()?;

@@ -171,24 +171,38 @@ impl Core {
 
     /// Runs `f` on a queue's state; after the lock is gone, records a flush it reaped that
     /// nobody will explain, and drops the buffers it released (and those the watcher kept).
+    #[inline(always)]
     fn with<R>(&self, send: bool, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
         self.with_as(send, Reaper::App, f)
     }
 
+    #[inline(always)]
     fn with_as<R>(&self, send: bool, who: Reaper, f: impl FnOnce(&Core, &mut Queue) -> R) -> R {
         let mut q = self.queue(send);
         let r = f(self, &mut q);
-        // The common case released nothing: no Vec moves, nothing to drop.
-        let released = (!q.released.is_empty()).then(|| std::mem::take(&mut q.released));
+        // The common case released nothing and reaped no flush: the lock is let go, done.
+        if q.released.is_empty()
+            && q.orphan.is_none()
+            && !(who == Reaper::App && self.has_deferred.load(Ordering::Acquire))
+        {
+            return r;
+        }
+        self.after_reap(q, send, who);
+        r
+    }
+
+    /// [`Core::with_as`]'s uncommon end: with the queue's lock let go, records a flush nobody
+    /// will explain and drops the buffers released (and those the watcher kept).
+    #[cold]
+    #[inline(never)]
+    fn after_reap(&self, mut q: parking_lot::MutexGuard<'_, Queue>, send: bool, who: Reaper) {
+        let released = std::mem::take(&mut q.released);
         let orphan = q.orphan.take();
         drop(q);
         if let Some(flush) = orphan {
             self.explain(send, flush, who);
         }
-        if released.is_some() || (who == Reaper::App && self.has_deferred.load(Ordering::Acquire)) {
-            self.release(released.unwrap_or_default(), who);
-        }
-        r
+        self.release(released, who);
     }
 
     /// Drops released buffers — or, on the watcher's thread, keeps them for an application
@@ -325,11 +339,14 @@ impl Core {
     /// Takes the outcome of `wr_id` if it has completed (reaping the CQ once if needed).
     pub(crate) fn try_claim(&self, Ticket { wr_id, send }: Ticket) -> Result<Option<Outcome>> {
         self.with(send, |c, q| {
-            if let Some(o) = q.tickets.claim(wr_id) {
-                return Ok(Some(o));
+            // Another thread's reap may have left the outcome here; if none waits, the reap
+            // below hands it back directly.
+            if q.tickets.any_completed() {
+                if let Some(o) = q.tickets.claim(wr_id) {
+                    return Ok(Some(o));
+                }
             }
-            c.reap(send, q)?;
-            Ok(q.tickets.claim(wr_id))
+            c.reap_claiming(send, q, wr_id)
         })
     }
 

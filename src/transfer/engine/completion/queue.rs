@@ -59,6 +59,8 @@ pub(super) struct Tickets {
     spill: HashMap<u64, Lifecycle>,
     /// How many are `Abandoned` (so "anything parked?" costs nothing).
     abandoned: usize,
+    /// How many are `Completed` (so a waiter that finds none reaps without looking).
+    completed: usize,
 }
 
 /// Where a ticket is ([`Tickets::find`]).
@@ -76,7 +78,7 @@ impl Tickets {
     pub(super) fn new(depth: u32) -> Tickets {
         let max = (depth.max(8) as usize).next_power_of_two() * 2;
         let n = FIRST_RING.min(max);
-        Tickets { ring: empty_ring(n), mask: n as u64 - 1, max, spill: HashMap::new(), abandoned: 0 }
+        Tickets { ring: empty_ring(n), mask: n as u64 - 1, max, spill: HashMap::new(), abandoned: 0, completed: 0 }
     }
 
     /// A request posted as `id` (signaled: its completion will be reaped). A completed ticket
@@ -164,6 +166,7 @@ impl Tickets {
         let l = self.lifecycle(at);
         debug_assert!(matches!(l, Lifecycle::Submitted { .. }));
         *l = Lifecycle::Completed(o);
+        self.completed += 1;
     }
 
     /// Nobody waits for the `Submitted` ticket at `at` any more: `buf` stays until its
@@ -182,8 +185,10 @@ impl Tickets {
             At::Ring(i) => self.ring[i].take().expect("a ticket found in the table").1,
             At::Spill(id) => self.spill.remove(&id).expect("a ticket found in the table"),
         };
-        if matches!(l, Lifecycle::Abandoned { .. }) {
-            self.abandoned -= 1;
+        match l {
+            Lifecycle::Abandoned { .. } => self.abandoned -= 1,
+            Lifecycle::Completed(_) => self.completed -= 1,
+            Lifecycle::Submitted { .. } => {}
         }
         l
     }
@@ -194,7 +199,10 @@ impl Tickets {
         let i = (id & self.mask) as usize;
         match &self.ring[i] {
             Some((k, Lifecycle::Completed(_))) if *k == id => match self.ring[i].take() {
-                Some((_, Lifecycle::Completed(o))) => Some(o),
+                Some((_, Lifecycle::Completed(o))) => {
+                    self.completed -= 1;
+                    Some(o)
+                }
                 _ => None,
             },
             Some((k, _)) if *k == id => None,
@@ -209,7 +217,10 @@ impl Tickets {
             return None;
         }
         match self.spill.remove(&id) {
-            Some(Lifecycle::Completed(o)) => Some(o),
+            Some(Lifecycle::Completed(o)) => {
+                self.completed -= 1;
+                Some(o)
+            }
             _ => None,
         }
     }
@@ -222,6 +233,12 @@ impl Tickets {
     /// Whether `id` is posted and not reaped yet.
     pub(super) fn in_flight(&self, id: u64) -> bool {
         self.find(id).is_some_and(|i| !matches!(self.at(i), Lifecycle::Completed(_)))
+    }
+
+    /// Whether any outcome waits to be claimed.
+    #[inline(always)]
+    pub(super) fn any_completed(&self) -> bool {
+        self.completed > 0
     }
 
     /// Whether any buffer waits for its completion.
@@ -304,8 +321,17 @@ mod tests {
         Ok(Completed { byte_len: n, imm: None, opcode: WcOpcode::RdmaWrite })
     }
 
+    /// The table's counters agree with its tickets.
+    fn counted(t: &Tickets) {
+        let all = || t.ring.iter().flatten().map(|(_, l)| l).chain(t.spill.values());
+        assert_eq!(t.completed, all().filter(|l| matches!(l, Lifecycle::Completed(_))).count(), "completed");
+        assert_eq!(t.abandoned, all().filter(|l| matches!(l, Lifecycle::Abandoned { .. })).count(), "abandoned");
+        assert_eq!(t.any_completed(), t.completed > 0);
+    }
+
     /// Marks ticket `id` completed, as a reap does.
     fn reap(t: &mut Tickets, id: u64) -> bool {
+        counted(t);
         let Some(i) = t.find(id) else { return false };
         match t.at(i) {
             Lifecycle::Submitted { .. } => {
@@ -338,6 +364,7 @@ mod tests {
             assert!(t.is_completed(oldest) && !t.in_flight(oldest));
             assert_eq!(t.claim(oldest).unwrap().unwrap().byte_len, oldest as u32);
             assert_eq!(t.claim(oldest), None, "claimed once");
+            counted(&t);
             oldest += 1;
             t.submitted(next, 1, "recv");
             next += 1;
@@ -352,6 +379,7 @@ mod tests {
         assert!(t.claim(c).is_some() && t.claim(a).is_some());
         assert!(t.find(a).is_none() && t.find(b).is_none() && t.find(c).is_none());
         assert!(t.find(c + 1).is_some());
+        counted(&t);
     }
 
     #[test]
@@ -376,6 +404,7 @@ mod tests {
         assert!(t.find(4).is_none() && t.is_completed(1) && t.in_flight(3));
         assert!(t.claim(1).is_some());
         assert!(t.find(3).is_some());
+        counted(&t);
     }
 
     #[test]
@@ -402,7 +431,9 @@ mod tests {
         assert!(t.in_flight(2) && t.any_abandoned());
         assert!(t.is_completed(1));
         // Still found, claimed once, reaped once.
+        counted(&t);
         assert!(t.claim(1).is_some() && t.claim(1).is_none());
+        counted(&t);
         assert!(!reap(&mut t, 2) && t.find(2).is_none() && !t.any_abandoned());
         assert!(t.spill.is_empty());
         // The slots those two had work as before.
@@ -439,5 +470,6 @@ mod tests {
             assert!(t.claim(id).is_some(), "ticket {id} claimed");
         }
         assert_eq!(t.len(), 0);
+        counted(&t);
     }
 }

@@ -6,11 +6,26 @@ use std::sync::atomic::Ordering;
 
 use crate::error::Result;
 use crate::transfer::engine::completion::queue::{Lifecycle, Queue};
-use crate::transfer::engine::completion::{Core, Mode, PROBE_OP};
+use crate::transfer::engine::completion::{Core, Mode, Outcome, PROBE_OP};
 use crate::verbs::{WcOpcode, WcStatus};
 
 impl Core {
+    /// Polls a queue's CQ once: each completion retires its slots and becomes its ticket's
+    /// outcome. Returns how many it reaped.
+    #[inline]
     pub(super) fn reap(&self, send: bool, q: &mut Queue) -> Result<usize> {
+        self.reap_for(send, q, None).map(|(n, _)| n)
+    }
+
+    /// [`Core::reap`] by `want`'s waiter: `want`'s own outcome, if reaped, comes straight back
+    /// (its ticket leaves the table) instead of waiting in the table to be claimed.
+    #[inline]
+    pub(super) fn reap_claiming(&self, send: bool, q: &mut Queue, want: u64) -> Result<Option<Outcome>> {
+        self.reap_for(send, q, Some(want)).map(|(_, mine)| mine)
+    }
+
+    #[inline(always)]
+    fn reap_for(&self, send: bool, q: &mut Queue, want: Option<u64>) -> Result<(usize, Option<Outcome>)> {
         #[cfg(test)]
         {
             use std::sync::atomic::Ordering::Relaxed;
@@ -20,6 +35,7 @@ impl Core {
         }
         let cq = if send { &self.send_cq } else { &self.recv_cq };
         let n = cq.poll(&mut q.wcs)?;
+        let mut mine = None;
         if n > 0 && self.mode == Mode::Event {
             // Under the queue's lock, before anything reaped can be claimed. Only event-mode
             // waits read it: other modes keep the atomic off their hot path.
@@ -70,6 +86,11 @@ impl Core {
                 Err(_) => q.counts.errors += 1,
             }
             let waited = match at.map(|t| (t, q.tickets.at(t))) {
+                Some((t, Lifecycle::Submitted { .. })) if want == Some(id) => {
+                    q.tickets.remove_at(t);
+                    mine = Some(o);
+                    true
+                }
                 Some((t, Lifecycle::Submitted { .. })) => {
                     q.tickets.complete(t, o);
                     true
@@ -88,7 +109,7 @@ impl Core {
                 q.orphan = q.orphan.or(o.err());
             }
         }
-        Ok(n)
+        Ok((n, mine))
     }
 
     /// Reaps a queue's CQ until it is empty, bounded by its capacity (what arrives later is

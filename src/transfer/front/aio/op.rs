@@ -83,9 +83,9 @@ impl<B: Send + 'static> Op<B> {
     /// waits for it; else queued behind them. A refused post finishes the future with the error
     /// and the buffer.
     pub(crate) fn start(shared: Arc<Shared>, buf: B, req: Request) -> Op<B> {
-        let sh = shared.clone();
-        let conn = sh.conn();
         let mut op = Op { shared, stage: Stage::Finished, buf: Some(buf), watch: new_watch(), local: None };
+        let sh: &Shared = &op.shared;
+        let conn = sh.conn();
         // SAFETY (both posts): the request's memory is `op.buf`, owned by this future from here
         // on: it is given back only after the completion was claimed, parked with the connection
         // (released when the completion is reaped) if the future is dropped, or leaked.
@@ -157,19 +157,18 @@ impl<B: Send + 'static> Op<B> {
             Err(error) => Err(Rejected { error, buf: Some(buf) }),
         })
     }
+}
 
-    /// Without a driver (its runtime is gone) nobody wakes us, nor the waiters whose completions
-    /// we reap: reap, post what waits, wake everyone, and poll again soon.
-    fn no_driver(&self, cx: &Context<'_>) {
-        let sh = &self.shared;
-        if sh.driver_alive.load(Ordering::Acquire) {
-            return;
-        }
-        let _ = sh.conn().core().drain();
-        sh.pump();
-        sh.waiters.wake_all();
-        cx.waker().wake_by_ref();
+/// Without a driver (its runtime is gone) nobody wakes us, nor the waiters whose completions
+/// we reap: reap, post what waits, wake everyone, and poll again soon.
+fn no_driver(sh: &Shared, cx: &Context<'_>) {
+    if sh.driver_alive.load(Ordering::Acquire) {
+        return;
     }
+    let _ = sh.conn().core().drain();
+    sh.pump();
+    sh.waiters.wake_all();
+    cx.waker().wake_by_ref();
 }
 
 impl<B: Send + 'static> Future for Op<B> {
@@ -191,8 +190,8 @@ impl<B: Send + 'static> Future for Op<B> {
                 }
                 Stage::Queued(place) => {
                     // Register first: room freed (and our post, by someone else) wakes us.
-                    this.shared.waiters.register(cx.waker());
-                    let sh = this.shared.clone();
+                    let sh: &Shared = &this.shared;
+                    sh.waiters.register(cx.waker());
                     let _ = sh.conn().core().drain();
                     sh.pump();
                     let mine = sh.backlog.lock().take(place);
@@ -200,32 +199,31 @@ impl<B: Send + 'static> Future for Op<B> {
                         Some(Ok(ticket)) => this.stage = Stage::Posted(ticket),
                         Some(Err(e)) => this.refuse(e),
                         None => {
-                            this.no_driver(cx);
+                            no_driver(&this.shared, cx);
                             return Poll::Pending;
                         }
                     }
                 }
                 Stage::Posted(ticket) => {
                     let send = ticket.send;
-                    let sh = this.shared.clone();
+                    let sh: &Shared = &this.shared;
                     let conn = sh.conn();
                     // Only the first poll that finds the request incomplete spins; a poll after a
                     // wake-up looks once and sleeps again.
                     let budget = if this.watch.started() { Duration::ZERO } else { sh.spin.budget(send) };
                     let mut registered = false;
-                    loop {
+                    let r = loop {
                         match conn.core().try_claim(ticket) {
                             Ok(Some(o)) => {
                                 if let Some(waited) = this.watch.exact() {
                                     sh.spin.observe(send, waited);
                                 }
                                 sh.spin.claimed(send);
-                                let r = match (o, this.local.take()) {
+                                break match (o, this.local.take()) {
                                     (_, Some(e)) => Err(*e),
                                     (Ok(c), None) => Ok(c),
                                     (Err(f), None) => Err(conn.core().cause(f).error()),
                                 };
-                                return this.finish(r);
                             }
                             Ok(None) => {}
                             Err(e) => {
@@ -238,7 +236,7 @@ impl<B: Send + 'static> Future for Op<B> {
                             }
                         }
                         if registered {
-                            this.no_driver(cx);
+                            no_driver(sh, cx);
                             return Poll::Pending;
                         }
                         // The first miss starts the watch; it reads the clock once in
@@ -257,7 +255,8 @@ impl<B: Send + 'static> Future for Op<B> {
                         } else {
                             std::hint::spin_loop();
                         }
-                    }
+                    };
+                    return this.finish(r);
                 }
             }
         }
