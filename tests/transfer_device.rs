@@ -631,3 +631,51 @@ fn device_several_idle_waiters_on_one_connection_sleep() {
     assert_eq!(firsts, (1..=WAITERS as u8).collect::<Vec<_>>(), "each waiter got one message");
     assert!(cpu < Duration::from_millis(400), "idle waiters spun: {cpu:?} of CPU for {WAITERS} x 800 ms");
 }
+
+/// Threads sharing one connection each get their own completions, whichever thread reaps them:
+/// a reap by one thread leaves the others' outcomes in the table for them to claim. And a
+/// `Pending` found done by `is_done` (its completion reaped then) still hands its outcome to
+/// `wait`.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_threads_sharing_a_connection_each_claim_their_own_completions() {
+    let (pd, heap) = setup();
+    let mut opts = rights(Access::REMOTE_WRITE | Access::REMOTE_READ);
+    // A completion left unclaimed would make its waiter time out: fail fast.
+    opts.wait.op_timeout = Duration::from_secs(5);
+    let (a, _b) = Connection::pair(&pd, &opts).unwrap();
+    const THREADS: usize = 4;
+    const N: usize = 300;
+    const LEN: usize = 64;
+    let dst = heap.alloc(THREADS * N * LEN).unwrap().expose().unwrap();
+    let remote = dst.remote();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (a, heap, remote) = (&a, &heap, &remote);
+            s.spawn(move || {
+                let mut src = heap.alloc(LEN).unwrap();
+                let mut back = heap.alloc(LEN).unwrap();
+                for i in 0..N {
+                    let at = ((t * N + i) * LEN) as u64;
+                    src.copy_from_slice(&pattern(at, LEN));
+                    a.write(&src, remote, at).unwrap();
+                    a.read(&mut back, remote, at).unwrap();
+                    assert_bytes_eq(&back, &src, &format!("thread {t}, round {i}"));
+                }
+            });
+        }
+    });
+    let all = dst.to_vec();
+    for k in 0..THREADS * N {
+        assert_bytes_eq(&all[k * LEN..(k + 1) * LEN], &pattern((k * LEN) as u64, LEN), &format!("slot {k}"));
+    }
+    let p = a.post_write(heap.alloc(LEN).unwrap(), &remote, 0).unwrap();
+    let start = Instant::now();
+    while !p.is_done() {
+        assert!(start.elapsed() < Duration::from_secs(5), "the WRITE completes");
+        std::thread::yield_now();
+    }
+    let (_buf, got) = p.wait().expect("the outcome reaped by is_done is claimed by wait");
+    assert_eq!(got.len, LEN);
+    assert_eq!(a.stats().sends_in_flight, 0);
+}

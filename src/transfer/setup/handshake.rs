@@ -130,11 +130,14 @@ pub(crate) async fn connect<D: Dial>(
     let mut last = None;
     let mut stream = None;
     let mut backoff = Backoff::new();
+    // Every address refused every try until the deadline (rather than failing otherwise).
+    let mut refused_until_deadline = false;
     'tries: loop {
         let mut refused = true;
         for target in addrs {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                refused_until_deadline = refused && last.is_some();
                 break 'tries;
             }
             match d.dial(*target, left).await {
@@ -150,12 +153,20 @@ pub(crate) async fn connect<D: Dial>(
         }
         let left = until.saturating_duration_since(Instant::now());
         if !refused || left.is_zero() {
+            refused_until_deadline = refused;
             break;
         }
         d.pause(backoff.pause(left)).await;
     }
     let s = match (stream, last) {
         (Some(s), _) => s,
+        // Refused until the deadline, as the RDMA CM connect reports it: the peer never listened.
+        (None, Some(_)) if refused_until_deadline => {
+            return Err(Error::Timeout(
+                opts.setup.connect_timeout,
+                "a TCP listener at the peer (every connect was refused: nothing listens there)",
+            ))
+        }
         (None, Some((target, e))) => return Err(io(format!("connecting to {target} (is the peer listening?)"))(e)),
         (None, None) => return Err(Error::Timeout(opts.setup.connect_timeout, "a TCP connection to the peer")),
     };

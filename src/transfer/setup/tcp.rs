@@ -179,7 +179,8 @@ impl Connection {
     ///   [`SetupOptions::connect_timeout`](crate::transfer::SetupOptions::connect_timeout) for the
     ///   whole setup: the last failure is reported; while every address refuses the connection —
     ///   nothing listens there yet — they are tried again until that deadline, so a client may
-    ///   start before its server); [`Error::Timeout`] if no address was tried before the deadline;
+    ///   start before its server); [`Error::Timeout`] if the deadline passed while every address
+    ///   refused the connection, or before any was tried;
     ///   [`Error::InvalidArgument`] if it resolves to nothing.
     pub fn connect_with(addr: impl ToSocketAddrs, pd: &Pd, opts: Options, blob: &[u8]) -> Result<Connection> {
         Connection::connect_offering(addr, pd, opts, blob, false).map(Established::into_blocking)
