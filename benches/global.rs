@@ -1,7 +1,7 @@
 //! `mralloc::heap::Global` as the process allocator: alloc+free pairs and batches of 1000 through
 //! `std::alloc`, at the same sizes as benches/alloc.rs, each next to plain jemalloc
-//! (tikv-jemallocator) in the same process: the baseline of the `global_vs_jemalloc` ratios. Also
-//! the random window and cross-thread frees of benches/common.
+//! (tikv-jemallocator) and mimalloc in the same process: the baselines of the `global_vs_jemalloc`
+//! and `global_vs_mimalloc` ratios. Also the random window and cross-thread frees of benches/common.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::hint::black_box;
@@ -14,6 +14,7 @@ static A: mralloc::heap::Global = mralloc::heap::Global::new();
 mod common;
 
 use common::{config, cross_thread, label, order, window, window_script, SIZES};
+use mimalloc::MiMalloc;
 use tikv_jemallocator::Jemalloc;
 
 /// The process allocator through `std::alloc` (what `Vec` and `Box` use).
@@ -58,7 +59,7 @@ fn all(c: &mut Criterion) {
     // Global (through std::alloc, as a program uses it) and plain jemalloc in the same process,
     // back to back per size; scripts/bench-alloc alternates their order between rounds.
     let who: Vec<(&str, &(dyn GlobalAlloc + Sync))> =
-        order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc)]);
+        order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc), ("mimalloc_beside_global", &MiMalloc)]);
     let mut g = c.benchmark_group("pair");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();
