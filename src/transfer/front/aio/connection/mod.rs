@@ -47,8 +47,9 @@ pub(crate) use connect::{async_options, blocking};
 /// - **Waiting**: a future first polls the CQ for a short, adaptive time
 ///   ([`WaitOptions::spin`](crate::transfer::WaitOptions::spin)), then sleeps; a driver task per connection sleeps on the
 ///   completion channel through tokio's reactor and wakes it. Nothing blocks an executor
-///   thread: the TCP setup exchange runs as async code on the runtime (creating and connecting
-///   a queue pair are short kernel calls); RDMA CM setup runs on tokio's blocking pool.
+///   thread: the TCP setup exchange runs as async code on the runtime (creating a queue pair
+///   is a short kernel call; connecting it, which on RoCE may wait for the peer's address to
+///   resolve, runs on tokio's blocking pool); RDMA CM setup runs on tokio's blocking pool.
 /// - **Cancel-safe**: dropping a future (a cancelled task, `tokio::time::timeout`, a `select!`
 ///   branch not taken) never frees memory the NIC may touch. Its buffer is parked with the
 ///   connection and freed when the completion, or the flush after a failure or close, is
