@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::heap::chunk::{self, MAX_PDS};
-use crate::heap::owner::{HookError, Owner};
+use crate::heap::hook_error::HookError;
+use crate::heap::owner::Owner;
 use crate::verbs::removal::{self, Subscription};
 use crate::verbs::{Context, Pd};
 

@@ -28,9 +28,10 @@ use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use tikv_jemalloc_sys as je;
 
 use crate::error::Result;
+use crate::heap::bound;
 use crate::heap::chunk;
 use crate::heap::jemalloc;
-use crate::heap::owner::{self, Owner};
+use crate::heap::owner::Owner;
 use crate::heap::stats::HeapStats;
 use crate::verbs::{Access, Pd};
 
@@ -196,7 +197,7 @@ impl Global {
     /// in release builds, which do not count. For tests.
     #[doc(hidden)]
     pub fn allocations_under_registration_lock() -> Option<u64> {
-        owner::allocations_under_bound()
+        bound::allocations_under_bound()
     }
 
     /// Registers every chunk allocated so far (memory from before `main` included) and every
@@ -414,7 +415,7 @@ unsafe impl GlobalAlloc for Global {
     /// (`report_chunk_failure`), so nothing looks at the result.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        owner::note_allocator_call();
+        bound::note_allocator_call();
         if layout.align() <= self.malloc_align.load(Ordering::Acquire) && layout.align() <= layout.size() {
             // SAFETY: the hooks are installed (malloc_align is set after READY); layout.size()
             // > 0 (GlobalAlloc contract).
@@ -426,7 +427,7 @@ unsafe impl GlobalAlloc for Global {
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        owner::note_allocator_call();
+        bound::note_allocator_call();
         if layout.align() <= self.malloc_align.load(Ordering::Acquire) && layout.align() <= layout.size() {
             // SAFETY: as in alloc.
             return unsafe { je::calloc(1, layout.size()) }.cast();
@@ -437,7 +438,7 @@ unsafe impl GlobalAlloc for Global {
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        owner::note_allocator_call();
+        bound::note_allocator_call();
         // SAFETY: ptr came from this allocator with layout (GlobalAlloc contract).
         unsafe { je::sdallocx(ptr.cast(), layout.size(), jemalloc::align_flags(layout)) }
     }
@@ -445,7 +446,7 @@ unsafe impl GlobalAlloc for Global {
     /// No readiness check: `ptr` came from this allocator, so the hooks are installed.
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        owner::note_allocator_call();
+        bound::note_allocator_call();
         let flags = jemalloc::flags_for(layout.align(), new_size);
         // SAFETY: ptr came from this allocator; new_size > 0 (GlobalAlloc contract).
         unsafe {

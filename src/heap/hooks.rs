@@ -22,7 +22,8 @@ use libc::{c_uint, c_void};
 use tikv_jemalloc_sys::extent_hooks_t;
 
 use crate::heap::chunk;
-use crate::heap::owner::{set_hook_error, HookError, Owner};
+use crate::heap::hook_error::{set_hook_error, HookError};
+use crate::heap::owner::Owner;
 
 type CBool = bool;
 

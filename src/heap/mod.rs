@@ -14,7 +14,9 @@
 
 mod allocator;
 mod binding;
+mod bound;
 mod buffer;
+mod builder;
 mod chunk;
 mod classes;
 mod conf;
@@ -26,6 +28,7 @@ mod exposure;
 mod front;
 #[cfg(feature = "global")]
 mod global;
+mod hook_error;
 mod hooks;
 mod jemalloc;
 mod keys;
@@ -42,6 +45,7 @@ mod uninit;
 
 pub(crate) use buffer::range_of;
 pub use buffer::{BufSlice, Buffer};
+pub use builder::{HeapBuilder, DEFAULT_MAX_CHUNK};
 pub use chunk::MAX_PDS;
 pub use conf::{MallocConf, RECOMMENDED_MALLOC_CONF};
 pub use exposed::{ExposeError, Exposed};
@@ -52,7 +56,7 @@ pub use global::Global;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub(crate) use keys::{lkey_within_chunk, mr_and_access_of};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};
-pub use scoped::{draining_heaps, Heap, HeapBuilder, DEFAULT_MAX_CHUNK};
+pub use scoped::{draining_heaps, Heap};
 pub use stats::HeapStats;
 pub(crate) use tcache::forget_in_child as forget_fronts_in_child;
 pub use uninit::UninitBuffer;

@@ -3,80 +3,24 @@
 //! `Owner` is `#[repr(C)]` with jemalloc's `extent_hooks_t` as its first field, so the hooks
 //! pointer jemalloc passes back to every hook call *is* a pointer to the owner.
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use std::sync::Mutex;
 use tikv_jemalloc_sys::extent_hooks_t;
 
-use crate::error::{memlock_text, Error};
 use crate::fork::Born;
+use crate::heap::bound::{self, BoundGuard};
 use crate::heap::chunk::{self, MAX_PDS};
+use crate::heap::hook_error::HookError;
 use crate::heap::hooks;
 use crate::heap::numa;
 use crate::verbs::removal::Subscription;
 use crate::verbs::{Access, Pd};
 
-/// Why the last extent-hook call on this thread failed. Read by the allocating call after
-/// jemalloc returned NULL, to turn it into a typed error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum HookError {
-    None,
-    Limit { limit: usize, mapped: usize, requested: usize },
-    Map(i32),
-    Numa(i32),
-    Register(i32),
-    // `madvise` of the chunk's fork advice failed (`MADV_DONTFORK`, or `MADV_DOFORK` after
-    // registering: `chunk::advise`, `chunk::keep_in_children`).
-    Advise(i32),
-    TableFull,
-}
-
-thread_local! {
-    static HOOK_ERROR: Cell<HookError> = const { Cell::new(HookError::None) };
-}
-
-pub(crate) fn set_hook_error(e: HookError) {
-    let _ = HOOK_ERROR.try_with(|c| c.set(e));
-}
-
-/// Takes (and clears) this thread's last hook error.
-pub(crate) fn take_hook_error() -> HookError {
-    HOOK_ERROR.try_with(|c| c.replace(HookError::None)).unwrap_or(HookError::None)
-}
-
-impl HookError {
-    /// The typed error for a failed allocation of `requested` bytes.
-    pub(crate) fn into_error(self, requested: usize) -> Error {
-        match self {
-            HookError::Limit { limit, mapped, requested: chunk } => {
-                Error::LimitExceeded { limit, mapped, requested: requested.max(chunk) }
-            }
-            HookError::Register(errno) => Error::Registration {
-                errno,
-                hint: format!(
-                    "ibv_reg_mr of a new chunk failed ({}); registered memory is pinned: {}",
-                    std::io::Error::from_raw_os_error(errno),
-                    memlock_text()
-                ),
-            },
-            HookError::Map(errno) => Error::Io {
-                what: format!("mapping a chunk for a {requested}-byte allocation"),
-                source: std::io::Error::from_raw_os_error(errno),
-            },
-            HookError::Numa(errno) => Error::Io {
-                what: "binding a chunk to its NUMA node (mbind)".into(),
-                source: std::io::Error::from_raw_os_error(errno),
-            },
-            HookError::Advise(errno) => Error::Io {
-                what: "giving a chunk its fork() advice (madvise MADV_DONTFORK / MADV_DOFORK)".into(),
-                source: std::io::Error::from_raw_os_error(errno),
-            },
-            HookError::TableFull => Error::OutOfMemory { requested, why: "the chunk table is full" },
-            HookError::None => Error::OutOfMemory { requested, why: "jemalloc returned no memory" },
-        }
-    }
+/// The PDs an owner is bound to, by slot (slot 0 is the primary PD).
+pub(crate) struct Bound {
+    pub(crate) pds: [Option<Pd>; MAX_PDS],
 }
 
 /// Counters, all relaxed atomics.
@@ -92,10 +36,6 @@ pub(crate) struct Counters {
     pub(crate) reg_failures: AtomicU64,
     /// Live bytes freed or allocated outside any thread cache slot (thread exit).
     pub(crate) orphan_live: AtomicI64,
-}
-
-pub(crate) struct Bound {
-    pub(crate) pds: [Option<Pd>; MAX_PDS],
 }
 
 /// Owner of a set of chunks: a scoped heap, or the global allocator.
@@ -136,66 +76,6 @@ static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
 /// The global allocator's owner id (never handed out by `NEXT_OWNER_ID`).
 #[cfg(feature = "global")]
 const STATIC_ID: u64 = u64::MAX;
-
-/// `bound`, held: what [`Owner::lock_bound`] returns.
-pub(crate) struct BoundGuard<'a>(std::sync::MutexGuard<'a, Bound>);
-
-impl std::ops::Deref for BoundGuard<'_> {
-    type Target = Bound;
-    fn deref(&self) -> &Bound {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for BoundGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Bound {
-        &mut self.0
-    }
-}
-
-impl Drop for BoundGuard<'_> {
-    fn drop(&mut self) {
-        HOLDING_BOUND.with(|h| h.set(h.get() - 1));
-    }
-}
-
-thread_local! {
-    /// How many owners' `bound` locks this thread holds or waits for (no destructor: readable
-    /// until the thread is gone).
-    static HOLDING_BOUND: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Whether this thread holds, or waits for, an owner's `bound` lock — in the alloc and purge
-/// hooks among others. A heap's teardown takes that lock (to deregister its chunks), so it must
-/// not run then (see `heap::shared`).
-pub(crate) fn holding_bound() -> bool {
-    HOLDING_BOUND.with(Cell::get) > 0
-}
-
-#[cfg(all(debug_assertions, feature = "global"))]
-static ALLOCS_UNDER_BOUND: AtomicU64 = AtomicU64::new(0);
-
-/// Called by the global allocator on every allocation and free (debug builds only; compiles
-/// to nothing in release).
-#[cfg(feature = "global")]
-#[inline(always)]
-pub(crate) fn note_allocator_call() {
-    #[cfg(debug_assertions)]
-    if HOLDING_BOUND.with(Cell::get) > 0 {
-        ALLOCS_UNDER_BOUND.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// Allocations and frees through the global allocator made while the calling thread waited for
-/// or held a heap's `bound` lock, process-wide: `Some(0)` unless a lock-order bug is back; `None` in
-/// release builds, which do not count.
-#[cfg(feature = "global")]
-pub(crate) fn allocations_under_bound() -> Option<u64> {
-    #[cfg(debug_assertions)]
-    return Some(ALLOCS_UNDER_BOUND.load(Ordering::Relaxed));
-    #[cfg(not(debug_assertions))]
-    None
-}
 
 impl Owner {
     pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
@@ -436,8 +316,8 @@ impl Owner {
     }
 
     /// Takes `bound`. The thread is marked while it waits for and holds the lock
-    /// ([`holding_bound`]): in debug builds an allocation or free through the global allocator
-    /// meanwhile is counted ([`allocations_under_bound`]) — the alloc and purge hooks take this
+    /// ([`bound::holding_bound`]): in debug builds an allocation or free through the global
+    /// allocator meanwhile is counted ([`bound::allocations_under_bound`]) — the alloc and purge hooks take this
     /// lock, so such a call can deadlock whenever it reaches a hook — and a heap's teardown
     /// waits for the liveness thread rather than run then.
     ///
@@ -445,10 +325,8 @@ impl Owner {
     /// and parking_lot allocates when a thread first parks or its table grows — through the
     /// global allocator, from inside an allocation. A poisoned lock is still taken: nothing
     /// under it leaves `Bound` half-updated (the PD array is written last, in one store).
-    pub(crate) fn lock_bound(&self) -> BoundGuard<'_> {
-        // Marked before waiting: an allocation while waiting is as bad as one while holding.
-        HOLDING_BOUND.with(|h| h.set(h.get() + 1));
-        BoundGuard(self.bound.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    pub(crate) fn lock_bound(&self) -> BoundGuard<'_, Bound> {
+        bound::lock(&self.bound)
     }
 
     /// The primary PD (slot 0), if bound.

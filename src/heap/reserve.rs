@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use tikv_jemalloc_sys as je;
 
 use crate::error::{Error, Result};
-use crate::heap::owner::HookError;
+use crate::heap::hook_error::HookError;
 use crate::heap::pagemap::SLOT;
 use crate::heap::paths::mallocx_or_flush;
 use crate::heap::scoped::Heap;

@@ -3,206 +3,19 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::heap::buffer::Buffer;
-use crate::heap::front::DEFAULT_THREAD_CACHE;
 use crate::heap::keys::{keys_in_slot, Keys};
-use crate::heap::numa::{self, NumaPolicy};
-use crate::heap::owner::{take_hook_error, Owner};
-use crate::heap::pagemap::SLOT;
 use crate::heap::paths;
 use crate::heap::shared::Shared;
 use crate::heap::stats::HeapStats;
 use crate::heap::uninit::UninitBuffer;
+#[cfg(doc)]
+use crate::heap::HeapBuilder;
 use crate::heap::{chunk, jemalloc};
 use crate::verbs::{Access, Pd};
-
-/// Default cap on chunk size (`arena.N.retain_grow_limit`).
-pub const DEFAULT_MAX_CHUNK: usize = 64 << 20;
-
-/// Configures a [`Heap`].
-#[derive(Debug, Clone)]
-pub struct HeapBuilder {
-    pds: Vec<Pd>,
-    access: Access,
-    numa: NumaPolicy,
-    hugepages: bool,
-    max_chunk: usize,
-    limit: Option<usize>,
-    whole_chunks: bool,
-    thread_cache: usize,
-}
-
-impl HeapBuilder {
-    /// Registers the heap with `pd` (call again for more PDs: multi-device registration, up to
-    /// [`crate::heap::MAX_PDS`]). The first PD is the primary one: its keys are what
-    /// [`Buffer::lkey`] and [`crate::keys_of`] report.
-    pub fn bind(mut self, pd: &Pd) -> Self {
-        self.pds.push(pd.clone());
-        self
-    }
-
-    /// Access rights. Default [`Access::LOCAL_WRITE`]: local use only.
-    ///
-    /// The remote rights (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`) are what
-    /// [`Buffer::expose`] gives a buffer's own key ([`Buffer::remote`]: `REMOTE_READ` only) —
-    /// a registration of that buffer alone, so a peer reaches nothing else. Chunks themselves
-    /// are registered with the local rights only ([`Access::LOCAL_WRITE`], added whenever any
-    /// remote right or [`Access::MW_BIND`] is asked for, and `MW_BIND`, which
-    /// [`crate::transfer::Connection::grant`] needs), unless
-    /// [`HeapBuilder::remote_access_to_whole_chunks`] says otherwise.
-    pub fn access(mut self, access: Access) -> Self {
-        self.access = access;
-        self
-    }
-
-    /// Registers every chunk with the remote rights too, so that
-    /// [`Buffer::remote_whole_chunk`] can hand out rkeys without a registration per buffer.
-    ///
-    /// **What this exposes:** such an rkey is the chunk's. A peer holding it can read and write
-    /// (as the rights allow) every byte of the 2 MiB to [`HeapBuilder::max_chunk`] chunk the
-    /// buffer lies in — every other buffer and collection allocated there, now and later, and
-    /// whatever reuses a freed buffer's bytes — for as long as the heap lives; it cannot be
-    /// revoked. Use it when every peer is trusted with the whole heap and the cost of a
-    /// registration per exposed buffer matters (see BENCHMARKS.md, "Exposure").
-    ///
-    /// # Safety
-    /// With write or atomic rights, a peer holding a chunk key can change any allocation of
-    /// the heap — collections' elements, pointers, vtable-carrying objects, bytes Rust code
-    /// holds references to — which is undefined behaviour for the local program unless the peer
-    /// only touches memory the program treats as shared with the network (through
-    /// [`crate::heap::Exposed`]-style volatile access, never references). The caller
-    /// guarantees that of every peer it hands a chunk key to. With read-only rights the peer
-    /// can read the whole chunk, which is a leak but not undefined behaviour.
-    pub unsafe fn remote_access_to_whole_chunks(mut self) -> Self {
-        self.whole_chunks = true;
-        self
-    }
-
-    /// NUMA placement (default [`NumaPolicy::DeviceLocal`]).
-    pub fn numa(mut self, policy: NumaPolicy) -> Self {
-        self.numa = policy;
-        self
-    }
-
-    /// Advise transparent huge pages for the data chunks of the heap while it is bound to a device
-    /// (default on; no effect where THP is off): fewer pages to pin per registration. An unbound
-    /// heap's chunks get no advice (THP's `defrag=madvise` may compact memory at every advised
-    /// fault); binding advises the chunks it finds.
-    pub fn hugepages(mut self, on: bool) -> Self {
-        self.hugepages = on;
-        self
-    }
-
-    /// Largest chunk jemalloc grows to (default 64 MiB, at least 2 MiB). Allocations larger than
-    /// this still get a chunk of their own size.
-    pub fn max_chunk(mut self, bytes: usize) -> Self {
-        self.max_chunk = bytes;
-        self
-    }
-
-    /// Cap on mapped (and so registered, pinned) bytes. Allocations that would need more fail
-    /// with [`Error::LimitExceeded`].
-    pub fn limit(mut self, bytes: usize) -> Self {
-        self.limit = Some(bytes);
-        self
-    }
-
-    /// Bytes of freed buffers each thread keeps for reuse, per heap (default
-    /// [`DEFAULT_THREAD_CACHE`], 4 MiB; 0 turns the cache off). A thread that frees a buffer
-    /// keeps it in a per-size-class cache, and its next allocation of that size class takes it
-    /// back without reaching jemalloc: the fast path for code that allocates and frees
-    /// buffers of the same sizes. Sizes up to 1 MiB are cached when their alignment is no
-    /// more than jemalloc gives them unasked (8 below 16 bytes, 16 from 16 bytes on). The
-    /// memory stays registered and counts in [`HeapStats::thread_cached_bytes`]; it returns to
-    /// the heap when the thread exits or the heap is dropped.
-    ///
-    /// A thread never keeps more than `bytes` for the heap. Each size class keeps at most
-    /// 1 MiB worth of objects (and at most 2048), and takes its room from this budget as it
-    /// fills; room a class reserved and no longer uses moves to a class that needs it. The
-    /// cache's bookkeeping (8 bytes per object a class has room for, from the global
-    /// allocator) is paid from the same budget, so objects and bookkeeping together stay
-    /// within `bytes`. A free
-    /// that finds no room left goes to jemalloc; a class at its most hands its older half back
-    /// to jemalloc when it fills up again.
-    pub fn thread_cache(mut self, bytes: usize) -> Self {
-        self.thread_cache = bytes;
-        self
-    }
-
-    /// Creates the arena, binds the PDs and applies the settings.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] (a `max_chunk` under 2 MiB, more than
-    /// [`crate::heap::MAX_PDS`] PDs), an invalid NUMA node, and what [`Heap::bind`] and the
-    /// first chunk's creation fail with ([`Error::Registration`], [`Error::Io`],
-    /// [`Error::DeviceRemoved`], ...).
-    pub fn build(self) -> Result<Heap> {
-        // Heaps dropped earlier whose buffers are all gone now (normally torn down already).
-        crate::heap::shared::reap_draining();
-        if self.max_chunk < SLOT {
-            return Err(Error::InvalidArgument(format!("max_chunk must be at least {SLOT} bytes")));
-        }
-        let node = match self.numa {
-            NumaPolicy::None => None,
-            NumaPolicy::Node(n) => {
-                numa::validate(n)?;
-                Some(n)
-            }
-            NumaPolicy::DeviceLocal => {
-                let node = self.pds.first().and_then(|pd| pd.context().numa_node());
-                if node.is_none() {
-                    let dev = self.pds.first().map(|pd| pd.context().name().to_string());
-                    tracing::info!(
-                        device = dev.as_deref().unwrap_or("(none bound)"),
-                        "NumaPolicy::DeviceLocal: the device reports no NUMA node; chunks are not NUMA-bound"
-                    );
-                }
-                node
-            }
-        };
-        let chunk_access = if self.whole_chunks {
-            self.access.union(Access::LOCAL_WRITE)
-        } else if self.access.is_remote() || self.access.contains(Access::MW_BIND) {
-            // Write grants and local NIC writes (receives, READ targets) need local write.
-            self.access.without_remote().union(Access::LOCAL_WRITE)
-        } else {
-            self.access
-        };
-        let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
-        for pd in &self.pds {
-            owner.bind_shared(pd)?;
-        }
-        let arena = jemalloc::create_arena(owner.hooks_ptr());
-        crate::heap::events::emit_pending();
-        let arena = arena.map_err(|e| match take_hook_error() {
-            crate::heap::owner::HookError::None => e,
-            hook => hook.into_error(SLOT),
-        });
-        let arena = match arena {
-            Ok(a) => a,
-            Err(e) => {
-                owner.release_all();
-                return Err(e);
-            }
-        };
-        let id = owner.id;
-        let born = owner.born;
-        let heap = Heap {
-            shared: Shared::create(owner, arena, self.max_chunk, self.access, self.whole_chunks, self.thread_cache),
-            id,
-            arena,
-            born,
-        };
-        jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
-        jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
-        jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
-        Ok(heap)
-    }
-}
 
 /// A registered heap: one jemalloc arena whose chunks are registered with the bound PDs.
 ///
@@ -315,20 +128,6 @@ impl std::fmt::Debug for Heap {
 }
 
 impl Heap {
-    /// Starts configuring a heap.
-    pub fn builder() -> HeapBuilder {
-        HeapBuilder {
-            pds: Vec::new(),
-            access: Access::LOCAL_WRITE,
-            numa: NumaPolicy::DeviceLocal,
-            hugepages: true,
-            max_chunk: DEFAULT_MAX_CHUNK,
-            limit: None,
-            whole_chunks: false,
-            thread_cache: DEFAULT_THREAD_CACHE,
-        }
-    }
-
     /// A heap bound to `pd` with default settings.
     ///
     /// # Errors

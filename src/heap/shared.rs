@@ -23,7 +23,7 @@
 //!   free does it, on whichever thread it happens. Dropping a heap's last handle and building
 //!   a heap look at every draining heap too.
 //! - Where the freeing thread may not tear down — it holds (or waits for) a heap's `bound`
-//!   lock, which teardown takes ([`crate::heap::owner::holding_bound`]: the extent hooks among
+//!   lock, which teardown takes ([`crate::heap::bound::holding_bound`]: the extent hooks among
 //!   others), or it is unwinding from a panic (a panic in teardown would abort) — it leaves the
 //!   work to the process's liveness thread ([`crate::verbs::liveness::defer`]), which starts
 //!   (if it was not running) when a heap starts draining and looks at the draining heaps while
@@ -254,7 +254,7 @@ fn drain(p: Ptr) {
 /// the list's entries): tears the heap down if that was its last allocation, or has the
 /// liveness thread look where this thread may not do that (see the module docs).
 pub(crate) fn after_draining_free(heap: NonNull<Shared>) {
-    if std::thread::panicking() || crate::heap::owner::holding_bound() {
+    if std::thread::panicking() || crate::heap::bound::holding_bound() {
         crate::verbs::liveness::defer(reap_draining);
     } else {
         reap(Some(Ptr(heap)));

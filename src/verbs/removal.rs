@@ -33,6 +33,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::fork::ForkLock;
+use crate::os::Bell;
 use crate::verbs::context::ContextInner;
 use crate::verbs::liveness::Host;
 use crate::verbs::Context;
@@ -239,9 +240,9 @@ pub(crate) struct Monitor {
     state: Mutex<State>,
     /// Contexts declared removed, for the thread to call their subscribers.
     pending: Mutex<Vec<Weak<ContextInner>>>,
-    /// An eventfd: written when `pending` grows, or when the liveness thread must rebuild its
-    /// set of descriptors.
-    wake: RawFd,
+    /// Rung when `pending` grows, or when the liveness thread must rebuild its set of
+    /// descriptors.
+    wake: Bell,
     /// The kernel's device events, if the socket could be opened.
     uevents: Option<RawFd>,
     /// The periodic check: every 5 s (every second without the uevent socket), on time however
@@ -273,11 +274,7 @@ pub(crate) fn monitor() -> Result<&'static Monitor> {
         return Ok(m);
     }
     let io = |what: &'static str| move |source| Error::Io { what: what.into(), source };
-    // SAFETY: plain syscall.
-    let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if wake < 0 {
-        return Err(io("creating the liveness thread's eventfd")(std::io::Error::last_os_error()));
-    }
+    let wake = Bell::new("the liveness thread's eventfd")?;
     let uevents = uevent_socket();
     if uevents.is_none() {
         tracing::info!("no kernel uevent socket: checking for removed RDMA devices once a second");
@@ -330,16 +327,14 @@ pub(crate) fn is_uverbs_removal(msg: &[u8]) -> bool {
 impl Host for Monitor {
     /// Wakes the liveness thread: something is pending, or its descriptors changed.
     fn notify(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
-        unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
+        self.wake.ring();
     }
 
     /// The descriptors the liveness thread polls for the monitor: its wake-up and the uevent
     /// socket (-1 without one: ignored by poll).
     fn fds(&self) -> [libc::pollfd; 2] {
         [
-            libc::pollfd { fd: self.wake, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.wake.fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.uevents.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
         ]
     }
@@ -358,9 +353,7 @@ impl Host for Monitor {
         // A uverbs device went (watched or not): librdmacm is told too (after-removal hook).
         let mut uverbs_went = false;
         if fds[0].revents != 0 {
-            let mut n = 0u64;
-            // SAFETY: reads our eventfd's counter (non-blocking).
-            unsafe { libc::read(self.wake, std::ptr::addr_of_mut!(n).cast(), 8) };
+            self.wake.drain();
         }
         if let Some(fd) = self.uevents.filter(|_| fds[1].revents != 0) {
             let mut buf = [0u8; 16 << 10];

@@ -25,8 +25,11 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use rdma_sys as ffi;
 
-use crate::error::{Disconnect, Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::{Disconnect, Result};
 use crate::fork::ForkLock;
+use crate::os::Bell;
 use crate::transfer::liveness::link::Link;
 pub(crate) use crate::transfer::liveness::source::Source;
 use crate::verbs::liveness;
@@ -222,8 +225,8 @@ impl State {
 
 struct Watcher {
     state: Mutex<State>,
-    /// An eventfd: written when the set of descriptors changes.
-    wake: RawFd,
+    /// Rung when the set of descriptors changes.
+    wake: Bell,
     /// The process that made it (a fork()ed child makes its own).
     pid: u32,
     /// The liveness thread's current round: what each descriptor it polls for the watcher
@@ -259,18 +262,10 @@ fn watcher() -> Result<&'static Watcher> {
     if let Some(w) = current() {
         return Ok(w);
     }
-    let io = |what: &str| {
-        let what = what.to_string();
-        move |source| Error::Io { what, source }
-    };
     // Run by the process's one liveness thread, which the device monitor starts (first: a
     // failure here leaks nothing).
     removal::monitor()?;
-    // SAFETY: plain syscall.
-    let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if wake < 0 {
-        return Err(io("creating the connection watcher's eventfd")(std::io::Error::last_os_error()));
-    }
+    let wake = Bell::new("the connection watcher's eventfd")?;
     let w: &'static Watcher = Box::leak(Box::new(Watcher {
         state: Mutex::new(State::default()),
         wake,
@@ -292,9 +287,7 @@ enum Key {
 
 impl Watcher {
     fn notify(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes to our eventfd (a full counter only means a wake-up is pending).
-        unsafe { libc::write(self.wake, std::ptr::addr_of!(one).cast(), 8) };
+        self.wake.ring();
     }
 
     /// The device (if still the one registered under `key`) was removed: fails every connection
@@ -343,7 +336,7 @@ impl liveness::Watch for Watcher {
                 keys.push(key);
             }
         };
-        add(self.wake, Key::Wake);
+        add(self.wake.fd(), Key::Wake);
         let st = self.state.lock();
         for (&k, d) in &st.devices {
             add(d.fd, Key::Device(k, d.id));
@@ -373,7 +366,7 @@ impl liveness::Watch for Watcher {
         let mut st = self.state.lock();
         // A panic here (a tracing subscriber's) must not end the watching for good.
         let handled =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, self.wake, fds, &round.keys)));
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&mut st, &self.wake, fds, &round.keys)));
         if let Err(payload) = handled {
             std::mem::forget(payload);
             let _ = std::panic::catch_unwind(|| {
@@ -406,17 +399,13 @@ fn keepalive_ticks(links: &[Arc<Link>]) -> i32 {
 }
 
 /// Handles what one poll found.
-fn handle(st: &mut State, wake: RawFd, fds: &[libc::pollfd], keys: &[Key]) {
+fn handle(st: &mut State, wake: &Bell, fds: &[libc::pollfd], keys: &[Key]) {
     for (pfd, &key) in fds.iter().zip(keys) {
         if pfd.revents == 0 {
             continue;
         }
         match key {
-            Key::Wake => {
-                let mut n = 0u64;
-                // SAFETY: reads our eventfd's counter (non-blocking).
-                unsafe { libc::read(wake, std::ptr::addr_of_mut!(n).cast(), 8) };
-            }
+            Key::Wake => wake.drain(),
             Key::Device(k, id) => {
                 st.device_events(k, id, pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0)
             }

@@ -8,7 +8,7 @@
 use crate::error::Result;
 use crate::transfer::liveness::watch::Source;
 use crate::transfer::{Connection, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
-use crate::verbs::{Access, Cq, Endpoint, Pd, Qp};
+use crate::verbs::{Access, ConnectOptions, Cq, Endpoint, Pd, Qp};
 
 /// Depth of the control channel's send and receive queues: the most control messages one side
 /// has in flight (a sender beyond it waits: receiver-not-ready retries forever).
@@ -39,6 +39,51 @@ pub(crate) fn options(opts: &Options) -> Options {
 /// client's endpoint makes it (`handshake::serve` meets it).
 #[cfg(test)]
 pub(crate) static REFUSE_CLIENT_ENDPOINT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Test hook: holds the `n`th connect step to start ([`Prepared::connecting`]) until released
+/// (at most 20 s), so a test can look at what goes on meanwhile.
+#[cfg(test)]
+// Only the tokio handshakes' test holds a step.
+#[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+pub(crate) mod hold {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    static AT: AtomicUsize = AtomicUsize::new(0);
+    static SEEN: AtomicUsize = AtomicUsize::new(0);
+    static HELD: AtomicBool = AtomicBool::new(false);
+    static RELEASED: AtomicBool = AtomicBool::new(false);
+
+    /// Holds the `n`th step from now on (1-based).
+    pub(crate) fn arm(n: usize) {
+        SEEN.store(0, Ordering::SeqCst);
+        RELEASED.store(false, Ordering::SeqCst);
+        AT.store(n, Ordering::SeqCst);
+    }
+
+    /// Whether the armed step is being held now.
+    pub(crate) fn held() -> bool {
+        HELD.load(Ordering::SeqCst)
+    }
+
+    /// Lets the held step go on (and disarms).
+    pub(crate) fn release() {
+        AT.store(0, Ordering::SeqCst);
+        RELEASED.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn step() {
+        if SEEN.fetch_add(1, Ordering::SeqCst) + 1 != AT.load(Ordering::SeqCst) {
+            return;
+        }
+        HELD.store(true, Ordering::SeqCst);
+        let start = Instant::now();
+        while !RELEASED.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        HELD.store(false, Ordering::SeqCst);
+    }
+}
 
 /// A connection as setup made it: the data connection and, when both sides offered one, its
 /// control channel — which only the async front end drives: a blocking connection has none,
@@ -86,6 +131,19 @@ impl Established {
     }
 }
 
+/// How the data QP and the control channel's connect, from the options.
+struct ConnectAs {
+    data: ConnectOptions,
+    /// None without a control channel.
+    control: Option<ConnectOptions>,
+}
+
+impl ConnectAs {
+    fn of(opts: &Options, control: bool) -> ConnectAs {
+        ConnectAs { data: opts.qp.connect_options(), control: control.then(|| options(opts).qp.connect_options()) }
+    }
+}
+
 /// A data QP with its CQs and, if asked for, the control channel's.
 pub(crate) struct Prepared {
     pub(crate) data: (Qp, Cq, Cq),
@@ -130,9 +188,31 @@ impl Prepared {
     /// The step of [`Prepared::finish`] that the peer's endpoints decide: the QPs to RTR/RTS
     /// towards them (a device refuses an unroutable GID here).
     pub(crate) fn connect_to(&self, opts: &Options, peer: &Endpoint, peer_control: Option<&Endpoint>) -> Result<()> {
-        self.data.0.connect(peer, &opts.qp.connect_options())?;
-        if let (Some(mine), Some(theirs)) = (&self.control, peer_control) {
-            mine.0.connect(theirs, &options(opts).qp.connect_options())?;
+        self.connect_with(&ConnectAs::of(opts, self.control.is_some()), peer, peer_control)
+    }
+
+    /// [`Prepared::connect_to`] as a step that owns the QPs and gives them back with its
+    /// outcome, for a driver to run where it runs blocking work
+    /// ([`Socket::run_blocking`](crate::transfer::setup::wire::Socket::run_blocking)).
+    pub(crate) fn connecting(
+        self,
+        opts: &Options,
+        peer: Endpoint,
+        peer_control: Option<Endpoint>,
+    ) -> impl FnOnce() -> (Prepared, Result<()>) + Send + 'static {
+        let how = ConnectAs::of(opts, self.control.is_some());
+        move || {
+            #[cfg(test)]
+            hold::step();
+            let connected = self.connect_with(&how, &peer, peer_control.as_ref());
+            (self, connected)
+        }
+    }
+
+    fn connect_with(&self, how: &ConnectAs, peer: &Endpoint, peer_control: Option<&Endpoint>) -> Result<()> {
+        self.data.0.connect(peer, &how.data)?;
+        if let (Some(mine), Some(theirs), Some(how)) = (&self.control, peer_control, &how.control) {
+            mine.0.connect(theirs, how)?;
         }
         Ok(())
     }

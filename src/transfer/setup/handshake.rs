@@ -47,13 +47,15 @@ pub(crate) async fn serve<W: Socket>(
         return Err(Failed::from(Error::verbs_errno("ibv_modify_qp", libc::EINVAL)));
     }
     // The client's endpoints decide whether the device accepts them (an unroutable GID is
-    // refused here): the client's failure, unless this side's device is gone.
-    x.prepared.connect_to(opts, &x.peer, x.peer_control.as_ref()).map_err(|e| match e {
+    // refused here): the client's failure, unless this side's device is gone. A step that may
+    // block: run where the driver runs those.
+    let (prepared, connected) =
+        s.run_blocking(x.prepared.connecting(opts, x.peer, x.peer_control)).await.map_err(Failed::ours)?;
+    connected.map_err(|e| match e {
         Error::DeviceRemoved { .. } | Error::Forked(_) => Failed::ours(e),
         e => Failed::from(e),
     })?;
-    let mut conn =
-        x.prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants).map_err(Failed::ours)?;
+    let mut conn = prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants).map_err(Failed::ours)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).write_to(&mut s).await?;
     tracing::debug!(%peer, authenticated = opts.setup.secret.is_some(), "accepted RDMA connection");
     keep_watched(&mut conn, s).map_err(Failed::ours)?;
@@ -177,7 +179,10 @@ pub(crate) async fn connect<D: Dial>(
         Ok((prepared, me, control, grants))
     })
     .await?;
-    let mut conn = x.prepared.finish(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants)?;
+    // Connecting the QPs may block (see `serve`).
+    let (prepared, connected) = s.run_blocking(x.prepared.connecting(opts, x.peer, x.peer_control)).await?;
+    connected?;
+    let mut conn = prepared.wrap(pd, opts, x.peer, x.peer_control, x.peer_blob, x.peer_grants)?;
     Message::new(Kind::Ready, Some(x.me), Vec::new()).write_to(&mut s).await?;
     expect(Message::read_from(&mut s).await?, Kind::Ready)?;
     keep_watched(&mut conn, s)?;

@@ -15,7 +15,7 @@
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI16, Ordering};
@@ -26,45 +26,17 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::fork::Born;
+use crate::os::Bell;
 use crate::transfer::setup::acceptor::{no_answer, Accepting, Reply, Ticket};
 use crate::transfer::setup::control::Established;
 use crate::transfer::setup::wire::{Deadline, Socket, Wire};
 
 /// How long accepting pauses after `accept(2)` failed (EMFILE and friends).
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
-
-/// An eventfd that interrupts the driver's `poll(2)`.
-struct Bell(OwnedFd);
-
-impl Bell {
-    fn new() -> Result<Bell> {
-        // SAFETY: eventfd has no memory arguments; the result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::Io {
-                what: "creating the listener's eventfd".into(),
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        Ok(Bell(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn ring(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64 to the eventfd this bell owns. A full counter
-        // (EAGAIN) already wakes the poller.
-        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    }
-
-    fn drain(&self) {
-        let mut n = 0u64;
-        // SAFETY: reads at most 8 bytes into a live u64; non-blocking.
-        unsafe { libc::read(self.0.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
-    }
-}
 
 /// What a handshake's stream and waker tell the driver: the events its socket waits for, the
 /// time it waits until (an offer's margin), and whether it was woken (an offer came).
@@ -242,7 +214,7 @@ impl Polling {
         Ok(Polling {
             tcp,
             accepting,
-            bell: Arc::new(Bell::new()?),
+            bell: Arc::new(Bell::new("the listener's eventfd")?),
             driving: Mutex::new(Driving { handshakes: Vec::new(), paused_until: None }),
             gate: Mutex::new(()),
             turn: Condvar::new(),
@@ -341,7 +313,7 @@ impl Polling {
         d.paused_until = d.paused_until.filter(|t| now < *t);
         let room = self.accepting.in_flight() < self.accepting.max_handshakes() && d.paused_until.is_none();
         let mut fds = Vec::with_capacity(2 + d.handshakes.len());
-        fds.push(libc::pollfd { fd: self.bell.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        fds.push(libc::pollfd { fd: self.bell.fd(), events: libc::POLLIN, revents: 0 });
         fds.push(libc::pollfd { fd: self.tcp.as_raw_fd(), events: if room { libc::POLLIN } else { 0 }, revents: 0 });
         for h in &d.handshakes {
             fds.push(libc::pollfd { fd: h.fd, events: h.slot.interest.load(Ordering::Relaxed), revents: 0 });

@@ -1,7 +1,8 @@
 //! The TCP setup exchange on tokio (feature `tokio`): [`TokioWire`], a `tokio::net::TcpStream`
 //! whose reads and writes end at the exchange's deadline (a `tokio::time` timer wakes the task
-//! then), and [`TokioDial`], the client's connects and pauses. No thread and no blocking pool:
-//! creating and connecting a queue pair are short kernel calls, made in place.
+//! then), and [`TokioDial`], the client's connects and pauses. No thread of its own: creating a
+//! queue pair is a short kernel call, made in place; connecting it (RTR/RTS, which on RoCE may
+//! wait for the peer's GID to resolve) runs on tokio's blocking pool ([`Socket::run_blocking`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -95,6 +96,25 @@ impl Socket for TokioWire {
     fn into_std(self) -> Result<std::net::TcpStream> {
         self.s.into_std().map_err(|source| Error::Io { what: "taking the setup stream off the reactor".into(), source })
     }
+
+    /// On tokio's blocking pool, not in place: a worker thread (the only one, on a
+    /// `current_thread` runtime) must not wait for a device. Not `block_in_place`: it panics on
+    /// a `current_thread` runtime, and stalls whatever else the calling task polls (a `select!`).
+    /// The step owns its queue pairs: dropping this future detaches the task, which finishes
+    /// the step and drops them on the pool (a runtime shutting down drops a step not started
+    /// yet, and them with it).
+    fn run_blocking<T: Send + 'static>(
+        &mut self,
+        step: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = Result<T>> + Send {
+        let task = tokio::task::spawn_blocking(step);
+        async move {
+            task.await.map_err(|e| Error::Io {
+                what: "a connection setup step on tokio's blocking pool".into(),
+                source: std::io::Error::other(e),
+            })
+        }
+    }
 }
 
 /// The tokio client driver: `TcpStream::connect` within the time left, `tokio::time::sleep`
@@ -120,3 +140,7 @@ impl Dial for TokioDial {
         TokioWire::new(s, deadline)
     }
 }
+
+#[cfg(test)]
+#[path = "tokio_wire_tests.rs"]
+mod tests;

@@ -79,6 +79,23 @@ pub(crate) trait Socket: Wire {
     /// an accept call, which looks at the socket each time it is polled). Drivers that poll
     /// their tasks otherwise need nothing.
     fn watch_hangup(&mut self) {}
+
+    /// Runs `step`, a setup step that may block for a while (moving the queue pairs to RTR/RTS:
+    /// on RoCE the device resolves the peer's GID then, up to a second or so), where this driver
+    /// runs blocking work: in place by default (the blocking drivers' threads are there to
+    /// wait); tokio's driver on its blocking pool, so the runtime's worker goes on with other
+    /// tasks. `step` owns what it works on and gives it back with its result: a future dropped
+    /// meanwhile leaves it with the step, which drops it once done.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the driver could not run the step to its end (tokio: the blocking task
+    /// panicked or its runtime shut down first).
+    fn run_blocking<T: Send + 'static>(
+        &mut self,
+        step: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = Result<T>> + Send {
+        std::future::ready(Ok(step()))
+    }
 }
 
 /// Fills `buf`; a peer that closes first is [`std::io::ErrorKind::UnexpectedEof`].

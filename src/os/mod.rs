@@ -1,4 +1,8 @@
-//! The few operating-system facts the crate asks for in more than one place.
+//! The few operating-system facts and primitives the crate asks for in more than one place.
+
+mod bell;
+
+pub(crate) use bell::Bell;
 
 /// The size of a memory page (4096 if the system cannot say).
 pub(crate) fn page_size() -> usize {
