@@ -156,7 +156,11 @@ impl Core {
     pub(crate) fn fail(&self, f: Failure) -> bool {
         let first = self.failed.set(f).is_ok();
         if first && !matches!(f, Failure::Closed) {
-            tracing::debug!(target: "mralloc::transfer", "connection failed: {}", f.error());
+            // Called while reaping (a failed completion), where an outcome taken for its waiter
+            // must not be lost to a subscriber's panic: the log runs contained.
+            let _ = std::panic::catch_unwind(|| {
+                tracing::debug!(target: "mralloc::transfer", "connection failed: {}", f.error());
+            });
         }
         first
     }
