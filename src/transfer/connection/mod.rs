@@ -1,7 +1,6 @@
 //! `Connection`: one RC queue pair with its CQs, completion routing and failure state.
 
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -64,10 +63,6 @@ pub struct Connection {
     peer_addr: Option<std::net::SocketAddr>,
     opts: Options,
     core: Arc<Core>,
-    /// The next send-queue work-request id.
-    next_id: AtomicU64,
-    /// The next receive's id (its own sequence: see [`RECV_BIT`]).
-    next_recv_id: AtomicU64,
     /// 8-byte landing zone for atomics' old values.
     scratch: Mutex<RegisteredBuf>,
     /// Keeps the connection (and the control channel set up with it, if any) watched: dropped
@@ -100,10 +95,6 @@ impl std::fmt::Debug for Connection {
             .finish()
     }
 }
-
-/// Set in every receive's work-request id: receives are told from send-queue requests (and
-/// keepalive probes, bit 63) in messages and errors.
-const RECV_BIT: u64 = 1 << 62;
 
 impl Connection {
     /// Wraps a QP that is already connected (RTS).
@@ -160,8 +151,6 @@ impl Connection {
             peer_addr: None,
             opts,
             core,
-            next_id: AtomicU64::new(1),
-            next_recv_id: AtomicU64::new(RECV_BIT | 1),
             scratch: Mutex::new(scratch),
             watch: None,
             kept,
@@ -346,20 +335,5 @@ impl Connection {
             Some(f) => Err(f.error()),
             None => Ok(()),
         }
-    }
-
-    pub(crate) fn next_wr_id(&self) -> u64 {
-        self.next_wr_ids(1)
-    }
-
-    /// The next receive's work-request id. Each queue numbers its own requests, so the ids a
-    /// queue has in flight are consecutive (what its ticket table is indexed by).
-    pub(crate) fn next_recv_id(&self) -> u64 {
-        self.next_recv_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// `k` consecutive work-request ids; returns the first.
-    pub(crate) fn next_wr_ids(&self, k: u64) -> u64 {
-        self.next_id.fetch_add(k, Ordering::Relaxed)
     }
 }

@@ -144,8 +144,7 @@ impl Connection {
     /// As [`Connection::submit`].
     unsafe fn submit_recv(&self, req: &Request) -> Result<Ticket> {
         self.check()?;
-        let id = self.next_recv_id();
-        self.core().with_recv_slot(self.options().qp.recv_depth, id, || {
+        let id = self.core().with_recv_slot(self.options().qp.recv_depth, |id| {
             // SAFETY: the caller keeps the memory valid until the receive is claimed.
             unsafe { self.qp().post_recv(id, req.sges()) }
         })?;
@@ -181,7 +180,7 @@ impl Connection {
                     return Ok(Attempt::Full);
                 }
             }
-            let first = self.next_wr_ids(u64::from(k));
+            let first = slots.take_ids(u64::from(k));
             let tail = first + u64::from(k) - 1;
             let r = if let [one] = chain {
                 // The common single request: no allocation.
@@ -223,26 +222,27 @@ impl Connection {
         let mut spins = 0;
         loop {
             let mark = self.core().mark();
-            let id = self.next_wr_id();
             let marker = Request::marker();
-            let marker = [marker.wr(id, true).expect("a send-queue request")];
             let posted = self.core().with_send(|core, slots| {
+                let id = slots.take_ids(1);
+                let marker = [marker.wr(id, true).expect("a send-queue request")];
                 // SAFETY: the marker has no memory; a QP in the error state flushes it.
                 match unsafe { self.qp().post_send(&marker) } {
                     Ok(()) => {
                         slots.marker_posted(id, accepted + 1, op);
-                        true
+                        Ok(id)
                     }
                     Err(_) => {
                         // Most likely the queue is still full: let the flush make room.
                         let _ = slots.reap(core);
-                        false
+                        Err(id)
                     }
                 }
             });
-            if posted {
-                return self.wait(Ticket::send(id));
-            }
+            let id = match posted {
+                Ok(id) => return self.wait(Ticket::send(id)),
+                Err(id) => id,
+            };
             if start.elapsed() > FLUSH_WAIT {
                 return Err(Error::FlushLost { wr_id: id, waited: start.elapsed() });
             }

@@ -39,6 +39,10 @@ use crate::error::{Disconnect, Error, Result};
 use crate::transfer::engine::spin::Spin;
 use crate::verbs::{CompChannel, Cq, WcStatus, WorkCompletion};
 
+/// Set in every receive's work-request id (their own sequence; keepalive probes have bit 63):
+/// receives are told from send-queue requests in messages and errors, and no two share an id.
+const RECV_BIT: u64 = 1 << 62;
+
 /// The operation name of a keepalive probe (its completion's, and a failure's): the completion
 /// path tells probes from the application's requests by it.
 pub(crate) const PROBE_OP: &str = "keepalive probe";
@@ -108,8 +112,8 @@ impl Core {
             send_cq,
             recv_cq,
             failed: OnceLock::new(),
-            send: Mutex::new(Queue::new(depths.0)),
-            recv: Mutex::new(Queue::new(depths.1)),
+            send: Mutex::new(Queue::new(depths.0, 1)),
+            recv: Mutex::new(Queue::new(depths.1, RECV_BIT | 1)),
             until_closed: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             has_deferred: AtomicBool::new(false),
@@ -409,8 +413,9 @@ impl Core {
         self.with_as(true, Reaper::Watcher, |c, q| f(c, &mut SendSlots(q)))
     }
 
-    /// Posts a receive with the receive queue locked: `post` runs only if a slot is free.
-    pub(crate) fn with_recv_slot(&self, depth: u32, id: u64, post: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Posts a receive with the receive queue locked: `post` runs, with the receive's id, only
+    /// if a slot is free. Returns the id.
+    pub(crate) fn with_recv_slot(&self, depth: u32, post: impl FnOnce(u64) -> Result<()>) -> Result<u64> {
         self.with_as(false, Reaper::Post, |_, q| {
             if q.used >= depth {
                 return Err(Error::InvalidArgument(format!(
@@ -418,11 +423,13 @@ impl Core {
                     q.used
                 )));
             }
-            post()?;
+            let id = q.next_id;
+            post(id)?;
+            q.next_id += 1;
             q.used += 1;
             q.counts.requests += 1;
             q.tickets.submitted(id, 1, "recv");
-            Ok(())
+            Ok(id)
         })
     }
 }

@@ -295,11 +295,14 @@ pub(super) struct Queue {
     pub(super) wcs: [WorkCompletion; 8],
     /// What this queue posted and reaped (for `Connection::stats`).
     pub(super) counts: QueueCounts,
+    /// The next work-request id: each queue numbers its own requests (under its lock), so the
+    /// ids it has in flight are consecutive — what its ticket table is indexed by.
+    pub(super) next_id: u64,
 }
 
 impl Queue {
-    /// A queue of `depth` requests in flight.
-    pub(super) fn new(depth: u32) -> Queue {
+    /// A queue of `depth` requests in flight, numbering them from `first_id`.
+    pub(super) fn new(depth: u32, first_id: u64) -> Queue {
         Queue {
             tickets: Tickets::new(depth),
             released: Vec::new(),
@@ -307,7 +310,16 @@ impl Queue {
             used: 0,
             wcs: std::array::from_fn(|_| WorkCompletion::empty()),
             counts: QueueCounts::default(),
+            next_id: first_id,
         }
+    }
+
+    /// `k` consecutive work-request ids; returns the first.
+    #[inline(always)]
+    pub(super) fn take_ids(&mut self, k: u64) -> u64 {
+        let first = self.next_id;
+        self.next_id += k;
+        first
     }
 }
 

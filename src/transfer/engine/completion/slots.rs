@@ -12,6 +12,12 @@ impl SendSlots<'_> {
         self.0.used
     }
 
+    /// `k` consecutive work-request ids for requests about to be posted; returns the first.
+    #[inline(always)]
+    pub(crate) fn take_ids(&mut self, k: u64) -> u64 {
+        self.0.take_ids(k)
+    }
+
     /// Records `k` requests posted as a chain ending in the signaled `tail`, whose completion
     /// retires `retires` slots (`k`, plus any accepted requests of a partial post before it).
     /// `bytes` is the local memory they name (for the counters).
