@@ -1,5 +1,6 @@
-//! Idle release: a chunk jemalloc has not used for the heap's idle interval is deregistered and
-//! its pages go back to the OS; the next use of it registers it again.
+//! Giving memory back: the purge of unregistered memory, and idle release — a chunk jemalloc has
+//! not used for the heap's idle interval is deregistered and its pages go back to the OS; the
+//! next use of it registers it again.
 //!
 //! jemalloc 5.3 never hands retained memory back to the hooks (only `arena.N.destroy` does), and
 //! a chunk's free space is split over its caches (dirty extents, retained ones, the unused rest
@@ -61,6 +62,30 @@ impl Owner {
     /// Whether idle release is on for this owner.
     fn idle_on(&self) -> bool {
         self.idle_ms.load(Ordering::Relaxed) >= 0
+    }
+
+    /// Purges `[start, start+len)` (free memory of this owner's arena, as jemalloc asks) with
+    /// `MADV_DONTNEED` — only while no PD is bound and the range's chunk holds no registration
+    /// (published, staged, or leaked by a failed rollback). Holding `bound` keeps a concurrent
+    /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
+    /// knows the pages read as zero).
+    pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
+        if !self.born.here() {
+            // A fork()ed child: a parent thread may have held `bound` at the fork. Not purging
+            // is always allowed.
+            return false;
+        }
+        let bound = self.lock_bound();
+        if bound.pds.iter().any(Option::is_some) {
+            return false; // registered memory is never purged
+        }
+        if chunk::find(start).is_some_and(|(_, rec)| rec.registered() || rec.kept.load(Ordering::Relaxed)) {
+            return false; // registered, or reserved (`Heap::reserve`: its pages stay)
+        }
+        // SAFETY: jemalloc purges only free memory of its own extents (for Global's arena 0 also
+        // pre-install, default-mapped ones: plain anonymous memory); nothing is registered there
+        // (checked above under `bound`, which every registration takes).
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
     }
 
     /// The decommit hook: `true` refuses (jemalloc then tries the purge hooks, and retains the

@@ -419,30 +419,6 @@ impl Owner {
         Ok(base)
     }
 
-    /// Purges `[start, start+len)` (free memory of this owner's arena, as jemalloc asks) with
-    /// `MADV_DONTNEED` — only while no PD is bound and the range's chunk holds no registration
-    /// (published, staged, or leaked by a failed rollback). Holding `bound` keeps a concurrent
-    /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
-    /// knows the pages read as zero).
-    pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
-        if !self.born.here() {
-            // A fork()ed child: a parent thread may have held `bound` at the fork. Not purging
-            // is always allowed.
-            return false;
-        }
-        let bound = self.lock_bound();
-        if bound.pds.iter().any(Option::is_some) {
-            return false; // registered memory is never purged
-        }
-        if chunk::find(start).is_some_and(|(_, rec)| rec.registered() || rec.kept.load(Ordering::Relaxed)) {
-            return false; // registered, or reserved (`Heap::reserve`: its pages stay)
-        }
-        // SAFETY: jemalloc purges only free memory of its own extents (for Global's arena 0 also
-        // pre-install, default-mapped ones: plain anonymous memory); nothing is registered there
-        // (checked above under `bound`, which every registration takes).
-        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
-    }
-
     /// Whether a fork()ed child must find this chunk (jemalloc's metadata; every chunk of the
     /// global allocator): it is never kept out of children, and is marked `MADV_DOFORK` again
     /// after each registration (`chunk::keep_in_children`).
