@@ -173,7 +173,9 @@ impl Global {
     /// never), as for a scoped heap ([`crate::heap::HeapBuilder::idle_release`]): once bound, a
     /// released chunk is deregistered and its pages go back to the OS, and the next allocation
     /// jemalloc carves from it registers it again (on the allocating thread). Unbound, free
-    /// memory loses its pages after the interval as with plain jemalloc. Chunks are never
+    /// memory loses its pages after the interval as with plain jemalloc (with `None`, never:
+    /// jemalloc's decay is off altogether). jemalloc's metadata blocks (2 MiB per arena in use,
+    /// registered and so resident in full once bound) are never released. Chunks are never
     /// released when the registrations carry remote rights
     /// ([`Global::with_remote_access_to_every_object`]).
     ///
