@@ -1,13 +1,16 @@
 //! Registration cost on a real device (run in the VM by `scripts/bench-alloc`, in one boot):
 //! a `Heap` bound to the device against the naive way — malloc + `ibv_reg_mr` + `ibv_dereg_mr` +
 //! free per buffer — at 4 KiB and 64 KiB; `keys_of` on a bound heap against an unbound one; and
-//! the cost of the first touch of a new chunk; the worst allocation while a heap grows to 256 MiB,
-//! without and with `Heap::reserve` (run by `scripts/bench-transfer`, in its boot).
+//! the cost of the first touch of a new chunk; idle release (resident memory after a burst and the
+//! idle interval, and the re-registration of a released chunk it trades against); the worst
+//! allocation while a heap grows to 256 MiB, without and with `Heap::reserve` (run by
+//! `scripts/bench-transfer`, in its boot).
 //!
 //! ```text
-//! registered [--rounds N] [--part all|alloc|growth]
+//! registered [--rounds N] [--part all|alloc|growth|idle]
 //! ```
-//! `--part alloc` runs everything but the growth, `--part growth` only the growth. Under
+//! `--part alloc` runs everything but the growth, `--part growth` only the growth, `--part idle`
+//! only idle release. Under
 //! `cargo bench` (`--bench`) without MRALLOC_DEVICE nothing runs; `--list` lists nothing.
 //! Each comparison runs N rounds (default 5), the two sides back to back and in alternating
 //! order; prints `RATIO <name> <median> [<min>-<max>]` over the per-round ratios and `FIGURE`
@@ -59,15 +62,17 @@ fn ratios(num: &[f64], den: &[f64]) -> Vec<f64> {
 }
 
 const USAGE: &str = "\
-usage: registered [--rounds N] [--part all|alloc|growth]
+usage: registered [--rounds N] [--part all|alloc|growth|idle]
 
 Registration cost on an RDMA device (MRALLOC_DEVICE, or the first active one): a bound Heap
 against malloc + ibv_reg_mr per buffer, keys_of bound and unbound, the first touch of a chunk,
-the worst allocation while a heap grows to 256 MiB (without and with Heap::reserve).
+idle release and re-registration, the worst allocation while a heap grows to 256 MiB (without
+and with Heap::reserve).
 
 options:
   --rounds N      interleaved rounds per comparison (default 5)
-  --part PART     all (default), alloc (everything but the growth) or growth (only the growth)
+  --part PART     all (default), alloc (everything but the growth), growth (only the growth) or
+                  idle (only idle release)
   --bench         given by cargo bench: without MRALLOC_DEVICE, nothing runs (positional
                   arguments, cargo bench's filters, are then ignored)
   --list          lists nothing (these are not criterion benchmarks) and exits
@@ -82,8 +87,8 @@ fn main() -> mralloc::Result<()> {
             "rounds" => rounds = common::positive(p, name)?,
             "part" => {
                 part = p.value()?.string()?;
-                if !["all", "alloc", "growth"].contains(&part.as_str()) {
-                    return Err(format!("--part {part}: not all, alloc or growth").into());
+                if !["all", "alloc", "growth", "idle"].contains(&part.as_str()) {
+                    return Err(format!("--part {part}: not all, alloc, growth or idle").into());
                 }
             }
             _ => return Ok(false),
@@ -101,10 +106,13 @@ fn main() -> mralloc::Result<()> {
     let ctx = Context::open_default()?;
     let pd = Pd::new(&ctx)?;
     println!("device {}, {rounds} rounds, part {part}", ctx.name());
-    if part != "growth" {
+    if part == "all" || part == "alloc" {
         alloc_and_registration(&pd, rounds)?;
     }
-    if part != "alloc" {
+    if part != "growth" {
+        idle_release(&pd, rounds)?;
+    }
+    if part == "all" || part == "growth" {
         growth(&pd, rounds)?;
     }
     Ok(())
@@ -192,6 +200,55 @@ fn alloc_and_registration(pd: &Pd, rounds: usize) -> mralloc::Result<()> {
             drop(b);
         }
         println!("FIGURE first_touch_chunk_{mib}MiB_ms {}", spread(ms));
+    }
+    Ok(())
+}
+
+/// Resident bytes of this process (`/proc/self/statm`).
+fn rss() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() * 4096.0
+}
+
+/// Idle release on a bound heap: a burst fills a chunk, is freed, and after the idle interval
+/// the chunk is deregistered and its pages dropped (resident memory after the idle interval
+/// against before the burst); then the re-registration this trades against — the allocation
+/// that uses the released chunk again (`ibv_reg_mr` of the whole chunk, its pages untouched).
+fn idle_release(pd: &Pd, rounds: usize) -> mralloc::Result<()> {
+    const IDLE: Duration = Duration::from_millis(500);
+    for mib in [16usize, 64] {
+        let (mut rereg, mut after_vs_before) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let h = Heap::builder().bind(pd).max_chunk(mib << 20).thread_cache(0).idle_release(Some(IDLE)).build()?;
+            let before = rss();
+            let mut b = h.alloc((mib << 20) - 4096)?;
+            b.fill(1);
+            let busy = rss();
+            drop(b);
+            // jemalloc's decay takes the free in at its next run (any allocation's side effect,
+            // here on demand) and releases the chunk an interval later.
+            h.decay()?;
+            std::thread::sleep(IDLE + IDLE / 2);
+            h.decay()?;
+            let idle = rss();
+            let st = h.stats();
+            assert!(st.idle_chunks >= 1, "the burst's chunk was not released: {st:?}");
+            let t = Instant::now();
+            let again = h.alloc((mib << 20) - 4096)?;
+            rereg.push(t.elapsed().as_secs_f64() * 1e3);
+            let reg = h.stats().reg_mr_time - st.reg_mr_time;
+            after_vs_before.push(idle / before);
+            println!(
+                "{mib} MiB chunk: RSS {:.1} MiB before, {:.1} busy, {:.1} after idle release; re-registration {:.2} ms ({reg:?} in ibv_reg_mr)",
+                before / 1048576.0,
+                busy / 1048576.0,
+                idle / 1048576.0,
+                rereg[rereg.len() - 1]
+            );
+            drop(again);
+        }
+        println!("FIGURE idle_rereg_chunk_{mib}MiB_ms {}", spread(rereg));
+        println!("RATIO idle_rss_after_vs_before_burst_{mib}MiB_vm {}", spread(after_vs_before));
     }
     Ok(())
 }

@@ -9,5 +9,6 @@ static A: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 mod workload;
 
 fn main() {
+    workload::set_jemalloc_decay();
     workload::run("jemalloc");
 }

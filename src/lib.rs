@@ -156,10 +156,11 @@
 //!
 //! ## What is pinned, what is never purged
 //!
-//! Registered chunks are pinned and count against `RLIMIT_MEMLOCK`. mralloc's extent hooks refuse
-//! to purge, decommit or unmap registered memory (after `MADV_DONTNEED` the CPU and the NIC see
-//! different pages, silently) and refuse merges across chunks; chunks are released whole when
-//! their heap is dropped. Registration failures come back as [`Error::Registration`] with the
+//! Registered chunks are pinned and count against `RLIMIT_MEMLOCK`. mralloc's extent hooks never
+//! purge, decommit or unmap registered memory (after `MADV_DONTNEED` the CPU and the NIC see
+//! different pages, silently) and refuse merges across chunks. A chunk left wholly free for the
+//! heap's idle interval ([`heap::HeapBuilder::idle_release`]) is deregistered first, then its
+//! pages go back to the OS; chunks are unmapped when their heap is dropped. Registration failures come back as [`Error::Registration`] with the
 //! current memlock limit; nothing aborts inside an allocator hook.
 //!
 //! ## `fork()`

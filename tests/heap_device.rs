@@ -73,7 +73,7 @@ fn device_heap_buffers_are_rdma_writable_and_readable_with_their_own_keys() {
     let st = heap.stats();
     println!("heap stats after the sample: {st:?}");
     assert!(st.metadata_bytes > 0);
-    assert_eq!(st.registered_bytes[0], st.mapped_bytes, "every chunk is registered");
+    assert_eq!(st.registered_bytes[0] + st.idle_bytes, st.mapped_bytes, "every chunk but the idle ones is registered");
     assert_eq!(st.registration_failures, 0);
     assert!(st.reg_mr_calls >= 1);
 }
@@ -390,7 +390,7 @@ fn device_churn_keeps_registered_bytes_bounded() {
         st.reg_mr_calls,
         st.reg_mr_time
     );
-    assert_eq!(registered, mapped);
+    assert_eq!(registered + st.idle_bytes, mapped, "every chunk but the idle ones is registered");
     assert!(registered <= bound, "registered {registered} > 2 x peak {peak} + max chunk");
 }
 

@@ -63,6 +63,9 @@ impl Owner {
         // hint: pages already there are collapsed by the kernel in the background, if at all).
         let first = bound.pds.iter().all(Option::is_none);
         for (_, rec) in chunk::owned_by(self.id) {
+            if rec.idle.load(Ordering::Relaxed) {
+                continue; // released (no pages): registered when jemalloc commits it again
+            }
             let base = rec.base.load(Ordering::Relaxed);
             let len = rec.len.load(Ordering::Relaxed);
             let meta = rec.meta.load(Ordering::Relaxed);

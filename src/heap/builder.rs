@@ -2,6 +2,7 @@
 //! jemalloc's per-arena settings).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::heap::front::DEFAULT_THREAD_CACHE;
@@ -30,6 +31,7 @@ pub struct HeapBuilder {
     limit: Option<usize>,
     whole_chunks: bool,
     thread_cache: usize,
+    idle_release: Option<Duration>,
 }
 
 impl HeapBuilder {
@@ -129,6 +131,26 @@ impl HeapBuilder {
         self
     }
 
+    /// How long a chunk may stay unused before it is released (default
+    /// [`crate::heap::DEFAULT_IDLE_RELEASE`], 10 s; `None`: never). A released chunk is
+    /// deregistered from every PD and its pages go back to the OS (its address range stays
+    /// reserved, and [`HeapStats::idle_chunks`] counts it); the next allocation jemalloc carves
+    /// from it registers it again first — `ibv_reg_mr` of the whole chunk (milliseconds for a
+    /// large one; the trade-off BENCHMARKS.md measures), on the allocating thread.
+    ///
+    /// A chunk is released only when all of it is free in jemalloc's view: no allocation, no
+    /// object in a thread cache, no freed block jemalloc still keeps for reuse — it releases a
+    /// freed block about `interval` after the free (its `dirty_decay_ms`), as a side effect of
+    /// the heap's allocations and frees (no thread of its own: a heap nobody calls keeps its
+    /// chunks until its next call). Never released: chunks [`Heap::reserve`] made, chunks
+    /// registered with remote rights ([`HeapBuilder::remote_access_to_whole_chunks`]: their
+    /// rkeys may be with a peer), and chunks a registration of which the device refused to
+    /// remove. An unbound heap's free blocks lose their pages after the interval too.
+    pub fn idle_release(mut self, interval: Option<Duration>) -> Self {
+        self.idle_release = interval;
+        self
+    }
+
     /// Creates the arena, binds the PDs and applies the settings.
     ///
     /// # Errors
@@ -168,7 +190,8 @@ impl HeapBuilder {
         } else {
             self.access
         };
-        let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX)));
+        let decay = crate::heap::idle::decay_ms(self.idle_release);
+        let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX), decay));
         for pd in &self.pds {
             owner.bind_shared(pd)?;
         }
@@ -193,7 +216,9 @@ impl HeapBuilder {
             arena,
             born,
         };
-        jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), -1)?;
+        // The idle interval is jemalloc's dirty decay; no muzzy state (and so no eager purge of
+        // large frees): decayed extents go straight to the decommit hook (see `heap::idle`).
+        jemalloc::write::<isize>(&format!("arena.{arena}.dirty_decay_ms"), decay as isize)?;
         jemalloc::write::<isize>(&format!("arena.{arena}.muzzy_decay_ms"), -1)?;
         jemalloc::write::<usize>(&format!("arena.{arena}.retain_grow_limit"), self.max_chunk)?;
         Ok(heap)
@@ -212,6 +237,7 @@ impl Heap {
             limit: None,
             whole_chunks: false,
             thread_cache: DEFAULT_THREAD_CACHE,
+            idle_release: Some(crate::heap::DEFAULT_IDLE_RELEASE),
         }
     }
 }

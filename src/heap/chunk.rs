@@ -44,6 +44,13 @@ pub(crate) struct ChunkRec {
     /// The PD of each registration, copied out of the `ibv_mr` when it is published, so that
     /// lookups never dereference an `ibv_mr` (another thread may be deregistering it).
     pub(crate) pds: [AtomicPtr<ffi::ibv_pd>; MAX_PDS],
+    /// Idle release (see `heap::idle`): bytes jemalloc holds decommitted, whether every one of
+    /// them reads as zero, whether the whole chunk is released (registered nowhere, no pages),
+    /// and whether it must never be (`Heap::reserve`). Written under the owner's `bound`.
+    pub(crate) decommitted: AtomicUsize,
+    pub(crate) pristine: AtomicBool,
+    pub(crate) idle: AtomicBool,
+    pub(crate) kept: AtomicBool,
     next_free: AtomicU32,
 }
 
@@ -61,6 +68,10 @@ impl ChunkRec {
         pds: [const { AtomicPtr::new(ptr::null_mut()) }; MAX_PDS],
         leaked: AtomicBool::new(false),
         access: AtomicU32::new(0),
+        decommitted: AtomicUsize::new(0),
+        pristine: AtomicBool::new(true),
+        idle: AtomicBool::new(false),
+        kept: AtomicBool::new(false),
         next_free: AtomicU32::new(u32::MAX),
     };
 
@@ -194,6 +205,10 @@ pub(crate) fn publish(owner: u64, base: usize, len: usize, meta: bool) -> Option
     r.base.store(base, Ordering::Relaxed);
     r.len.store(len, Ordering::Relaxed);
     r.meta.store(meta, Ordering::Relaxed);
+    r.decommitted.store(0, Ordering::Relaxed);
+    r.pristine.store(true, Ordering::Relaxed);
+    r.idle.store(false, Ordering::Relaxed);
+    r.kept.store(false, Ordering::Relaxed);
     r.owner.store(owner, Ordering::Release);
     if !PAGEMAP.insert(base, len, index) {
         release(index);

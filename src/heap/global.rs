@@ -134,8 +134,12 @@ impl Global {
     /// A global allocator whose registrations allow local writes only: the NIC reads and
     /// writes process memory for this process's own operations; no peer can reach any of it.
     pub const fn new() -> Global {
+        let mut owner = Owner::new_static(Access::LOCAL_WRITE);
+        owner.idle_ms = std::sync::atomic::AtomicI64::new(crate::heap::idle::decay_ms(Some(
+            crate::heap::idle::DEFAULT_IDLE_RELEASE,
+        )));
         Global {
-            owner: Owner::new_static(Access::LOCAL_WRITE),
+            owner,
             state: AtomicU8::new(UNINIT),
             malloc_align: AtomicUsize::new(0),
             max_chunk: crate::heap::DEFAULT_MAX_CHUNK,
@@ -162,6 +166,28 @@ impl Global {
     pub const fn limit(self, bytes: usize) -> Global {
         let mut g = self;
         g.owner.limit = bytes;
+        g
+    }
+
+    /// How long a chunk may stay unused before it is released (default
+    /// [`crate::heap::DEFAULT_IDLE_RELEASE`], 10 s, jemalloc's own `dirty_decay_ms`; `None`:
+    /// never), as for a scoped heap ([`crate::heap::HeapBuilder::idle_release`]): once bound, a
+    /// released chunk is deregistered and its pages go back to the OS, and the next allocation
+    /// jemalloc carves from it registers it again (on the allocating thread). Unbound, free
+    /// memory loses its pages after the interval as with plain jemalloc (with `None`, never:
+    /// jemalloc's decay is off altogether). jemalloc's metadata blocks (2 MiB per arena in use,
+    /// registered and so resident in full once bound) are never released. Chunks are never
+    /// released when the registrations carry remote rights
+    /// ([`Global::with_remote_access_to_every_object`]).
+    ///
+    /// ```
+    /// #[global_allocator]
+    /// static A: mralloc::heap::Global = mralloc::heap::Global::new().idle_release(Some(std::time::Duration::from_secs(2)));
+    /// # fn main() { let v = vec![1u8; 100]; assert_eq!(v[99], 1); }
+    /// ```
+    pub const fn idle_release(self, interval: Option<std::time::Duration>) -> Global {
+        let mut g = self;
+        g.owner.idle_ms = std::sync::atomic::AtomicI64::new(crate::heap::idle::decay_ms(interval));
         g
     }
 
@@ -244,19 +270,26 @@ impl Global {
                 "mralloc::heap::Global is bound where registered pages are not copied into fork() children (kernel before 5.13, or rdma-core's fork support enabled): after a fork, a parent's first write to a registered page moves it away from the page the NIC uses"
             );
         }
-        // Registered memory is never purged (the hooks refuse): stop jemalloc's decay from
-        // trying. Until the first bind, decay runs and unregistered pages are purged normally.
-        self.set_decay(-1);
+        // Registered memory is never purged (the hooks refuse); idle chunks are released
+        // whole through the decommit hook after `dirty_decay_ms` (see `heap::idle`), with no
+        // muzzy state: that also stops jemalloc's eager purge of every large free
+        // (`oversize_threshold:0`), which would only reach refusing hooks once bound.
+        self.set_decay(self.idle_ms(), -1);
         Ok(())
     }
 
+    /// The idle interval as `dirty_decay_ms` (-1: off).
+    fn idle_ms(&self) -> isize {
+        self.owner.idle_ms.load(Ordering::Relaxed) as isize
+    }
+
     /// Writes `dirty_decay_ms` and `muzzy_decay_ms` of every automatic arena (no allocation).
-    fn set_decay(&self, ms: isize) {
+    fn set_decay(&self, dirty: isize, muzzy: isize) {
         let Some(narenas) = name(format_args!("opt.narenas")).and_then(|n| mallctl_read::<libc::c_uint>(&n)) else {
             return;
         };
         for i in 0..narenas {
-            for what in ["dirty_decay_ms", "muzzy_decay_ms"] {
+            for (what, ms) in [("dirty_decay_ms", dirty), ("muzzy_decay_ms", muzzy)] {
                 if let Some(n) = name(format_args!("arena.{i}.{what}")) {
                     mallctl_write(&n, ms);
                 }
@@ -365,6 +398,10 @@ impl Global {
             }
         }
         self.drain_arena0();
+        // Unbound: the idle interval as dirty decay, muzzy as jemalloc's default (0) — or no
+        // decay at all when idle release is off.
+        let idle = self.idle_ms();
+        self.set_decay(idle, if idle < 0 { -1 } else { 0 });
         true
     }
 

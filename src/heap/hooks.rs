@@ -5,8 +5,9 @@
 //! | alloc         | map + mbind + advise + `ibv_reg_mr` per bound PD + publish (new chunk)   |
 //! | dalloc        | refuse: registered memory is never returned while registered             |
 //! | destroy       | nothing: the owner deregisters and unmaps whole chunks after the arena   |
-//! | commit        | succeed: chunk memory is always committed                                 |
-//! | decommit      | absent (= refuse): a decommitted page would no longer be the NIC's page   |
+//! | commit        | count it; register an idle chunk again first; zero unless pristine      |
+//! | decommit      | count it (pages untouched while registered; dropped while not); a chunk  |
+//! |               | decommitted whole is idle: deregistered, then its pages dropped (idle.rs)|
 //! | purge_lazy    | absent (= refuse): `MADV_FREE` on pinned memory is not safe on all kernels|
 //! | purge_forced  | `MADV_DONTNEED` only while the owner has no PD (nothing registered yet); |
 //! |               | refuse once bound: after it the CPU and the NIC see different pages       |
@@ -43,7 +44,7 @@ pub(crate) const HOOKS: extent_hooks_t = extent_hooks_t {
     dalloc: Some(hook_dalloc),
     destroy: Some(hook_destroy),
     commit: Some(hook_commit),
-    decommit: None,
+    decommit: Some(hook_decommit),
     purge_lazy: None,
     purge_forced: Some(hook_purge_forced),
     split: Some(hook_split),
@@ -73,13 +74,17 @@ unsafe extern "C" fn hook_alloc(
     // match.
     // SAFETY: jemalloc passes valid in/out pointers.
     let metadata_like = alignment >= crate::heap::pagemap::SLOT && unsafe { *zero && *commit };
-    let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment, metadata_like)));
+    // jemalloc's growth path lets a chunk come uncommitted (`*commit` false on entry): data
+    // chunks then do, so that their commit state tells when all of a chunk is free (idle.rs).
+    // SAFETY: as above.
+    let uncommitted = !metadata_like && unsafe { !*commit };
+    let r = catch_unwind(AssertUnwindSafe(|| owner.new_chunk(size, alignment, metadata_like, uncommitted)));
     match r {
         Ok(Ok(base)) => {
             // SAFETY: jemalloc passes valid out-pointers.
             unsafe {
                 *zero = true;
-                *commit = true;
+                *commit = !uncommitted;
             }
             base as *mut c_void
         }
@@ -122,14 +127,31 @@ unsafe extern "C" fn hook_destroy(
 }
 
 unsafe extern "C" fn hook_commit(
-    _hooks: *mut extent_hooks_t,
-    _addr: *mut c_void,
+    hooks: *mut extent_hooks_t,
+    addr: *mut c_void,
     _size: usize,
-    _offset: usize,
-    _length: usize,
+    offset: usize,
+    length: usize,
     _arena_ind: c_uint,
 ) -> CBool {
-    false // success: chunk memory is always committed
+    // SAFETY: as in hook_alloc.
+    let owner = unsafe { &*(hooks as *const Owner) };
+    // Fail (true) on any panic: the memory is not handed out.
+    catch_unwind(AssertUnwindSafe(|| owner.commit(addr as usize + offset, length))).unwrap_or(true)
+}
+
+unsafe extern "C" fn hook_decommit(
+    hooks: *mut extent_hooks_t,
+    addr: *mut c_void,
+    _size: usize,
+    offset: usize,
+    length: usize,
+    _arena_ind: c_uint,
+) -> CBool {
+    // SAFETY: as in hook_alloc.
+    let owner = unsafe { &*(hooks as *const Owner) };
+    // Refuse (true) on any panic, as on any doubt.
+    catch_unwind(AssertUnwindSafe(|| owner.decommit(addr as usize + offset, length))).unwrap_or(true)
 }
 
 unsafe extern "C" fn hook_purge_forced(
@@ -209,6 +231,7 @@ mod tests {
         assert!(h.purge_forced.is_some(), "purge_forced returns unbound memory to the OS");
         assert!(h.merge.is_some() && h.split.is_some(), "merge/split must stay hooked (cross-chunk merges)");
         assert!(h.alloc.is_some() && h.destroy.is_some() && h.commit.is_some());
-        assert!(h.decommit.is_none() && h.purge_lazy.is_none(), "refused by absence");
+        assert!(h.decommit.is_some(), "decommit counts free memory for idle release");
+        assert!(h.purge_lazy.is_none(), "refused by absence");
     }
 }

@@ -4,7 +4,9 @@
 //! bind it to the NIC's NUMA node, register it with each bound PD (`ibv_reg_mr`) and record it in
 //! a lock-free page map, so any pointer the heap handed out maps to its keys in O(1)
 //! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while
-//! registered; chunks are released whole when their heap is dropped.
+//! registered; a chunk wholly free for the heap's idle interval is deregistered, then its pages
+//! are dropped (registered again when next used: see `idle.rs`); chunks are unmapped when their
+//! heap is dropped.
 //!
 //! - `Global` (feature `global`): the process allocator (`#[global_allocator]`) over jemalloc's
 //!   automatic arenas, so every `Vec` is RDMA-ready after `Global::bind`.
@@ -30,6 +32,7 @@ mod front;
 mod global;
 mod hook_error;
 mod hooks;
+mod idle;
 mod jemalloc;
 mod keys;
 mod numa;
@@ -53,6 +56,7 @@ pub use front::DEFAULT_THREAD_CACHE;
 #[cfg(feature = "global")]
 #[cfg_attr(docsrs, doc(cfg(feature = "global")))]
 pub use global::Global;
+pub use idle::DEFAULT_IDLE_RELEASE;
 pub use keys::{chunk_of, keys_of, keys_of_for, Keys};
 pub(crate) use keys::{lkey_within_chunk, mr_and_access_of};
 pub use numa::{nodes_of_pages, online_nodes, NumaPolicy};

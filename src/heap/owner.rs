@@ -36,6 +36,10 @@ pub(crate) struct Counters {
     pub(crate) reg_failures: AtomicU64,
     /// Live bytes freed or allocated outside any thread cache slot (thread exit).
     pub(crate) orphan_live: AtomicI64,
+    /// Chunks (and their bytes) released as idle now, and releases so far (`heap::idle`).
+    pub(crate) idle_chunks: AtomicU64,
+    pub(crate) idle_bytes: AtomicU64,
+    pub(crate) idle_releases: AtomicU64,
 }
 
 /// Owner of a set of chunks: a scoped heap, or the global allocator.
@@ -69,6 +73,10 @@ pub(crate) struct Owner {
     /// that made the chunk: nothing emits them there.
     pub(crate) trace_chunks: bool,
     pub(crate) limit: usize,
+    /// The idle interval as jemalloc's `dirty_decay_ms` (-1: off; see `heap::idle`).
+    pub(crate) idle_ms: AtomicI64,
+    /// `Heap::reserve` calls running: chunks made meanwhile are never released.
+    pub(crate) reserving: AtomicU32,
     pub(crate) counters: Counters,
 }
 
@@ -78,7 +86,8 @@ static NEXT_OWNER_ID: AtomicU64 = AtomicU64::new(1);
 const STATIC_ID: u64 = u64::MAX;
 
 impl Owner {
-    pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize) -> Owner {
+    /// `idle_ms`: the idle interval as `dirty_decay_ms` (-1: off; see `heap::idle`).
+    pub(crate) fn new(access: Access, numa_node: Option<u32>, hugepages: bool, limit: usize, idle_ms: i64) -> Owner {
         // Decided here, outside jemalloc's hooks (the first answer may allocate: it reads the
         // environment and asks rdma-core), before the arena exists.
         crate::fork::children_copy_pinned_pages();
@@ -95,6 +104,8 @@ impl Owner {
             dontfork: true,
             trace_chunks: true,
             limit,
+            idle_ms: AtomicI64::new(idle_ms),
+            reserving: AtomicU32::new(0),
             counters: Counters::default(),
         }
     }
@@ -121,6 +132,8 @@ impl Owner {
             dontfork: false,
             trace_chunks: false,
             limit: usize::MAX,
+            idle_ms: AtomicI64::new(-1), // set by `Global::new`
+            reserving: AtomicU32::new(0),
             counters: Counters {
                 chunks: AtomicU64::new(0),
                 mapped: AtomicU64::new(0),
@@ -130,6 +143,9 @@ impl Owner {
                 reg_nanos: AtomicU64::new(0),
                 reg_failures: AtomicU64::new(0),
                 orphan_live: AtomicI64::new(0),
+                idle_chunks: AtomicU64::new(0),
+                idle_bytes: AtomicU64::new(0),
+                idle_releases: AtomicU64::new(0),
             },
         }
     }
@@ -162,10 +178,11 @@ impl Owner {
         size: usize,
         align: usize,
         looks_like_metadata: bool,
+        uncommitted: bool,
     ) -> std::result::Result<usize, HookError> {
         let meta = looks_like_metadata;
         if !self.born.here() {
-            return self.new_chunk_unregistered(size, align, meta);
+            return self.new_chunk_unregistered(size, align, meta, uncommitted);
         }
         let bound = self.lock_bound();
         let mapped = self.counters.mapped.load(Ordering::Relaxed) as usize;
@@ -224,6 +241,7 @@ impl Owner {
             return Err(HookError::TableFull);
         };
         let rec = chunk::rec(index);
+        self.note_commit_state(rec, size, uncommitted);
         for (slot, &mr) in mrs.iter().enumerate() {
             if !mr.is_null() {
                 rec.set_mr(slot, mr, self.access_for(meta));
@@ -259,43 +277,26 @@ impl Owner {
     /// A chunk in a fork()ed child for an owner the parent made (the global allocator: the
     /// child keeps allocating): mapped and published, registered with nothing (the parent's PDs
     /// are not the child's) and without taking `bound` (a parent thread may have held it).
-    fn new_chunk_unregistered(&self, size: usize, align: usize, meta: bool) -> std::result::Result<usize, HookError> {
+    fn new_chunk_unregistered(
+        &self,
+        size: usize,
+        align: usize,
+        meta: bool,
+        uncommitted: bool,
+    ) -> std::result::Result<usize, HookError> {
         let base = chunk::map(size, align).map_err(HookError::Map)?;
         // Bound to nothing here (see `new_chunk` on huge pages).
         if let Err(e) = chunk::advise(base, size, false, self.dontfork && !meta) {
             chunk::unmap(base, size);
             return Err(HookError::Advise(e));
         }
-        if chunk::publish(self.id, base, size, meta).is_none() {
+        let Some(index) = chunk::publish(self.id, base, size, meta) else {
             chunk::deregister_and_unmap(&[], base, size);
             return Err(HookError::TableFull);
-        }
+        };
+        self.note_commit_state(chunk::rec(index), size, uncommitted);
         self.count_new_chunk(size, meta);
         Ok(base)
-    }
-
-    /// Purges `[start, start+len)` (free memory of this owner's arena, as jemalloc asks) with
-    /// `MADV_DONTNEED` — only while no PD is bound and the range's chunk holds no registration
-    /// (published, staged, or leaked by a failed rollback). Holding `bound` keeps a concurrent
-    /// bind from registering the range meanwhile. Returns whether it purged (jemalloc then
-    /// knows the pages read as zero).
-    pub(crate) fn purge_unregistered(&self, start: usize, len: usize) -> bool {
-        if !self.born.here() {
-            // A fork()ed child: a parent thread may have held `bound` at the fork. Not purging
-            // is always allowed.
-            return false;
-        }
-        let bound = self.lock_bound();
-        if bound.pds.iter().any(Option::is_some) {
-            return false; // registered memory is never purged
-        }
-        if chunk::find(start).is_some_and(|(_, rec)| rec.registered()) {
-            return false;
-        }
-        // SAFETY: jemalloc purges only free memory of its own extents (for Global's arena 0 also
-        // pre-install, default-mapped ones: plain anonymous memory); nothing is registered there
-        // (checked above under `bound`, which every registration takes).
-        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
     }
 
     /// Whether a fork()ed child must find this chunk (jemalloc's metadata; every chunk of the
@@ -358,6 +359,10 @@ impl Owner {
             }
             if rec.meta.load(Ordering::Relaxed) {
                 self.counters.meta.fetch_sub(len as u64, Ordering::Relaxed);
+            }
+            if rec.idle.swap(false, Ordering::Relaxed) {
+                self.counters.idle_chunks.fetch_sub(1, Ordering::Relaxed);
+                self.counters.idle_bytes.fetch_sub(len as u64, Ordering::Relaxed);
             }
             let leaked = rec.leaked.swap(false, Ordering::Relaxed);
             chunk::release(index);

@@ -16,8 +16,9 @@ impl Heap {
     /// later make no new chunk: call it at start-up to keep `ibv_reg_mr` (milliseconds per
     /// chunk, hundreds of them for a large one) off the hot path. The memory is registered with
     /// every PD the heap is bound to (and with later ones at bind time), counts in
-    /// [`crate::heap::HeapStats::mapped_bytes`], and stays with the heap until it is dropped, like every
-    /// chunk.
+    /// [`crate::heap::HeapStats::mapped_bytes`], and stays with the heap until it is dropped: the
+    /// chunks it makes are never released as idle ([`crate::heap::HeapBuilder::idle_release`]),
+    /// nor are those other threads make while it runs.
     ///
     /// Count the buffers by their size classes and leave some headroom: classes are four per
     /// doubling (a 1 MiB buffer takes 1 MiB, one of 1 MiB + 64 B takes the 1.25 MiB class), an
@@ -28,7 +29,7 @@ impl Heap {
     ///
     /// Internally, blocks of up to half a [`crate::heap::HeapBuilder::max_chunk`] are allocated until the
     /// heap has grown by `bytes`, then freed; jemalloc keeps the freed extents in the arena
-    /// (the hooks refuse to give registered pages back) and serves later allocations from them.
+    /// (and never releases the reserved chunks) and serves later allocations from them.
     ///
     /// # Errors
     /// [`Error::LimitExceeded`], before anything is mapped, if `bytes` does not fit under the
@@ -49,6 +50,8 @@ impl Heap {
             return Err(Error::LimitExceeded { limit: s.owner.limit, mapped: start, requested: bytes });
         }
         let target = start + bytes;
+        // The chunks made from here on are the reservation: never released as idle.
+        let _keeping = s.owner.keeping();
         let block = (s.max_chunk / 2).clamp(SLOT, 64 << 20);
         let flags = je::MALLOCX_ARENA(self.arena as usize) | je::MALLOCX_TCACHE_NONE;
         // The blocks held so far, as an intrusive list (no allocation here): each block's

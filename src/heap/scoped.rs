@@ -287,8 +287,10 @@ impl Heap {
         stats
     }
 
-    /// Asks jemalloc to purge the arena's unused dirty pages (`arena.N.purge`). The hooks refuse:
-    /// registered pages are never purged. Exposed so tests can prove it.
+    /// Asks jemalloc to purge the arena's unused dirty pages now (`arena.N.purge`). Registered
+    /// pages are never purged; with idle release on ([`HeapBuilder::idle_release`]) every chunk
+    /// left wholly free is released at once (deregistered, then its pages dropped), as if its
+    /// interval had passed. Exposed so tests can prove both.
     ///
     /// # Errors
     /// [`Error::Jemalloc`] if the mallctl fails.
@@ -296,7 +298,9 @@ impl Heap {
         jemalloc::run(&format!("arena.{}.purge", self.arena))
     }
 
-    /// Triggers decay-based purging (`arena.N.decay`); likewise refused by the hooks.
+    /// Runs jemalloc's decay now (`arena.N.decay`), which otherwise runs as a side effect of
+    /// allocations and frees: blocks freed at least the idle interval ago are released (see
+    /// [`HeapBuilder::idle_release`]; a free is taken in at the decay run after it).
     ///
     /// # Errors
     /// [`Error::Jemalloc`] if the mallctl fails.

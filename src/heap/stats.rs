@@ -27,6 +27,14 @@ pub struct HeapStats {
     pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
+    /// Of `chunks`, those released as idle (see [`crate::heap::HeapBuilder::idle_release`]):
+    /// registered nowhere and resident nowhere, their address range kept for reuse.
+    pub idle_chunks: u64,
+    /// Of `mapped_bytes`, the bytes of the idle chunks.
+    pub idle_bytes: u64,
+    /// Chunks released as idle so far (each release of a chunk counts; its next use registers
+    /// it again, counted in `reg_mr_calls` and `reg_mr_time`).
+    pub idle_releases: u64,
     /// Bytes handed out and not yet freed, as requested by the callers.
     pub live_bytes: u64,
     /// Bytes of freed buffers kept in the threads' caches for reuse (see
@@ -53,6 +61,9 @@ impl HeapStats {
             mapped_bytes: c.mapped.load(Ordering::Relaxed),
             metadata_bytes: c.meta.load(Ordering::Relaxed),
             registered_bytes: std::array::from_fn(|i| c.registered[i].load(Ordering::Relaxed)),
+            idle_chunks: c.idle_chunks.load(Ordering::Relaxed),
+            idle_bytes: c.idle_bytes.load(Ordering::Relaxed),
+            idle_releases: c.idle_releases.load(Ordering::Relaxed),
             live_bytes,
             thread_cached_bytes: 0,
             jemalloc_allocated,

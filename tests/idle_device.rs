@@ -1,0 +1,104 @@
+//! Idle release on a bound heap (Soft-RoCE in the VM; run by `scripts/test`): after a burst and
+//! the interval the burst's chunks are deregistered (registered bytes fall by what went idle),
+//! a chunk with a live buffer keeps its registration, and memory used again is registered again
+//! and moves correctly over RDMA.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use mralloc::heap::{chunk_of, Buffer, Heap};
+use mralloc::verbs::{Access, SendOp, SendWr};
+
+const MIB: usize = 1 << 20;
+
+/// RDMA-WRITEs `src` into `dst` (exposed) and READs it back into `back`, checking both.
+fn write_read(lb: &Loopback, src: &Buffer, dst: Buffer, back: &Buffer, what: &str) {
+    let n = src.len();
+    let dst = dst.expose().expect("dst exposed");
+    let remote = dst.remote();
+    let sge = [src.sge(..).expect("src sge")];
+    // SAFETY: src/dst/back outlive the completions polled right after each post; the CPU does
+    // not touch them meanwhile.
+    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, n as u64).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: write: {e}"));
+    assert_bytes_eq(&dst.to_vec()[..n], src, &format!("{what}: RDMA WRITE"));
+    let sge = [back.sge(..n).expect("back sge")];
+    // SAFETY: as above.
+    unsafe { lb.a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, n as u64).unwrap()))]).unwrap() };
+    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: read: {e}"));
+    assert_bytes_eq(&back[..n], src, &format!("{what}: RDMA READ"));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_idle_chunks_are_deregistered_and_registered_again_on_use() {
+    let lb = loopback();
+    let heap = Heap::builder()
+        .bind(&lb.pd)
+        .access(Access::ALL_REMOTE)
+        .max_chunk(8 * MIB)
+        .thread_cache(0)
+        .idle_release(Some(Duration::from_secs(2)))
+        .build()
+        .unwrap();
+    // A live buffer first, then a burst that shares its chunk and fills more.
+    let live = {
+        let mut b = heap.alloc(64 << 10).unwrap();
+        b.copy_from_slice(&pattern(1, 64 << 10));
+        b
+    };
+    let live_chunk = chunk_of(live.as_ptr()).unwrap();
+    let live_keys = heap.keys(live.as_ptr()).expect("registered");
+    // Written: the freed blocks of the live buffer's chunk keep these bytes (registered pages
+    // are never dropped), so memory committed again must be zeroed by the hook.
+    let burst: Vec<Buffer> = (0..24)
+        .map(|_| {
+            let mut b = heap.alloc(MIB).unwrap();
+            b.fill(0xA5);
+            b
+        })
+        .collect();
+    let busy = heap.stats();
+    assert_eq!(busy.idle_chunks, 0);
+    drop(burst);
+    // jemalloc's decay takes the frees in at its next run and releases an interval later.
+    heap.decay().unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    heap.decay().unwrap();
+    let idle = heap.stats();
+    println!("busy {busy:?}\nidle {idle:?}");
+    assert!(idle.idle_chunks > 0, "nothing was released");
+    assert_eq!(idle.registered_bytes[0] + idle.idle_bytes, idle.mapped_bytes, "registered bytes are true");
+    assert!(idle.registered_bytes[0] < busy.registered_bytes[0], "registered bytes did not fall");
+    // The live buffer's chunk stays registered, with the same keys, and its bytes move.
+    assert_eq!(chunk_of(live.as_ptr()), Some(live_chunk));
+    assert_eq!(heap.keys(live.as_ptr()), Some(live_keys), "the live buffer's chunk was released");
+    let dst = heap.alloc(64 << 10).unwrap();
+    let back = heap.alloc(64 << 10).unwrap();
+    assert!(dst.iter().chain(back.iter()).all(|&x| x == 0), "reused memory is not zero");
+    write_read(&lb, &live, dst, &back, "the live buffer");
+    // Used again — the live buffer's chunk's freed (decommitted, not dropped) memory among it,
+    // zeroed when committed again: registered again (new registrations), correct over RDMA.
+    let calls = heap.stats().reg_mr_calls;
+    let again: Vec<Buffer> = (0..24)
+        .map(|i| {
+            let mut b = heap.alloc(MIB).unwrap();
+            assert!(b.iter().all(|&x| x == 0), "reused memory is not zero");
+            b.copy_from_slice(&pattern(10 + i, MIB));
+            b
+        })
+        .collect();
+    let used = heap.stats();
+    println!("used again {used:?}");
+    assert!(used.reg_mr_calls > calls, "no chunk was registered again");
+    assert!(used.idle_chunks < idle.idle_chunks);
+    assert_eq!(used.registered_bytes[0] + used.idle_bytes, used.mapped_bytes);
+    for (i, src) in again.iter().enumerate().step_by(5) {
+        assert!(heap.keys(src.as_ptr()).is_some(), "no keys for memory handed out");
+        let dst = heap.alloc(MIB).unwrap();
+        let back = heap.alloc(MIB).unwrap();
+        write_read(&lb, src, dst, &back, &format!("reused #{i}"));
+    }
+}
