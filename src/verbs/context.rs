@@ -355,6 +355,21 @@ impl Context {
         Ok(out)
     }
 
+    /// The GID a queue pair on this device presents when neither port nor GID index is given
+    /// (the first active port, [`Context::default_gid_index`]): what a peer connected with
+    /// default options sees as this side's GID, and so the device identity a
+    /// [`crate::RemoteDesc`] keys its rkeys by.
+    ///
+    /// # Errors
+    /// [`Error::NoActiveDevice`] if no port is `ACTIVE`; as [`Context::default_gid_index`] and
+    /// [`Context::gid`].
+    pub fn default_gid(&self) -> Result<Gid> {
+        let port = self
+            .first_active_port()
+            .ok_or_else(|| Error::NoActiveDevice { available: vec![self.name().to_string()] })?;
+        self.gid(port, self.default_gid_index(port)?)
+    }
+
     /// The GID index to use on `port` when none is given: `MRALLOC_GID_INDEX` if set; on RoCE,
     /// the first RoCE v2 entry holding an IPv4-mapped address (what perftest and rping use),
     /// then the first RoCE v2 entry; on InfiniBand, 0.
