@@ -225,6 +225,25 @@ fn device_dual_links_reach_one_buffer_through_either_device() {
     assert_eq!(links.len(), 2, "host {me}: run under --links dual (two links to one peer)");
     let peer = links[0].peer;
     assert_eq!(links[1].peer, peer, "both links lead to the same peer");
+    // What a rail group chooses by: both devices listed, each with an active Ethernet port and
+    // a rate.
+    let listed = mralloc::verbs::devices().unwrap();
+    for l in &links {
+        let d = listed.iter().find(|d| d.name == l.device).unwrap_or_else(|| panic!("{} listed", l.device));
+        let ports = d.ports().unwrap();
+        let p = ports.first().expect("a port");
+        println!(
+            "host {me}: {} port {}: {:?} {:?} {:?} Gb/s, NUMA node {:?}",
+            d.name,
+            p.port,
+            p.state,
+            p.link_layer,
+            p.gbps(),
+            d.numa_node
+        );
+        assert_eq!((p.state, p.link_layer), (mralloc::verbs::PortState::Active, mralloc::verbs::LinkLayer::Ethernet));
+        assert!(p.gbps().is_some_and(|g| g > 0.0), "{} reports a rate: {p:?}", d.name);
+    }
     let pds: Vec<Pd> = links.iter().map(|l| Pd::new(&Context::open(&l.device).unwrap()).unwrap()).collect();
     let heap = Heap::builder().access(Access::ALL_REMOTE).bind(&pds[0]).bind(&pds[1]).build().unwrap();
 
