@@ -1,34 +1,4 @@
 //! `RemoteDesc`: one buffer of ours as a peer reaches it through any of our devices.
-//!
-//! A [`RemoteBuf`] names a buffer through one device: its rkey is meaningful only to the device
-//! (the protection domain) that issued it — the same number on another device names some other
-//! registration, or none. A buffer of a heap bound to several devices has a key per device; a
-//! `RemoteDesc` carries them all, each beside the identity of the device it belongs to, so a
-//! peer connected to us over several links (rails) picks, per connection, the key of the device
-//! at the far end of that connection.
-//!
-//! **The device identity is a GID**: the one the exposing side's queue pairs on that device
-//! present in the connection handshake — what the peer's own queue pair then addresses every
-//! packet to ([`crate::verbs::Endpoint::gid`], `Connection::peer().gid`). The exposing side writes
-//! it from its own device (the default GID index of the device's first active port, the one a
-//! `Connection` with default [`crate::transfer::DeviceChoice`] uses), and the peer reads it from
-//! the connection it is about to use: both values come from the exposing side, and the one the
-//! peer matches is the address its packets actually go to, so a key is only ever used toward the
-//! device that announced it. (A node GUID would name the device too, but nothing ties it to the
-//! link a connection runs over; a GID is per port and address, and a device has one per link.)
-//! A connection set up with another GID index does not match: [`RemoteDesc::for_peer`] says so
-//! ([`Error::NoKeyForDevice`]) rather than guess.
-//!
-//! Wire format, version 1, big-endian:
-//!
-//! ```text
-//! version u8 = 1 | count u8 (1..=4) | addr u64 | len u64 | count x (gid [16] | rkey u32)
-//! ```
-//!
-//! [`RemoteDesc::from_bytes`] rejects anything else with [`Error::MalformedDescriptor`]: another
-//! version, a count of 0 or over [`RemoteDesc::MAX_DEVICES`], fewer or more bytes than the count
-//! calls for, a repeated or all-zero GID, a range that wraps around. It never panics and never
-//! allocates.
 
 use std::ops::Range;
 
@@ -47,7 +17,37 @@ pub struct DeviceKey {
 
 /// A remote buffer reachable through several devices: address, length, and one rkey per device
 /// of the exposing side (at most [`RemoteDesc::MAX_DEVICES`], each GID once). `Copy`; encoded
-/// with [`RemoteDesc::to_bytes`] (see the [module](self) for the format and the identity).
+/// with [`RemoteDesc::to_bytes`].
+///
+/// A [`RemoteBuf`] names a buffer through one device: its rkey is meaningful only to the device
+/// (the protection domain) that issued it — the same number on another device names some other
+/// registration, or none. A buffer of a heap bound to several devices has a key per device; a
+/// `RemoteDesc` carries them all, each beside the identity of the device it belongs to, so a
+/// peer connected to us over several links (rails) picks, per connection, the key of the device
+/// at the far end of that connection.
+///
+/// **The device identity is a GID**: the one the exposing side's queue pairs on that device
+/// present in the connection handshake — what the peer's own queue pair then addresses every
+/// packet to ([`crate::verbs::Endpoint::gid`], `Connection::peer().gid`). The exposing side writes
+/// it from its own device (the default GID index of the device's first active port, the one a
+/// `Connection` with default [`crate::transfer::DeviceChoice`] uses), and the peer reads it from
+/// the connection it is about to use: both values come from the exposing side, and the one the
+/// peer matches is the address its packets actually go to, so a key is only ever used toward the
+/// device that announced it. (A node GUID would name the device too, but nothing ties it to the
+/// link a connection runs over; a GID is per port and address, and a device has one per link.)
+/// A connection set up with another GID index does not match: [`RemoteDesc::for_peer`] says so
+/// ([`Error::NoKeyForDevice`]) rather than guess.
+///
+/// Wire format, version 1, big-endian:
+///
+/// ```text
+/// version u8 = 1 | count u8 (1..=4) | addr u64 | len u64 | count x (gid [16] | rkey u32)
+/// ```
+///
+/// [`RemoteDesc::from_bytes`] rejects anything else with [`Error::MalformedDescriptor`]: another
+/// version, a count of 0 or over [`RemoteDesc::MAX_DEVICES`], fewer or more bytes than the count
+/// calls for, a repeated or all-zero GID, a range that wraps around. It never panics and never
+/// allocates.
 ///
 /// Made by [`crate::heap::Exposed::desc`] and [`crate::Buffer::remote_desc`] from a heap bound to
 /// several PDs; used through [`RemoteDesc::for_peer`] (or `Connection::remote_of`).
@@ -159,7 +159,7 @@ impl RemoteDesc {
         HEADER + usize::from(self.count) * ENTRY
     }
 
-    /// Encodes in the [module](self)'s format: `buf[..n]` of the returned `(buf, n)`.
+    /// Encodes in the format [`RemoteDesc`] describes: `buf[..n]` of the returned `(buf, n)`.
     pub fn to_bytes(&self) -> ([u8; Self::MAX_ENCODED_LEN], usize) {
         let mut b = [0u8; Self::MAX_ENCODED_LEN];
         b[0] = Self::VERSION;

@@ -32,9 +32,9 @@ impl Buffer {
         }
         let mut keys = Vec::with_capacity(pds.len());
         for pd in &pds {
-            let gid = pd.context().default_gid()?;
+            // The key first: it refuses a fork()ed child before any query of the parent's device.
             let remote = self.key_with(pd, rights)?;
-            keys.push(DeviceKey { gid, rkey: remote.rkey });
+            keys.push(DeviceKey { gid: pd.context().default_gid()?, rkey: remote.rkey });
         }
         RemoteDesc::new(self.addr(), self.size() as u64, &keys)
     }
