@@ -46,9 +46,10 @@ fn run() -> mralloc::Result<()> {
         for port in 1..=ctx.port_count()? {
             let p = ctx.port(port)?;
             println!(
-                "  port {port}: {:?}, {:?} link, active MTU {} (max {}), LID {}",
+                "  port {port}: {:?}, {:?} link, {}, active MTU {} (max {}), LID {}",
                 p.state,
                 p.link_layer,
+                p.gbps().map_or(format!("rate codes {}/{}", p.active_width, p.active_speed), |g| format!("{g} Gb/s")),
                 p.active_mtu.bytes(),
                 p.max_mtu.bytes(),
                 p.lid

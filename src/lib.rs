@@ -200,12 +200,14 @@ mod mmap;
 mod os;
 mod peer_bytes;
 mod remote;
+mod remote_desc;
 pub mod transfer;
 pub mod verbs;
 
-pub use error::{AuthFailure, Disconnect, Error, RemoteRefusal, Result};
+pub use error::{AuthFailure, DescFault, Disconnect, Error, RemoteRefusal, Result};
 pub use heap::{keys_of, keys_of_for, Buffer, Heap, Keys};
 pub use remote::RemoteBuf;
+pub use remote_desc::{DeviceKey, RemoteDesc};
 
 /// Whether a `fork()`ed child of this process gets copies of the parent's registered memory
 /// (scoped heaps' data, registered buffers), as decided for the process (on the first call, if

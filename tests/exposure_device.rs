@@ -442,3 +442,36 @@ fn device_registered_buf_is_writable_by_a_peer_only_while_exposed() {
     assert_eq!(err.wc_status(), Some(WcStatus::RemAccessErr), "{err}");
     assert!(buf[..64].iter().all(|&x| x == 0x22), "a WRITE through a revoked key landed");
 }
+
+/// `Buffer::remote_desc`: read-only keys, one per bound device, each beside the GID a connection
+/// there presents; a connection picks its key by the peer's GID and READs through it, a WRITE
+/// with it is refused. A heap bound to two PDs of one device cannot make one (the keys would
+/// share an identity), nor can a heap without remote rights or without a PD.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_remote_desc_keys_per_device() {
+    use mralloc::{DescFault, RemoteDesc};
+    let (pd, heap) = setup();
+    let b = filled(&heap, 4096, 0x5A);
+    let desc = RemoteDesc::from_bytes(&b.remote_desc().unwrap().to_vec()).unwrap();
+    assert_eq!(desc.keys().len(), 1);
+    assert_eq!(desc.keys()[0].gid, pd.context().default_gid().unwrap());
+    let (a, _z) = Connection::pair(&pd, &rights(Access::REMOTE_WRITE | Access::REMOTE_READ)).unwrap();
+    let remote = a.remote_of(&desc).unwrap();
+    assert_eq!(remote, b.remote().unwrap(), "the key Buffer::remote gives (one registration per PD)");
+    let mut back = filled(&heap, 92, 0);
+    a.read(&mut back, &remote.slice(4000..4096).unwrap(), 4).unwrap();
+    assert!(back.iter().all(|&x| x == 0x5A));
+    let err = a.write(&filled(&heap, 8, 1), &remote, 0).unwrap_err();
+    assert!(matches!(err, Error::Operation { status: WcStatus::RemAccessErr, .. }), "read-only: {err:?}");
+    assert!(b.iter().all(|&x| x == 0x5A));
+
+    let twice = Heap::builder().bind(&pd).bind(&Pd::new(&open()).unwrap()).access(Access::ALL_REMOTE).build().unwrap();
+    let err = twice.alloc(64).unwrap().expose().unwrap().desc().unwrap_err();
+    assert!(matches!(err, Error::MalformedDescriptor(DescFault::DuplicateDevice(_))), "{err:?}");
+    let local = Heap::builder().bind(&pd).build().unwrap();
+    assert!(matches!(local.alloc(64).unwrap().remote_desc(), Err(Error::NoRemoteAccess)));
+    let unbound = Heap::builder().access(Access::ALL_REMOTE).build().unwrap();
+    let err = unbound.alloc(64).unwrap().remote_desc().unwrap_err();
+    assert!(matches!(err, Error::NotRegistered { .. }), "{err:?}");
+}

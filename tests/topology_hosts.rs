@@ -201,3 +201,167 @@ fn device_keepalive_finds_a_black_holed_peer() {
     let s: ConnectionStats = k6.stats();
     assert_eq!(s.send_requests, 0, "probes are not counted as requests");
 }
+
+/// One descriptor, two rails (`scripts/softroce --hosts 2 --links dual`: two links between the
+/// two hosts, an rxe device on each end of each). Each host binds one heap to both its devices,
+/// exposes one buffer and hands the peer its [`RemoteDesc`] (a key per device, each beside the
+/// device's GID) over a connection per link. Each host then WRITEs one half of the peer's buffer
+/// through each link, picking per connection the key of the peer's device at its far end
+/// (`Connection::remote_of`), and READs it back through the same link: byte for byte. Then host
+/// 0 uses, over link 0, the key the peer's link-1 device issued: the peer's device refuses it
+/// (`REM_ACCESS_ERR`) and the bytes stay; host 1 revokes its buffer (every per-device
+/// registration) and host 0's write with the right key for link 1 is refused too. Prints what a
+/// second device costs an exposure (registration plus GID query).
+#[test]
+#[ignore = "needs linked RDMA hosts: run scripts/test"]
+fn device_dual_links_reach_one_buffer_through_either_device() {
+    use mralloc::verbs::WcStatus;
+    use mralloc::{Error, RemoteDesc};
+    use std::time::Instant;
+
+    const HALF: usize = 1 << 20;
+    let me: usize = std::env::var("MRALLOC_HOST").expect("MRALLOC_HOST").parse().unwrap();
+    let links = links();
+    assert_eq!(links.len(), 2, "host {me}: run under --links dual (two links to one peer)");
+    let peer = links[0].peer;
+    assert_eq!(links[1].peer, peer, "both links lead to the same peer");
+    // What a rail group chooses by: both devices listed, each with an active Ethernet port and
+    // a rate.
+    let listed = mralloc::verbs::devices().unwrap();
+    for l in &links {
+        let d = listed.iter().find(|d| d.name == l.device).unwrap_or_else(|| panic!("{} listed", l.device));
+        let ports = d.ports().unwrap();
+        let p = ports.first().expect("a port");
+        println!(
+            "host {me}: {} port {}: {:?} {:?} {:?} Gb/s, NUMA node {:?}",
+            d.name,
+            p.port,
+            p.state,
+            p.link_layer,
+            p.gbps(),
+            d.numa_node
+        );
+        assert_eq!((p.state, p.link_layer), (mralloc::verbs::PortState::Active, mralloc::verbs::LinkLayer::Ethernet));
+        assert!(p.gbps().is_some_and(|g| g > 0.0), "{} reports a rate: {p:?}", d.name);
+    }
+    let pds: Vec<Pd> = links.iter().map(|l| Pd::new(&Context::open(&l.device).unwrap()).unwrap()).collect();
+    let heap = Heap::builder().access(Access::ALL_REMOTE).bind(&pds[0]).bind(&pds[1]).build().unwrap();
+
+    // What the second device costs an exposure: `expose` registers on the primary device, `desc`
+    // adds the second (and queries both GIDs); a second `desc` only queries.
+    let (mut one, mut two, mut again) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..15 {
+        let b = heap.alloc(HALF).unwrap();
+        let t = Instant::now();
+        let x = b.expose().unwrap();
+        one.push(t.elapsed());
+        let t = Instant::now();
+        x.desc().unwrap();
+        two.push(t.elapsed());
+        let t = Instant::now();
+        x.desc().unwrap();
+        again.push(t.elapsed());
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    println!(
+        "host {me}: exposing {HALF} bytes: expose (1 device) {:?}, desc (+1 device, 2 GID queries) {:?}, desc again (GID queries only) {:?} (medians of 15)",
+        median(&mut one),
+        median(&mut two),
+        median(&mut again)
+    );
+
+    // A registration on the second device only, so its keys are not the first's by coincidence.
+    let _skew = heap.alloc(4096).unwrap().remote_for(&pds[1]).unwrap();
+    let inbox = heap.alloc(2 * HALF).unwrap().expose().unwrap();
+    inbox.write_from(0, &vec![0; 2 * HALF]).unwrap();
+    let desc = inbox.desc().unwrap();
+    assert_eq!(desc.keys().len(), 2);
+    let blob = desc.to_vec();
+    let conns: Vec<Connection> = links
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let opts = Options {
+                qp: QpOptions { remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ, ..Default::default() },
+                device: DeviceChoice { name: Some(l.device.clone()), ..Default::default() },
+                wait: WaitOptions { op_timeout: Duration::from_secs(60), ..Default::default() },
+                ..Options::default()
+            };
+            let port = 7800 + i as u16;
+            if me < peer {
+                Listener::bind((l.local_ip.as_str(), port), &pds[i], opts).unwrap().accept_with(&blob).unwrap()
+            } else {
+                connect_retrying(|| Connection::connect_with((l.peer_ip.as_str(), port), &pds[i], opts.clone(), &blob))
+            }
+        })
+        .collect();
+    let theirs = RemoteDesc::from_bytes(conns[0].peer_blob()).unwrap();
+    assert_eq!(RemoteDesc::from_bytes(conns[1].peer_blob()).unwrap(), theirs);
+    let remotes: Vec<RemoteBuf> = conns.iter().map(|c| c.remote_of(&theirs).unwrap()).collect();
+    assert_ne!(remotes[0].rkey, remotes[1].rkey, "each link reaches the peer's buffer with its own device's key");
+    let sync = |c: &Connection| {
+        let p = c.post_recv(heap.alloc(1).unwrap()).unwrap();
+        c.send(&heap.alloc(1).unwrap()).unwrap();
+        p.wait().unwrap();
+    };
+    let seed = |from: usize, link: usize| (from * 10 + link) as u64;
+
+    // Each half of the peer's buffer through its own link, then read back through the same.
+    for (i, c) in conns.iter().enumerate() {
+        let mut data = heap.alloc(HALF).unwrap();
+        data.copy_from_slice(&pattern(seed(me, i), HALF));
+        c.write(&data, &remotes[i], (i * HALF) as u64).unwrap();
+    }
+    conns.iter().for_each(sync);
+    let got = inbox.to_vec();
+    for i in 0..2 {
+        let what = format!("host {me}: half {i}, written by host {peer} over {}", links[i].device);
+        assert_bytes_eq(&got[i * HALF..(i + 1) * HALF], &pattern(seed(peer, i), HALF), &what);
+        let mut back = heap.alloc(HALF).unwrap();
+        conns[i].read(&mut back, &remotes[i], (i * HALF) as u64).unwrap();
+        assert_bytes_eq(
+            &back,
+            &pattern(seed(me, i), HALF),
+            &format!("host {me}: half {i} read back over {}", links[i].device),
+        );
+        println!(
+            "host {me}: {HALF} bytes written and read back over {} ({} <-> {}), verified",
+            links[i].device, links[i].local_ip, links[i].peer_ip
+        );
+    }
+    conns.iter().for_each(sync); // both done reading before anything below breaks a connection
+
+    let refused = |r: mralloc::Result<()>| matches!(r, Err(Error::Operation { status: WcStatus::RemAccessErr, .. }));
+    let one_byte = {
+        let mut b = heap.alloc(1).unwrap();
+        b[0] = 0xEE;
+        b
+    };
+    if me == 0 {
+        // The key of the peer's link-1 device, used toward its link-0 device.
+        let wrong = RemoteBuf { rkey: remotes[1].rkey, ..remotes[0] };
+        let r = conns[0].write(&one_byte, &wrong, 0);
+        println!("host 0: the peer's link-1 key over link 0: {r:?}");
+        assert!(refused(r), "a key of the peer's other device must be refused");
+        sync(&conns[1]);
+        // Host 1 revokes, then says so: its key for link 1 (the heap's second PD) is dead.
+        let p = conns[1].post_recv(heap.alloc(1).unwrap()).unwrap();
+        p.wait().unwrap();
+        let r = conns[1].write(&one_byte, &remotes[1], 0);
+        println!("host 0: the peer's link-1 key after its revocation: {r:?}");
+        assert!(refused(r), "a revoked exposure's key on the second device must be refused");
+    } else {
+        sync(&conns[1]); // host 0 has tried the wrong key
+        assert_eq!(inbox.to_vec()[0], pattern(seed(0, 0), 1)[0], "the refused write left the bytes");
+        let buf = inbox.revoke().unwrap();
+        assert!(!buf.is_exposed());
+        conns[1].send(&heap.alloc(1).unwrap()).unwrap();
+        // Stay until host 0 is done: its refused write breaks the connection (or it leaves).
+        let p = conns[1].post_recv(heap.alloc(1).unwrap()).unwrap();
+        let _ = p.wait();
+        drop(buf);
+    }
+}

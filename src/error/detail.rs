@@ -1,5 +1,6 @@
 //! The details some errors carry: why a connection was lost ([`Disconnect`]), why
-//! authentication failed ([`AuthFailure`]), why a peer refused remote memory ([`RemoteRefusal`]).
+//! authentication failed ([`AuthFailure`]), why a peer refused remote memory ([`RemoteRefusal`]),
+//! what is wrong with a remote descriptor ([`DescFault`]).
 
 /// Why the shared-secret check of a connection setup failed ([`Error::Authentication`](crate::Error::Authentication)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -126,4 +127,45 @@ impl RemoteRefusal {
             RemoteRefusal::Unavailable => "making a remote key for the memory failed",
         }
     }
+}
+
+/// What is wrong with a remote descriptor ([`Error::MalformedDescriptor`](crate::Error::MalformedDescriptor)):
+/// one decoded from a peer's bytes ([`crate::RemoteDesc::from_bytes`]) or one being built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DescFault {
+    /// The first byte names a format version this build does not speak.
+    #[error("unsupported version {0} (this build speaks {v})", v = crate::RemoteDesc::VERSION)]
+    Version(u8),
+    /// Fewer bytes than the header and the entries it announces.
+    #[error("truncated: {got} bytes, the descriptor needs {need}")]
+    Truncated {
+        /// Bytes given.
+        got: usize,
+        /// Bytes the header (and the count in it, if there was one) calls for.
+        need: usize,
+    },
+    /// Bytes after the last entry.
+    #[error("{0} bytes after the last entry")]
+    Trailing(usize),
+    /// No device key at all.
+    #[error("no device key")]
+    NoKeys,
+    /// More device keys than a descriptor carries ([`crate::RemoteDesc::MAX_DEVICES`]).
+    #[error("{0} device keys (at most {max})", max = crate::RemoteDesc::MAX_DEVICES)]
+    TooMany(usize),
+    /// Two keys for the same device identity (GID).
+    #[error("two keys for the device at GID {0}")]
+    DuplicateDevice(crate::verbs::Gid),
+    /// A key for the all-zero GID, which names no device.
+    #[error("a key for the all-zero GID")]
+    ZeroGid,
+    /// `addr + len` wraps around the address space.
+    #[error("the range {addr:#x}+{len} wraps around")]
+    Wraps {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
 }

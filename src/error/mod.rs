@@ -4,7 +4,7 @@ use crate::verbs::{Access, Verb, WcOpcode, WcStatus};
 
 mod detail;
 mod hints;
-pub use detail::{AuthFailure, Disconnect, RemoteRefusal};
+pub use detail::{AuthFailure, DescFault, Disconnect, RemoteRefusal};
 pub(crate) use hints::memlock_text;
 use hints::{hint_for, operation_hint};
 
@@ -169,6 +169,18 @@ pub enum Error {
     /// A peer's endpoint description could not be decoded.
     #[error("malformed endpoint: {0}")]
     MalformedEndpoint(String),
+    /// A remote descriptor ([`crate::RemoteDesc`]) could not be decoded or built.
+    #[error("malformed remote descriptor: {0}")]
+    MalformedDescriptor(DescFault),
+    /// A remote descriptor holds no key for the device a connection reaches (the GID of the
+    /// peer's end of it).
+    #[error("the remote descriptor has no key for the device at GID {gid} (it has keys for: {})", fmt_list(.have))]
+    NoKeyForDevice {
+        /// The GID of the peer's end of the connection.
+        gid: crate::verbs::Gid,
+        /// The GIDs the descriptor has keys for.
+        have: Vec<String>,
+    },
     /// Registering a new heap chunk with the NIC failed (often the memlock limit).
     #[error("memory registration failed: {} (errno {errno}); {hint}", std::io::Error::from_raw_os_error(*.errno))]
     Registration {
@@ -342,7 +354,8 @@ impl Error {
             | Error::RemoteRefused { .. }
             | Error::NotGranted { .. } => K::PermissionDenied,
             Error::InvalidArgument(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => K::InvalidInput,
-            Error::Protocol(_) | Error::MalformedEndpoint(_) => K::InvalidData,
+            Error::Protocol(_) | Error::MalformedEndpoint(_) | Error::MalformedDescriptor(_) => K::InvalidData,
+            Error::NoKeyForDevice { .. } => K::NotFound,
             Error::LimitExceeded { .. } | Error::OutOfMemory { .. } => K::OutOfMemory,
             Error::Closed => K::NotConnected,
             Error::Disconnected(Disconnect::PeerReset { .. }) => K::ConnectionReset,
@@ -387,9 +400,11 @@ impl Error {
             Error::Io { .. } => "Io",
             Error::Jemalloc { .. } => "Jemalloc",
             Error::LimitExceeded { .. } => "LimitExceeded",
+            Error::MalformedDescriptor { .. } => "MalformedDescriptor",
             Error::MalformedEndpoint { .. } => "MalformedEndpoint",
             Error::NoActiveDevice { .. } => "NoActiveDevice",
             Error::NoControlChannel => "NoControlChannel",
+            Error::NoKeyForDevice { .. } => "NoKeyForDevice",
             Error::NoRemoteAccess => "NoRemoteAccess",
             Error::NoSuchDevice { .. } => "NoSuchDevice",
             Error::NoSuchIndex { .. } => "NoSuchIndex",

@@ -166,11 +166,22 @@ impl Buffer {
     /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
     /// [`Error::Verbs`] if the device refuses the registration.
     pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
+        self.check_readable()?;
+        self.key_with(pd, Access::REMOTE_READ)
+    }
+
+    /// Refuses read-only keys in a fork()ed child and for a heap without remote read.
+    pub(crate) fn check_readable(&self) -> Result<()> {
         self.shared().born.check("this heap")?;
         if !self.shared().access.contains(Access::REMOTE_READ) {
             return Err(Error::NoRemoteAccess);
         }
-        self.key_with(pd, Access::REMOTE_READ)
+        Ok(())
+    }
+
+    /// Every PD the heap is bound to, in slot order.
+    pub(crate) fn bound_pds(&self) -> Vec<Pd> {
+        self.shared().owner.bound_pds()
     }
 
     pub(crate) fn primary_pd(&self) -> Result<Pd> {

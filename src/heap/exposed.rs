@@ -4,6 +4,7 @@ use crate::error::{Error, Result};
 use crate::heap::buffer::Buffer;
 use crate::peer_bytes;
 use crate::remote::RemoteBuf;
+use crate::remote_desc::RemoteDesc;
 use crate::verbs::Pd;
 
 impl Buffer {
@@ -85,6 +86,16 @@ impl Exposed {
     /// [`Error::Verbs`] if the device refuses the registration.
     pub fn remote_for(&self, pd: &Pd) -> Result<RemoteBuf> {
         self.buf.key_with(pd, self.buf.heap_remote_rights())
+    }
+
+    /// [`Exposed::remote_for`] on every device the heap is bound to, in one descriptor a peer
+    /// reaches the buffer through over any of them (see [`Buffer::remote_desc`]; here with the
+    /// heap's remote rights). [`Exposed::revoke`] and the drop remove every registration.
+    ///
+    /// # Errors
+    /// As [`Buffer::remote_desc`], without [`Error::NoRemoteAccess`] (an `Exposed` has rights).
+    pub fn desc(&self) -> Result<RemoteDesc> {
+        self.buf.desc_with(self.buf.heap_remote_rights())
     }
 
     /// Start address.

@@ -335,6 +335,11 @@ impl Owner {
         self.lock_bound().pds[0].clone()
     }
 
+    /// Every bound PD, in slot order.
+    pub(crate) fn bound_pds(&self) -> Vec<Pd> {
+        self.lock_bound().pds.iter().flatten().cloned().collect()
+    }
+
     /// The slot `pd` is bound in.
     pub(crate) fn slot_of(&self, pd: &Pd) -> Option<usize> {
         self.lock_bound().pds.iter().position(|p| p.as_ref() == Some(pd))

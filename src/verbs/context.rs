@@ -54,6 +54,19 @@ pub struct PortInfo {
     pub link_layer: LinkLayer,
     /// Number of entries in the GID table.
     pub gid_table_len: u32,
+    /// `active_width` as `ibv_query_port` reports it (a code: 1 = 1x, 2 = 4x, ...).
+    pub active_width: u8,
+    /// `active_speed` as `ibv_query_port` reports it (a code: 1 = SDR, ..., 32 = EDR, ...).
+    pub active_speed: u8,
+}
+
+impl PortInfo {
+    /// The link's rate in Gb/s, lanes times per-lane rate (the table is in
+    /// `src/verbs/speed.rs`: e.g. 4x EDR, what a 100 GbE RoCE port reports, is 100); `None`
+    /// for codes outside it.
+    pub fn gbps(&self) -> Option<f64> {
+        crate::verbs::speed::gbps(self.active_width, self.active_speed)
+    }
 }
 
 /// One populated entry of a port's GID table.
@@ -78,6 +91,8 @@ pub(crate) struct ContextInner {
     pub(crate) node: crate::verbs::removal::Node,
     /// Whether the device confines memory windows to their range (probed on first use).
     pub(crate) confinement: Confinement,
+    /// Where [`Context::default_gid`] last found the default GID: port, index, GID.
+    default_gid: std::sync::Mutex<Option<(u8, u32, Gid)>>,
 }
 
 // SAFETY: an ibv_context is safe to use from any thread (libibverbs locks internally); the
@@ -133,6 +148,7 @@ impl Context {
                 removed: AtomicBool::new(false),
                 node,
                 confinement: Confinement::default(),
+                default_gid: std::sync::Mutex::new(None),
             }),
         }
     }
@@ -297,6 +313,8 @@ impl Context {
                 _ => LinkLayer::Unspecified,
             },
             gid_table_len: attr.gid_tbl_len.max(0) as u32,
+            active_width: attr.active_width,
+            active_speed: attr.active_speed,
         })
     }
 
@@ -353,6 +371,40 @@ impl Context {
             out.push(GidEntry { index, gid, kind });
         }
         Ok(out)
+    }
+
+    /// The GID a queue pair on this device presents when neither port nor GID index is given
+    /// (the first active port, [`Context::default_gid_index`]): what a peer connected with
+    /// default options sees as this side's GID, and so the device identity a
+    /// [`crate::RemoteDesc`] keys its rkeys by.
+    ///
+    /// # Errors
+    /// [`Error::NoActiveDevice`] if no port is `ACTIVE`; as [`Context::default_gid_index`] and
+    /// [`Context::gid`].
+    ///
+    /// Finding the default index scans the GID table (~13 ms per device in the TCG VM); the
+    /// place it was found is remembered, and a later call only checks that the port is still
+    /// the first active one and the entry there still holds the same GID (else it scans again).
+    pub fn default_gid(&self) -> Result<Gid> {
+        let port = self
+            .first_active_port()
+            .ok_or_else(|| Error::NoActiveDevice { available: vec![self.name().to_string()] })?;
+        let remembered = *self.inner.default_gid.lock().unwrap_or_else(|p| p.into_inner());
+        let overridden = std::env::var_os("MRALLOC_GID_INDEX").is_some();
+        if let Some((p, index, gid)) = remembered.filter(|_| !overridden) {
+            if p == port && self.gid(port, index).is_ok_and(|now| now == gid) {
+                return Ok(gid);
+            }
+        }
+        // (A preferred entry that appears only later, e.g. an IPv4 address added after a scan
+        // that chose another, is not noticed here: a peer then gets NoKeyForDevice, never a
+        // wrong key.)
+        let index = self.default_gid_index(port)?;
+        let gid = self.gid(port, index)?;
+        if !overridden {
+            *self.inner.default_gid.lock().unwrap_or_else(|p| p.into_inner()) = Some((port, index, gid));
+        }
+        Ok(gid)
     }
 
     /// The GID index to use on `port` when none is given: `MRALLOC_GID_INDEX` if set; on RoCE,

@@ -1,4 +1,4 @@
-//! Finding RDMA devices: the device list, names, GUIDs and NUMA nodes.
+//! Finding RDMA devices: the device list, names, GUIDs, NUMA nodes and ports.
 
 use std::ffi::CStr;
 use std::path::PathBuf;
@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
-use crate::verbs::Context;
+use crate::verbs::{Context, PortInfo};
 
 /// What the system knows about one RDMA device, without opening it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +18,30 @@ pub struct DeviceInfo {
     /// NUMA node of the device's PCI function; `None` when it has none (virtual devices such as
     /// rxe) or the kernel reports `-1`.
     pub numa_node: Option<u32>,
+}
+
+impl DeviceInfo {
+    /// What a rail group chooses by, per port: state, link layer and rate
+    /// ([`PortInfo::gbps`]); with [`DeviceInfo::numa_node`], where the device sits. Opens the
+    /// device to query its ports.
+    ///
+    /// ```no_run
+    /// for dev in mralloc::verbs::devices()? {
+    ///     for p in dev.ports()? {
+    ///         println!("{} port {}: {:?} {:?} {:?} Gb/s, numa {:?}", dev.name, p.port, p.state, p.link_layer, p.gbps(), dev.numa_node);
+    ///     }
+    /// }
+    /// # Ok::<(), mralloc::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Context::open`] (e.g. [`Error::NoSuchDevice`] if the device went away since it was
+    /// listed, [`Error::Verbs`] if `ibv_open_device` fails), and [`Error::Verbs`] if
+    /// `ibv_query_device` or `ibv_query_port` fails.
+    pub fn ports(&self) -> Result<Vec<PortInfo>> {
+        let ctx = Context::open(&self.name)?;
+        (1..=ctx.port_count()?).map(|p| ctx.port(p)).collect()
+    }
 }
 
 /// The devices present on this machine, in the order libibverbs lists them.

@@ -24,6 +24,7 @@ mod mw;
 mod pd;
 mod qp;
 pub(crate) mod removal;
+mod speed;
 mod srq;
 mod wr;
 

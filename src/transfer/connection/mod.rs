@@ -238,6 +238,15 @@ impl Connection {
         &self.peer
     }
 
+    /// The peer's buffer `desc` as reached over this connection: the key of the peer's device at
+    /// this connection's far end ([`crate::RemoteDesc::for_peer`] with [`Connection::peer`]).
+    ///
+    /// # Errors
+    /// [`Error::NoKeyForDevice`] if `desc` has no key for that device.
+    pub fn remote_of(&self, desc: &crate::RemoteDesc) -> Result<crate::RemoteBuf> {
+        desc.for_peer(&self.peer)
+    }
+
     /// The application blob the peer sent while connecting (e.g. an encoded
     /// [`crate::RemoteBuf`]); empty if none.
     pub fn peer_blob(&self) -> &[u8] {

@@ -89,6 +89,15 @@ impl AsyncConnection {
         self.conn().peer()
     }
 
+    /// The peer's buffer `desc` as reached over this connection (see
+    /// [`crate::transfer::Connection::remote_of`]).
+    ///
+    /// # Errors
+    /// [`Error::NoKeyForDevice`] if `desc` has no key for the peer's device at this connection.
+    pub fn remote_of(&self, desc: &crate::RemoteDesc) -> crate::Result<crate::RemoteBuf> {
+        self.conn().remote_of(desc)
+    }
+
     /// The blob the peer sent while connecting; empty if none.
     pub fn peer_blob(&self) -> &[u8] {
         self.conn().peer_blob()
