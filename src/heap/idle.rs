@@ -12,7 +12,8 @@
 //! allocation, no thread-cached object and no dirty extent — nothing any code or key can still
 //! use. Then (under `bound`, as every registration) its registrations are removed, and only
 //! once every one of them is gone its pages are dropped (`MADV_DONTNEED`): the chunk is *idle*,
-//! registered nowhere, resident nowhere, and keeps its address range and page-map entry (jemalloc
+//! registered nowhere, resident nowhere (unless the application mlock()ed part of it: then the
+//! pages stay, and are zeroed when used again), and keeps its address range and page-map entry (jemalloc
 //! still names its retained extents there), where lookups find no keys. The commit of any part
 //! of it registers it again with every bound PD first (a failure fails the commit, and
 //! jemalloc's allocation with a typed error, as a new chunk's would).
@@ -120,7 +121,8 @@ impl Owner {
     }
 
     /// The whole chunk is decommitted (see the module docs): deregisters it, then drops its
-    /// pages. A registration the device refuses to remove stays (the chunk is then `leaked`:
+    /// pages (if the kernel lets it: not where the application locked memory; the chunk is then
+    /// idle but resident, and not pristine). A registration the device refuses to remove stays (the chunk is then `leaked`:
     /// never dropped nor unmapped; the next commit registers the rest again). Under `bound`.
     fn release_idle(&self, rec: &ChunkRec) {
         let len = rec.len.load(Ordering::Relaxed);
@@ -141,9 +143,12 @@ impl Owner {
             rec.leaked.store(true, Ordering::Relaxed);
             return;
         }
-        // Deregistered everywhere: nothing but this mapping refers to the pages.
-        drop_pages(rec.base.load(Ordering::Relaxed), len);
-        rec.pristine.store(true, Ordering::Relaxed);
+        // Deregistered everywhere: nothing but this mapping refers to the pages. Dropping them
+        // fails on a range the application mlock()ed (a freed buffer's VMA stays locked): then
+        // the old bytes stay, and the next commit must zero them (jemalloc takes the memory as
+        // zeroed).
+        let dropped = drop_pages(rec.base.load(Ordering::Relaxed), len);
+        rec.pristine.store(dropped, Ordering::Relaxed);
         rec.idle.store(true, Ordering::Relaxed);
         self.counters.idle_chunks.fetch_add(1, Ordering::Relaxed);
         self.counters.idle_bytes.fetch_add(len as u64, Ordering::Relaxed);

@@ -28,7 +28,8 @@ pub struct HeapStats {
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
     /// Of `chunks`, those released as idle (see [`crate::heap::HeapBuilder::idle_release`]):
-    /// registered nowhere and resident nowhere, their address range kept for reuse.
+    /// registered nowhere and (unless the application locked their memory) resident nowhere,
+    /// their address range kept for reuse.
     pub idle_chunks: u64,
     /// Of `mapped_bytes`, the bytes of the idle chunks.
     pub idle_bytes: u64,
