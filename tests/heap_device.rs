@@ -19,26 +19,6 @@ fn remote_heap(pd: &Pd) -> Heap {
     Heap::builder().bind(pd).access(Access::ALL_REMOTE).max_chunk(16 << 20).build().expect("bound heap")
 }
 
-/// RDMA-WRITEs `src` into `dst` (exposed with a key of its own) and RDMA-READs `dst` back into
-/// `back` (with their own lkeys), verifying both byte by byte.
-fn write_read(lb: &Loopback, src: &Buffer, dst: Buffer, back: &Buffer, what: &str) {
-    let n = src.len();
-    assert!(dst.len() >= n && back.len() >= n);
-    let dst = dst.expose().expect("dst exposed");
-    let remote = dst.remote();
-    let sge = [src.sge(..).expect("src sge")];
-    // SAFETY: src/dst/back outlive the completions polled right after each post, and the CPU
-    // does not touch them meanwhile.
-    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, n as u64).unwrap()))]).unwrap() };
-    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: write: {e}"));
-    assert_bytes_eq(&dst.to_vec()[..n], src, &format!("{what}: RDMA WRITE"));
-    let sge = [back.sge(..n).expect("back sge")];
-    // SAFETY: as above.
-    unsafe { lb.a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, n as u64).unwrap()))]).unwrap() };
-    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: read: {e}"));
-    assert_bytes_eq(&back[..n], src, &format!("{what}: RDMA READ"));
-}
-
 fn filled(heap: &Heap, n: usize, seed: u64) -> Buffer {
     let mut b = heap.alloc(n).unwrap();
     b.copy_from_slice(&pattern(seed, n));

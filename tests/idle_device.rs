@@ -9,27 +9,9 @@ use std::time::Duration;
 
 use common::*;
 use mralloc::heap::{chunk_of, Buffer, Heap};
-use mralloc::verbs::{Access, SendOp, SendWr};
+use mralloc::verbs::Access;
 
 const MIB: usize = 1 << 20;
-
-/// RDMA-WRITEs `src` into `dst` (exposed) and READs it back into `back`, checking both.
-fn write_read(lb: &Loopback, src: &Buffer, dst: Buffer, back: &Buffer, what: &str) {
-    let n = src.len();
-    let dst = dst.expose().expect("dst exposed");
-    let remote = dst.remote();
-    let sge = [src.sge(..).expect("src sge")];
-    // SAFETY: src/dst/back outlive the completions polled right after each post; the CPU does
-    // not touch them meanwhile.
-    unsafe { lb.a.post_send(&[SendWr::new(1, &sge, SendOp::Write(remote.at(0, n as u64).unwrap()))]).unwrap() };
-    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: write: {e}"));
-    assert_bytes_eq(&dst.to_vec()[..n], src, &format!("{what}: RDMA WRITE"));
-    let sge = [back.sge(..n).expect("back sge")];
-    // SAFETY: as above.
-    unsafe { lb.a.post_send(&[SendWr::new(2, &sge, SendOp::Read(remote.at(0, n as u64).unwrap()))]).unwrap() };
-    lb.cq_a.next(WAIT).unwrap().ok().unwrap_or_else(|e| panic!("{what}: read: {e}"));
-    assert_bytes_eq(&back[..n], src, &format!("{what}: RDMA READ"));
-}
 
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
