@@ -49,14 +49,26 @@ pub struct DeviceKey {
 /// calls for, a repeated or all-zero GID, a range that wraps around. It never panics and never
 /// allocates.
 ///
-/// Made by [`crate::heap::Exposed::desc`] and [`crate::Buffer::remote_desc`] from a heap bound to
-/// several PDs; used through [`RemoteDesc::for_peer`] (or `Connection::remote_of`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Made by [`crate::heap::Exposed::desc`] and [`crate::Buffer::remote_desc`] from any bound
+/// heap (one key per bound PD: one key for a heap bound to one device); used through
+/// [`RemoteDesc::for_peer`] (or `Connection::remote_of`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RemoteDesc {
     addr: u64,
     len: u64,
     count: u8,
     keys: [DeviceKey; RemoteDesc::MAX_DEVICES],
+}
+
+impl std::fmt::Debug for RemoteDesc {
+    /// The keys in use only (the unused slots are not keys).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteDesc")
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .field("keys", &self.keys())
+            .finish()
+    }
 }
 
 const HEADER: usize = 2 + 8 + 8;
@@ -67,7 +79,8 @@ impl RemoteDesc {
     pub const VERSION: u8 = 1;
     /// Most device keys a descriptor carries (a heap binds at most this many PDs).
     pub const MAX_DEVICES: usize = 4;
-    /// Largest encoded size.
+    /// Largest encoded size: 98 bytes (four keys). [`RemoteDesc::to_vec`] is the simple way to
+    /// encode; [`RemoteDesc::to_bytes`] needs no allocation.
     pub const MAX_ENCODED_LEN: usize = HEADER + Self::MAX_DEVICES * ENTRY;
 
     /// A descriptor of `[addr, addr+len)` with `keys`.

@@ -141,8 +141,12 @@ impl HeapBuilder {
     /// A chunk is released only when all of it is free in jemalloc's view: no allocation, no
     /// object in a thread cache, no freed block jemalloc still keeps for reuse — it releases a
     /// freed block about `interval` after the free (its `dirty_decay_ms`), as a side effect of
-    /// the heap's allocations and frees (no thread of its own: a heap nobody calls keeps its
-    /// chunks until its next call). Never released: chunks [`Heap::reserve`] made, chunks
+    /// the heap's allocations and frees — no thread of its own: jemalloc's decay only runs inside
+    /// a call, and takes a free in at the first run after it. So a heap that goes quiet after a
+    /// burst keeps its chunks until it is called again: to give them back without more traffic,
+    /// call [`Heap::decay`] once after the frees and once more after the interval
+    /// ([`Heap::stats`] runs nothing). Objects in a thread's cache count as used: a thread that
+    /// keeps running keeps up to its cache's bound (see [`HeapBuilder::thread_cache`]). Never released: chunks [`Heap::reserve`] made, chunks
     /// registered with remote rights ([`HeapBuilder::remote_access_to_whole_chunks`]: their
     /// rkeys may be with a peer), and chunks a registration of which the device refused to
     /// remove. An unbound heap's free blocks lose their pages after the interval too.

@@ -90,7 +90,9 @@ impl Exposed {
 
     /// [`Exposed::remote_for`] on every device the heap is bound to, in one descriptor a peer
     /// reaches the buffer through over any of them (see [`Buffer::remote_desc`]; here with the
-    /// heap's remote rights). [`Exposed::revoke`] and the drop remove every registration.
+    /// heap's remote rights). A device that already has this buffer's registration (the one
+    /// [`Exposed::remote`] names) gets no second one: its key is the same. [`Exposed::revoke`] and
+    /// the drop remove every registration.
     ///
     /// # Errors
     /// As [`Buffer::remote_desc`], without [`Error::NoRemoteAccess`] (an `Exposed` has rights).

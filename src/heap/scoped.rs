@@ -300,7 +300,9 @@ impl Heap {
 
     /// Runs jemalloc's decay now (`arena.N.decay`), which otherwise runs as a side effect of
     /// allocations and frees: blocks freed at least the idle interval ago are released (see
-    /// [`HeapBuilder::idle_release`]; a free is taken in at the decay run after it).
+    /// [`HeapBuilder::idle_release`]). A free is taken in at the first run after it, so a heap
+    /// gone quiet gives its chunks back after two calls: one after the frees, one after the
+    /// interval.
     ///
     /// # Errors
     /// [`Error::Jemalloc`] if the mallctl fails.

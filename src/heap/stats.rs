@@ -44,7 +44,9 @@ pub struct HeapStats {
     /// Bytes jemalloc counts as allocated in the heap's arena (includes objects parked in
     /// thread caches and size-class rounding); `None` where jemalloc does not say.
     pub jemalloc_allocated: Option<u64>,
-    /// `ibv_reg_mr` calls made (chunks × PDs, plus registrations at bind time).
+    /// `ibv_reg_mr` calls made for chunks (chunks × PDs, plus registrations at bind time and
+    /// idle chunks registered again); a buffer's own keys (`remote`, `expose`, `remote_desc`)
+    /// are not counted.
     pub reg_mr_calls: u64,
     /// Total time spent in `ibv_reg_mr`.
     pub reg_mr_time: Duration,
