@@ -10,31 +10,13 @@ use crate::transfer::setup::control::hold;
 use crate::transfer::{AsyncConnection, AsyncListener, Options};
 use crate::verbs::{Context, Pd};
 
-fn rdma_res(kind: &str) -> String {
-    let out = std::process::Command::new("rdma")
-        .args(["resource", "show", kind])
-        .output()
-        .expect("running `rdma resource show`");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The resource tracker's numbers of this process's PDs (its lines name the thread that made an
-/// object: PDs are found by this process's live threads, QPs by PD).
-fn our_pdns() -> Vec<String> {
-    let tids: Vec<String> = std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .collect();
-    rdma_res("pd")
-        .lines()
-        .filter(|l| tids.iter().any(|t| l.contains(&format!(" pid {t} "))))
-        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "pdn").nth(1).map(str::to_owned))
-        .collect()
-}
+#[path = "../../../tests/common/rdma_res.rs"]
+mod rdma_res;
+use rdma_res::{our_pdns, resources};
 
 /// QPs in `pdns`, as the kernel sees them.
 fn qps(pdns: &[String]) -> usize {
-    rdma_res("qp").lines().filter(|l| pdns.iter().any(|p| l.contains(&format!(" pdn {p} ")))).count()
+    resources("qp", pdns)
 }
 
 /// Waits on the runtime (every 10 ms, at most 10 s) until `done()` holds: each round needs the
