@@ -134,10 +134,8 @@ unsafe extern "C" fn hook_commit(
     length: usize,
     _arena_ind: c_uint,
 ) -> CBool {
-    // SAFETY: as in hook_alloc.
-    let owner = unsafe { &*(hooks as *const Owner) };
-    // Fail (true) on any panic: the memory is not handed out.
-    catch_unwind(AssertUnwindSafe(|| owner.commit(addr as usize + offset, length))).unwrap_or(true)
+    // SAFETY: jemalloc passes the hooks it was given: an Owner's (see range_hook).
+    unsafe { range_hook(hooks, addr, offset, length, Owner::commit) }
 }
 
 unsafe extern "C" fn hook_decommit(
@@ -148,10 +146,8 @@ unsafe extern "C" fn hook_decommit(
     length: usize,
     _arena_ind: c_uint,
 ) -> CBool {
-    // SAFETY: as in hook_alloc.
-    let owner = unsafe { &*(hooks as *const Owner) };
-    // Refuse (true) on any panic, as on any doubt.
-    catch_unwind(AssertUnwindSafe(|| owner.decommit(addr as usize + offset, length))).unwrap_or(true)
+    // SAFETY: as in hook_commit.
+    unsafe { range_hook(hooks, addr, offset, length, Owner::decommit) }
 }
 
 unsafe extern "C" fn hook_purge_forced(
@@ -162,10 +158,27 @@ unsafe extern "C" fn hook_purge_forced(
     length: usize,
     _arena_ind: c_uint,
 ) -> CBool {
-    // SAFETY: as in hook_alloc.
+    // SAFETY: as in hook_commit.
+    unsafe { range_hook(hooks, addr, offset, length, |o, start, len| !o.purge_unregistered(start, len)) }
+}
+
+/// The body of the hooks on a range of an extent (commit, decommit, purge): `f` on the owner
+/// with `[addr + offset, addr + offset + length)`. `true` fails or refuses; so does any panic
+/// (nothing is handed out, nothing given back, on doubt), which never unwinds into jemalloc.
+///
+/// # Safety
+/// `hooks` is the `extent_hooks_t` jemalloc was given for an arena: the first field of a live
+/// `Owner` (as in `hook_alloc`).
+unsafe fn range_hook(
+    hooks: *mut extent_hooks_t,
+    addr: *mut c_void,
+    offset: usize,
+    length: usize,
+    f: impl FnOnce(&Owner, usize, usize) -> bool,
+) -> CBool {
+    // SAFETY: the caller's contract.
     let owner = unsafe { &*(hooks as *const Owner) };
-    // Refuse (true) on any panic, as on any doubt.
-    catch_unwind(AssertUnwindSafe(|| !owner.purge_unregistered(addr as usize + offset, length))).unwrap_or(true)
+    catch_unwind(AssertUnwindSafe(|| f(owner, addr as usize + offset, length))).unwrap_or(true)
 }
 
 unsafe extern "C" fn hook_split(
