@@ -15,24 +15,6 @@ use mralloc::transfer::{Connection, DeviceChoice, Listener, Options, QpOptions, 
 use mralloc::verbs::{Access, Context, Pd};
 use mralloc::RemoteBuf;
 
-struct Link {
-    peer: usize,
-    device: String,
-    local_ip: String,
-    peer_ip: String,
-}
-
-fn links() -> Vec<Link> {
-    let spec = std::env::var("MRALLOC_LINKS").expect("MRALLOC_LINKS: run under scripts/softroce --hosts N");
-    spec.split_whitespace()
-        .map(|e| {
-            let f: Vec<&str> = e.split(':').collect();
-            assert_eq!(f.len(), 4, "link entry {e}");
-            Link { peer: f[0].parse().unwrap(), device: f[1].into(), local_ip: f[2].into(), peer_ip: f[3].into() }
-        })
-        .collect()
-}
-
 const SIZE: usize = 2 << 20;
 
 #[test]
@@ -96,12 +78,6 @@ fn device_topology_exchange() {
             });
         }
     });
-}
-
-/// The network device an rxe device runs on (its GID 0's).
-fn netdev_of(device: &str) -> String {
-    let p = format!("/sys/class/infiniband/{device}/ports/1/gid_attrs/ndevs/0");
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}")).trim().to_string()
 }
 
 /// A peer whose path goes silent (host 1 takes its NIC down: nothing reaches host 0, no FIN, no

@@ -181,6 +181,22 @@ pub enum Error {
         /// The GIDs the descriptor has keys for.
         have: Vec<String>,
     },
+    /// Every rail of a [`crate::transfer::Rails`] group that could carry a piece failed.
+    #[error("no live rail can carry the piece: {}", fmt_list(.failures))]
+    RailsDown {
+        /// Each rail that reached the piece, with its failure.
+        failures: Vec<String>,
+    },
+    /// Pieces of a rails transfer failed ([`crate::transfer::Finished::into_result`]).
+    #[error("{failed} of {pieces} pieces failed; the first: {first}")]
+    PiecesFailed {
+        /// How many failed.
+        failed: usize,
+        /// How many the transfer had.
+        pieces: usize,
+        /// The first failed piece's error.
+        first: Box<Error>,
+    },
     /// Registering a new heap chunk with the NIC failed (often the memlock limit).
     #[error("memory registration failed: {} (errno {errno}); {hint}", std::io::Error::from_raw_os_error(*.errno))]
     Registration {
@@ -356,6 +372,8 @@ impl Error {
             Error::InvalidArgument(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => K::InvalidInput,
             Error::Protocol(_) | Error::MalformedEndpoint(_) | Error::MalformedDescriptor(_) => K::InvalidData,
             Error::NoKeyForDevice { .. } => K::NotFound,
+            Error::RailsDown { .. } => K::NotConnected,
+            Error::PiecesFailed { first, .. } => first.io_kind(),
             Error::LimitExceeded { .. } | Error::OutOfMemory { .. } => K::OutOfMemory,
             Error::Closed => K::NotConnected,
             Error::Disconnected(Disconnect::PeerReset { .. }) => K::ConnectionReset,
@@ -415,7 +433,9 @@ impl Error {
             Error::OutOfBounds { .. } => "OutOfBounds",
             Error::OutOfMemory { .. } => "OutOfMemory",
             Error::PartialPost { .. } => "PartialPost",
+            Error::PiecesFailed { .. } => "PiecesFailed",
             Error::Protocol { .. } => "Protocol",
+            Error::RailsDown { .. } => "RailsDown",
             Error::Registration { .. } => "Registration",
             Error::RemoteRefused { .. } => "RemoteRefused",
             Error::RevocationFailed => "RevocationFailed",

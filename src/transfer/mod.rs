@@ -25,6 +25,9 @@
 //! - Async (feature `tokio`): `AsyncConnection`, `AsyncListener` and `AsyncCmListener`, the same operations as
 //!   futures over owned buffers, which give the buffer back with the result; cancelling a
 //!   future never frees memory the NIC may touch.
+//! - [`Rails`]: one connection per device pair to a peer, used as one — striped WRITEs and
+//!   READs spread by bytes in flight, lists of (buffer, remote range) pieces as one transfer,
+//!   failover of a dead rail's slices to the live ones (`AsyncRails` with `tokio`).
 //! - [`MappedFile`]: files mapped and registered for zero-copy transfer.
 //! - [`Connection::grant`]: a revocable rkey for exactly one buffer, working through that
 //!   connection only (a type 2 memory window, over a registration of just the buffer on devices
@@ -52,6 +55,7 @@ mod grant;
 mod liveness;
 mod mapped;
 mod options;
+mod rails;
 mod request;
 mod setup;
 mod shared_recv;
@@ -68,6 +72,10 @@ pub use front::pending::Pending;
 pub use grant::Grant;
 pub use mapped::{MappedFile, MappedSlice, Mode};
 pub use options::{DeviceChoice, Options, QpOptions, SetupOptions, WaitMode, WaitOptions};
+#[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+pub use rails::{AsyncRails, AsyncRailsListener, StripedOp};
+pub use rails::{Finished, RailInfo, RailOptions, RailReport, Rails, RailsListener, Striped, MAX_RAILS};
 pub use request::iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use request::local::{Local, LocalMut};
 pub use request::owned::{OwnedGather, OwnedScatter};

@@ -5,9 +5,12 @@
 //! `--ignored` inside the Soft-RoCE VM (or on a host that has a device).
 #![allow(dead_code)]
 
+pub mod hosts;
 pub mod model;
 pub mod rdma_res;
 
+#[allow(unused_imports)]
+pub use hosts::{links, netdev_of, Link};
 #[allow(unused_imports)]
 pub use rdma_res::{our_pdns, rdma_res, resources};
 

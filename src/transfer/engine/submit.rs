@@ -120,7 +120,6 @@ impl Connection {
     ///
     /// # Safety
     /// As [`Connection::submit`].
-    #[cfg(feature = "tokio")]
     pub(crate) unsafe fn try_submit(&self, req: &Request) -> Result<Option<Ticket>> {
         self.check()?;
         if req.is_recv() {

@@ -26,9 +26,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::os::Bell;
 use crate::transfer::setup::acceptor::{no_answer, Accepting, Reply, Ticket};
@@ -250,19 +248,29 @@ impl Polling {
     /// their locks); [`Error::Protocol`] if the handshake ended without answering (a panic:
     /// it dropped the sender).
     pub(crate) fn accept(&self, blob: &[u8]) -> Result<Established> {
-        self.born.check("this listener")?;
-        let (reply, rx, _waiting) = Reply::blocking();
-        self.accepting.offer(blob.to_vec(), reply);
-        self.wait(&rx)
+        self.accept_by(blob, None)
     }
 
-    /// Waits for the answer on `rx`, driving the handshakes while no other caller does.
-    fn wait(&self, rx: &Receiver<Result<Established>>) -> Result<Established> {
+    /// [`Polling::accept`], giving up after `limit` with [`Error::Timeout`] (the offer is
+    /// withdrawn: its `Waiting` guard drops, so no handshake answers it).
+    pub(crate) fn accept_by(&self, blob: &[u8], limit: Option<Duration>) -> Result<Established> {
+        self.born.check("this listener")?;
+        let deadline = limit.map(|l| (Instant::now() + l, l));
+        let (reply, rx, _waiting) = Reply::blocking();
+        self.accepting.offer(blob.to_vec(), reply);
+        self.wait(&rx, deadline)
+    }
+
+    /// Waits for the answer on `rx`, driving the handshakes while no other caller does, until
+    /// `deadline`.
+    fn wait(&self, rx: &Receiver<Result<Established>>, deadline: Option<(Instant, Duration)>) -> Result<Established> {
         let answer = |rx: &Receiver<Result<Established>>| match rx.try_recv() {
             Ok(r) => Some(r),
             Err(TryRecvError::Disconnected) => Some(Err(no_answer())),
             Err(TryRecvError::Empty) => None,
         };
+        let expired =
+            || deadline.filter(|(d, _)| Instant::now() >= *d).map(|(_, l)| Err(Error::Timeout(l, "a client")));
         loop {
             if let Some(mut turn) = self.try_turn() {
                 // Giving the turn back (the drop) lets a waiting caller take it.
@@ -270,7 +278,10 @@ impl Polling {
                     if let Some(r) = answer(rx) {
                         break r;
                     }
-                    self.pass(&mut turn.d, true);
+                    if let Some(e) = expired() {
+                        break e;
+                    }
+                    self.pass(&mut turn.d, true, deadline.map(|(d, _)| d));
                 };
             }
             let mut g = self.gate.lock();
@@ -278,8 +289,14 @@ impl Polling {
             if let Some(r) = answer(rx) {
                 return r;
             }
+            if let Some(e) = expired() {
+                return e;
+            }
             if self.driving.is_locked() {
-                self.turn.wait(&mut g);
+                match deadline {
+                    Some((d, _)) => drop(self.turn.wait_until(&mut g, d)),
+                    None => self.turn.wait(&mut g),
+                }
             }
         }
     }
@@ -291,7 +308,7 @@ impl Polling {
             return None;
         }
         if let Some(mut turn) = self.try_turn() {
-            self.pass(&mut turn.d, false);
+            self.pass(&mut turn.d, false, None);
         }
         Some(&self.accepting)
     }
@@ -304,7 +321,7 @@ impl Polling {
 
     /// One round: waits (with `wait`) until a socket has events, the bell rang or a handshake's
     /// time came; takes new clients while there is room; polls the handshakes that can go on.
-    fn pass(&self, d: &mut Driving, wait: bool) {
+    fn pass(&self, d: &mut Driving, wait: bool, until: Option<Instant>) {
         #[cfg(test)]
         self.passes.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
@@ -319,7 +336,7 @@ impl Polling {
             fds.push(libc::pollfd { fd: h.fd, events: h.slot.interest.load(Ordering::Relaxed), revents: 0 });
         }
         let timeout = if wait {
-            let next = d.handshakes.iter().map(InFlight::wake_at).chain(d.paused_until).min();
+            let next = d.handshakes.iter().map(InFlight::wake_at).chain(d.paused_until).chain(until).min();
             next.map_or(-1, |t| {
                 let ms = t.saturating_duration_since(now).as_micros().div_ceil(1000);
                 ms.min(i32::MAX as u128) as i32

@@ -33,7 +33,7 @@ fn listener() -> (&'static Polling, std::net::SocketAddr) {
 /// A thread that drives `p` until told to stop (by the returned sender and the bell).
 fn drive(p: &'static Polling) -> (SyncSender<Result<Established>>, JoinHandle<()>) {
     let (tx, rx) = sync_channel(1);
-    let driver = std::thread::spawn(move || assert!(matches!(p.wait(&rx), Err(Error::Closed))));
+    let driver = std::thread::spawn(move || assert!(matches!(p.wait(&rx, None), Err(Error::Closed))));
     (tx, driver)
 }
 

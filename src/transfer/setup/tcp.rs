@@ -122,6 +122,11 @@ impl Listener {
         self.polling.accept(blob).map(Established::into_blocking)
     }
 
+    /// [`Listener::accept_with`], giving up with [`Error::Timeout`] after `limit`.
+    pub(crate) fn accept_within(&self, blob: &[u8], limit: std::time::Duration) -> Result<Connection> {
+        self.polling.accept_by(blob, Some(limit)).map(Established::into_blocking)
+    }
+
     /// How many client setups are running now: TCP connections taken and not yet handed to an
     /// accept call or failed (at most [`crate::transfer::SetupOptions::max_handshakes`]; further
     /// clients wait in the kernel's backlog). A gauge for monitoring a server under load.

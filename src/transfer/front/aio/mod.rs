@@ -56,6 +56,34 @@ impl Shared {
         &self.conn
     }
 
+    /// Posts `req` now if no earlier request waits for send-queue room (call order is kept)
+    /// and the queue has room; `Ok(None)` otherwise.
+    ///
+    /// # Safety
+    /// As [`Connection::submit`].
+    pub(crate) unsafe fn try_post(
+        &self,
+        req: &crate::transfer::request::Request,
+    ) -> crate::Result<Option<crate::transfer::engine::completion::Ticket>> {
+        let backlog = self.backlog.lock();
+        if !backlog.is_empty() {
+            return Ok(None);
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.conn.try_submit(req) }
+    }
+
+    /// Wakes `w` when a completion is reaped (or, without a driver, soon: see `no_driver`).
+    pub(crate) fn wake_on_completion(&self, cx: &std::task::Context<'_>) {
+        self.waiters.register(cx.waker());
+        op::no_driver(self, cx);
+    }
+
+    /// A buffer was parked: the driver must reap for it to be released.
+    pub(crate) fn parked(&self) {
+        self.waiters.want_events();
+    }
+
     /// Posts the waiting send-queue requests that have room now, in call order, and wakes the
     /// waiters if any was posted or refused. Reap first (not under the backlog's lock: reaping
     /// may drop released buffers) for the room to be seen.

@@ -161,7 +161,7 @@ impl<B: Send + 'static> Op<B> {
 
 /// Without a driver (its runtime is gone) nobody wakes us, nor the waiters whose completions
 /// we reap: reap, post what waits, wake everyone, and poll again soon.
-fn no_driver(sh: &Shared, cx: &Context<'_>) {
+pub(crate) fn no_driver(sh: &Shared, cx: &Context<'_>) {
     if sh.driver_alive.load(Ordering::Acquire) {
         return;
     }

@@ -75,8 +75,12 @@ impl std::fmt::Debug for AsyncConnection {
 }
 
 impl AsyncConnection {
-    fn conn(&self) -> &Connection {
+    pub(crate) fn conn(&self) -> &Connection {
         self.shared.conn()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// The PD local memory must be registered in.

@@ -1,0 +1,292 @@
+//! The async (tokio) front end of rail groups: the same transfers, as futures. A transfer's
+//! future drives the one pipeline of [`Striped`] (cut, spread, repost, release): each poll
+//! reaps what completed and posts what the windows allow, and it sleeps until a rail with a
+//! slice in flight reaps a completion. Dropping the future (a cancelled task, a `select!`, a
+//! `timeout`) parks the buffers until every slice in flight completed or was flushed.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::net::ToSocketAddrs;
+
+use crate::error::{Error, Result};
+use crate::remote_desc::RemoteDesc;
+use crate::transfer::rails::setup::{answer, hello, hello_rails, join, joins, parse_answer, pds_fit, token, HELLO};
+use crate::transfer::rails::{Finished, Link, RailInfo, RailOptions, Rails, Striped};
+use crate::transfer::request::iobuf::{IoBuf, IoTarget};
+use crate::transfer::{AsyncConnection, AsyncListener};
+use crate::verbs::Pd;
+
+/// A rail group of async connections ([`Rails`]' transfers as futures).
+pub struct AsyncRails {
+    rails: Rails,
+}
+
+impl std::fmt::Debug for AsyncRails {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncRails").field("rails", &self.rails.info()).finish()
+    }
+}
+
+/// A striped transfer as a future: resolves to its [`Finished`] (the buffers, an outcome per
+/// piece, a report per rail). Dropped early, it parks the buffers with the rails until every
+/// slice in flight completed or was flushed.
+#[must_use = "a transfer does nothing useful unless awaited; dropping it parks its buffers"]
+pub struct StripedOp<B: Send + 'static> {
+    state: Option<std::result::Result<Striped<B>, Finished<B>>>,
+}
+
+impl<B: Send + 'static> std::fmt::Debug for StripedOp<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.state {
+            Some(Ok(s)) => s.fmt(f),
+            Some(Err(_)) => f.write_str("StripedOp(refused)"),
+            None => f.write_str("StripedOp(finished)"),
+        }
+    }
+}
+
+impl<B: Send + 'static> Unpin for StripedOp<B> {}
+
+impl<B: Send + 'static> Future for StripedOp<B> {
+    type Output = Finished<B>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Finished<B>> {
+        let s = match self.state.as_mut().expect("a StripedOp polled after it finished") {
+            Ok(s) => s,
+            Err(_) => match self.state.take() {
+                Some(Err(done)) => return Poll::Ready(done),
+                _ => unreachable!("the state was a refusal"),
+            },
+        };
+        if !s.progress() {
+            // Register, then look once more: a completion reaped in between raised no wake-up.
+            s.wake_on_completion(cx);
+            if !s.progress() {
+                return Poll::Pending;
+            }
+        }
+        match self.state.take() {
+            Some(Ok(s)) => Poll::Ready(s.finish()),
+            _ => unreachable!("the state was a transfer"),
+        }
+    }
+}
+
+fn op<B: Send + 'static>(r: std::result::Result<Striped<B>, crate::transfer::Rejected<B>>) -> StripedOp<B> {
+    StripedOp {
+        state: Some(r.map_err(|rej| match rej.buf {
+            Some(buf) => Finished::refused(buf, rej.error),
+            None => unreachable!("a refused striped transfer gives its buffer back"),
+        })),
+    }
+}
+
+impl AsyncRails {
+    /// A group of async connections made any way, rail `i` being `conns[i]`.
+    ///
+    /// # Errors
+    /// As [`Rails::new`].
+    pub fn new(conns: Vec<AsyncConnection>, opts: RailOptions) -> Result<AsyncRails> {
+        Ok(AsyncRails { rails: Rails::from_links(conns.into_iter().map(Link::Async).collect(), opts)? })
+    }
+
+    /// [`Rails::connect`], async.
+    ///
+    /// # Errors
+    /// As [`Rails::connect`] (each rail as [`AsyncConnection::connect_with`]).
+    pub async fn connect(addr: impl ToSocketAddrs, pds: &[Pd], opts: RailOptions) -> Result<AsyncRails> {
+        AsyncRails::connect_with(addr, pds, opts, &[]).await
+    }
+
+    /// [`Rails::connect_with`], async.
+    ///
+    /// # Errors
+    /// As [`Rails::connect_with`].
+    pub async fn connect_with(
+        addr: impl ToSocketAddrs,
+        pds: &[Pd],
+        opts: RailOptions,
+        blob: &[u8],
+    ) -> Result<AsyncRails> {
+        let n = pds_fit(pds)?;
+        let first = AsyncConnection::connect_with(addr, &pds[0], opts.conn.clone(), &hello(n, blob)).await?;
+        let (theirs, token, ports, blob_at) = parse_answer(first.peer_blob())?;
+        let ip = first
+            .peer_addr()
+            .ok_or_else(|| Error::Protocol("rail group setup: rail 0 has no peer address".into()))?
+            .ip();
+        let mut conns = vec![first];
+        for (i, port) in ports.iter().enumerate().take(usize::from(n).min(theirs) - 1) {
+            let rail = i + 1;
+            conns.push(
+                AsyncConnection::connect_with((ip, *port), &pds[rail], opts.conn.clone(), &join(token, rail)).await?,
+            );
+        }
+        let mut rails = AsyncRails::new(conns, opts)?;
+        rails.rails.set_blob_at(blob_at);
+        Ok(rails)
+    }
+
+    /// How many rails the group has (dead ones included).
+    pub fn len(&self) -> usize {
+        self.rails.len()
+    }
+
+    /// Always `false`: a group has at least one rail.
+    pub fn is_empty(&self) -> bool {
+        self.rails.is_empty()
+    }
+
+    /// Rail `i`'s connection.
+    ///
+    /// # Panics
+    /// If `i >= self.len()`.
+    pub fn rail(&self, i: usize) -> &AsyncConnection {
+        match self.rails.group().rails()[i].link() {
+            Link::Async(c) => c,
+            Link::Blocking(_) => unreachable!("an AsyncRails holds async connections"),
+        }
+    }
+
+    /// As [`Rails::info`].
+    pub fn info(&self) -> Vec<RailInfo> {
+        self.rails.info()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RailOptions {
+        self.rails.options()
+    }
+
+    /// As [`Rails::peer_blob`].
+    pub fn peer_blob(&self) -> &[u8] {
+        self.rails.peer_blob()
+    }
+
+    /// The rail messages go on: the first that lives (as [`Rails::messages`]).
+    ///
+    /// # Errors
+    /// The first rail's failure if every rail failed.
+    pub fn messages(&self) -> Result<&AsyncConnection> {
+        let i = self.rails.messages_index()?;
+        Ok(self.rail(i))
+    }
+
+    /// [`Rails::post_write`] as a future. A refusal (as `post_write`'s) resolves at once, the
+    /// buffer back in the [`Finished`] with the error as its piece's.
+    pub fn write<B: IoBuf>(&self, buf: B, remote: &RemoteDesc, offset: u64) -> StripedOp<B> {
+        op(self.rails.post_write(buf, remote, offset))
+    }
+
+    /// [`Rails::post_read`] as a future (refusals as [`AsyncRails::write`]'s).
+    pub fn read<B: IoTarget>(&self, buf: B, remote: &RemoteDesc, offset: u64) -> StripedOp<B> {
+        op(self.rails.post_read(buf, remote, offset))
+    }
+
+    /// [`Rails::post_write_list`] as a future.
+    pub fn write_list<B: IoBuf>(&self, pieces: Vec<(B, RemoteDesc)>) -> StripedOp<B> {
+        StripedOp { state: Some(Ok(self.rails.post_write_list(pieces))) }
+    }
+
+    /// [`Rails::post_read_list`] as a future.
+    pub fn read_list<B: IoTarget>(&self, pieces: Vec<(B, RemoteDesc)>) -> StripedOp<B> {
+        StripedOp { state: Some(Ok(self.rails.post_read_list(pieces))) }
+    }
+}
+
+/// [`crate::transfer::RailsListener`], async.
+pub struct AsyncRailsListener {
+    listeners: Vec<AsyncListener>,
+    opts: RailOptions,
+    one: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for AsyncRailsListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncRailsListener").field("addr", &self.local_addr().ok()).finish()
+    }
+}
+
+impl AsyncRailsListener {
+    /// As [`crate::transfer::RailsListener::bind`].
+    ///
+    /// # Errors
+    /// As [`crate::transfer::RailsListener::bind`] (each listener as [`AsyncListener::bind`]).
+    pub async fn bind(addr: impl ToSocketAddrs, pds: &[Pd], opts: RailOptions) -> Result<AsyncRailsListener> {
+        pds_fit(pds)?;
+        let first = AsyncListener::bind(addr, &pds[0], opts.conn.clone()).await?;
+        let ip = first.local_addr()?.ip();
+        let mut listeners = vec![first];
+        for pd in &pds[1..] {
+            listeners.push(AsyncListener::bind((ip, 0), pd, opts.conn.clone()).await?);
+        }
+        Ok(AsyncRailsListener { listeners, opts, one: tokio::sync::Mutex::new(()) })
+    }
+
+    /// The address rail 0 listens on.
+    ///
+    /// # Errors
+    /// As [`AsyncListener::local_addr`].
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listeners[0].local_addr()
+    }
+
+    /// Accepts the next rail group.
+    ///
+    /// # Errors
+    /// As [`AsyncRailsListener::accept_with`].
+    pub async fn accept(&self) -> Result<AsyncRails> {
+        self.accept_with(&[]).await
+    }
+
+    /// As [`crate::transfer::RailsListener::accept_with`]. Cancel-safe between groups: a group
+    /// half set up when the future is dropped is dropped with it.
+    ///
+    /// # Errors
+    /// As [`crate::transfer::RailsListener::accept_with`].
+    pub async fn accept_with(&self, blob: &[u8]) -> Result<AsyncRails> {
+        let _one = self.one.lock().await;
+        let limit = self.opts.conn.setup.connect_timeout;
+        loop {
+            let token = token()?;
+            let ports =
+                self.listeners[1..].iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>>>()?;
+            let first = self.listeners[0].accept_with(&answer(token, &ports, blob)).await?;
+            let Some(theirs) = hello_rails(first.peer_blob()) else {
+                tracing::debug!(
+                    "rails: a client that is not setting up a rail group on {:?}; dropped",
+                    first.peer_addr()
+                );
+                continue;
+            };
+            let count = theirs.min(self.listeners.len());
+            match tokio::time::timeout(limit, self.take_rails(first, count, token)).await {
+                Ok(Ok(conns)) => {
+                    let mut rails = AsyncRails::new(conns, self.opts.clone())?;
+                    rails.rails.set_blob_at(HELLO);
+                    return Ok(rails);
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => tracing::debug!("rails: a group's later rails did not join within {limit:?}; dropped"),
+            }
+        }
+    }
+
+    async fn take_rails(&self, first: AsyncConnection, count: usize, token: u64) -> Result<Vec<AsyncConnection>> {
+        let mut conns = vec![first];
+        for rail in 1..count {
+            loop {
+                let c = self.listeners[rail].accept().await?;
+                if joins(c.peer_blob(), token, rail) {
+                    conns.push(c);
+                    break;
+                }
+                tracing::debug!("rails: a connection on rail {rail}'s port without the group's token; dropped");
+            }
+        }
+        Ok(conns)
+    }
+}

@@ -1,0 +1,463 @@
+//! A striped transfer: pieces cut into slices, posted over the rails, completed once.
+//!
+//! The transfer owns every piece's buffer until each slice's completion is claimed. Dropped
+//! before that, it parks the buffers with every connection that still has a slice of them in
+//! flight (one shared holder: the buffers go when the last slice's completion or flush is
+//! reaped); forgotten, it leaks them. A slice whose rail failed under it (flushed, retries
+//! exhausted, the connection found dead) is posted again on a rail that lives; a slice that
+//! failed for its own sake (a refused key or range) fails its piece.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::heap::nodes_of_pages;
+use crate::remote::RemoteBuf;
+use crate::remote_desc::RemoteDesc;
+use crate::transfer::engine::completion::{Completed, Filled, Ticket};
+use crate::transfer::rails::finished::{Finished, RailReport};
+use crate::transfer::rails::plan::{self, Choice, Cut, Load};
+use crate::transfer::rails::{Group, Rails};
+use crate::transfer::request::iobuf::Rejected;
+use crate::transfer::request::{Action, SgeList};
+use crate::verbs::{Pd, Sge, WcStatus};
+
+/// How one rail reaches one piece: the local key in its PD, the remote range with the key of
+/// the peer's device at its far end.
+struct Route {
+    lkey: u32,
+    remote: RemoteBuf,
+}
+
+pub(crate) struct Piece {
+    addr: u64,
+    len: u64,
+    routes: Vec<Option<Route>>,
+    /// The piece's NUMA node, when some rail's device has one.
+    node: Option<u32>,
+    /// Why a rail could not take it (the first such reason), reported if none can.
+    refused: Option<Error>,
+    error: Option<Error>,
+}
+
+/// A slice in flight.
+struct Flight {
+    ticket: Ticket,
+    cut: Cut,
+    seq: u64,
+}
+
+/// A striped WRITE or READ in flight, owning its buffers ([`Rails::post_write`] and friends).
+///
+/// [`Striped::wait`] drives it to the end and gives the buffers back. Dropping it stops posting
+/// and returns at once: the buffers stay with the connections until every slice in flight has
+/// completed or been flushed, then they are freed. `mem::forget` leaks them. The NIC never
+/// touches freed memory.
+#[must_use = "dropping a Striped stops it; its buffers are freed once the slices in flight complete"]
+pub struct Striped<B: Send + 'static> {
+    rails: Arc<Group>,
+    bufs: Vec<B>,
+    read: bool,
+    fill: Option<Filled<B>>,
+    pieces: Vec<Piece>,
+    queue: VecDeque<Cut>,
+    flights: Vec<VecDeque<Flight>>,
+    reports: Vec<RailReport>,
+    seq: u64,
+    /// A flush never came (or the process forked): the NIC may use the buffers for ever.
+    leak: bool,
+}
+
+impl<B: Send + 'static> std::fmt::Debug for Striped<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let flying: usize = self.flights.iter().map(VecDeque::len).sum();
+        f.debug_struct("Striped")
+            .field("pieces", &self.pieces.len())
+            .field("queued", &self.queue.len())
+            .field("in_flight", &flying)
+            .finish()
+    }
+}
+
+/// What a failed slice means for its piece.
+enum Fate {
+    /// Its rail failed under it: post it again elsewhere.
+    Repost,
+    /// The request itself failed: the piece fails.
+    Fail,
+    /// Nobody knows when the NIC is done with the memory.
+    Leak,
+}
+
+fn fate(e: &Error) -> Fate {
+    match e {
+        Error::FlushLost { .. } | Error::Forked(_) => Fate::Leak,
+        Error::Operation { status, .. } => match status {
+            WcStatus::WrFlushErr | WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr | WcStatus::RespTimeoutErr => {
+                Fate::Repost
+            }
+            _ => Fate::Fail,
+        },
+        _ => Fate::Repost,
+    }
+}
+
+/// Holds a dropped transfer's buffers until its last parked slice is released.
+struct Keep<B>(#[allow(dead_code)] Mutex<Vec<B>>);
+
+/// A parked slice: keeps the buffers, and its bytes on its rail's load until released.
+struct ParkedSlice<B> {
+    _keep: Arc<Keep<B>>,
+    load: Arc<AtomicU64>,
+    len: u64,
+}
+
+impl<B> Drop for ParkedSlice<B> {
+    fn drop(&mut self) {
+        self.load.fetch_sub(self.len, Ordering::Relaxed);
+    }
+}
+
+impl Rails {
+    /// A piece of `len` bytes at `addr`, to or from the start of `remote`, with its routes.
+    pub(crate) fn piece(&self, addr: u64, len: u64, remote: &RemoteDesc, lkey: impl Fn(&Pd) -> Option<u32>) -> Piece {
+        let mut p = Piece { addr, len, routes: Vec::new(), node: None, refused: None, error: None };
+        if len == 0 {
+            p.error = Some(Error::InvalidArgument("a piece of zero bytes".into()));
+            return p;
+        }
+        if len > remote.len() {
+            p.error = Some(Error::OutOfBounds { offset: 0, len, size: remote.len() });
+            return p;
+        }
+        for rail in self.group().rails() {
+            let conn = rail.conn();
+            let route = match (lkey(conn.pd()), remote.for_peer(conn.peer())) {
+                (Some(lkey), Ok(remote)) => Some(Route { lkey, remote }),
+                (None, _) => {
+                    p.refused.get_or_insert(Error::NotRegistered { addr });
+                    None
+                }
+                (_, Err(e)) => {
+                    p.refused.get_or_insert(e);
+                    None
+                }
+            };
+            p.routes.push(route);
+        }
+        if p.routes.iter().all(Option::is_none) {
+            p.error = p.refused.take();
+        } else if self.options().prefer_local && self.group().rails().iter().any(|r| r.node().is_some()) {
+            p.node = nodes_of_pages(&[addr as *const u8]).ok().and_then(|n| u32::try_from(n[0]).ok());
+        }
+        p
+    }
+}
+
+impl<B: Send + 'static> Striped<B> {
+    pub(crate) fn start(
+        rails: &Arc<Group>,
+        bufs: Vec<B>,
+        pieces: Vec<Piece>,
+        read: bool,
+        fill: Option<Filled<B>>,
+    ) -> Striped<B> {
+        let lens: Vec<u64> = pieces.iter().map(|p| if p.error.is_some() { 0 } else { p.len }).collect();
+        let reports = rails
+            .rails()
+            .iter()
+            .enumerate()
+            .map(|(rail, r)| RailReport {
+                rail,
+                device: r.device().to_string(),
+                bytes: 0,
+                slices: 0,
+                reposted: 0,
+                failure: None,
+            })
+            .collect();
+        let mut s = Striped {
+            rails: Arc::clone(rails),
+            bufs,
+            read,
+            fill,
+            pieces,
+            queue: plan::cut(&lens, rails.options().slice as u64),
+            flights: rails.rails().iter().map(|_| VecDeque::new()).collect(),
+            reports,
+            seq: 0,
+            leak: false,
+        };
+        s.post_more();
+        s
+    }
+
+    /// A one-piece transfer whose piece failed before posting gives its buffer back.
+    pub(crate) fn single(mut self) -> std::result::Result<Striped<B>, Rejected<B>> {
+        match self.pieces[0].error.take() {
+            None => Ok(self),
+            Some(error) => Err(Rejected { error, buf: self.bufs.pop() }),
+        }
+    }
+
+    /// Reaps the completions that have arrived and posts what the windows allow. Returns
+    /// whether the transfer is over (then [`Striped::wait`] returns at once).
+    pub fn progress(&mut self) -> bool {
+        for r in 0..self.flights.len() {
+            while let Some(f) = self.flights[r].front() {
+                let conn = self.rails.rails()[r].conn();
+                if !matches!(conn.core().is_done(f.ticket), Ok(true)) {
+                    break;
+                }
+                let res = conn.wait(f.ticket);
+                self.settle(r, res);
+            }
+        }
+        self.post_more();
+        self.is_over()
+    }
+
+    /// Asks each rail with a slice of this transfer in flight (every rail, if none has: their
+    /// send queues are full of other requests) to wake `cx` on its next completion.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn wake_on_completion(&self, cx: &std::task::Context<'_>) {
+        let idle = self.flights.iter().all(VecDeque::is_empty);
+        for (rail, flights) in self.rails.rails().iter().zip(&self.flights) {
+            if idle || !flights.is_empty() {
+                rail.wake_on_completion(cx);
+            }
+        }
+    }
+
+    pub(crate) fn is_over(&self) -> bool {
+        self.queue.is_empty() && self.flights.iter().all(VecDeque::is_empty)
+    }
+
+    /// Waits until every slice has completed (or failed for good) and gives the buffers back
+    /// with an outcome per piece and a report per rail. A rail that fails meanwhile has its
+    /// slices posted again on the others; a piece fails if its own request failed (a refused
+    /// key or range: [`Error::Operation`]) or every rail that reaches it failed
+    /// ([`Error::RailsDown`]).
+    pub fn wait(mut self) -> Finished<B> {
+        while !self.progress() {
+            // Block on the oldest slice in flight, then take whatever else has arrived.
+            let oldest = (0..self.flights.len()).filter_map(|r| self.flights[r].front().map(|f| (f.seq, r))).min();
+            let Some((_, r)) = oldest else {
+                // Send queues full of other transfers' requests: their completions make room.
+                std::thread::yield_now();
+                continue;
+            };
+            let ticket = self.flights[r].front().expect("a slice in flight").ticket;
+            let res = self.rails.rails()[r].conn().wait(ticket);
+            self.settle(r, res);
+        }
+        self.finish()
+    }
+
+    /// The end of a transfer that is over: the READ targets learn what was written, the
+    /// buffers go back (or are leaked).
+    pub(crate) fn finish(mut self) -> Finished<B> {
+        debug_assert!(self.is_over());
+        let mut bufs = std::mem::take(&mut self.bufs);
+        let errors: Vec<Option<Error>> = self.pieces.iter_mut().map(|p| p.error.take()).collect();
+        if let (Some(fill), true) = (self.fill, !self.leak) {
+            for ((buf, piece), e) in bufs.iter_mut().zip(&self.pieces).zip(&errors) {
+                if e.is_none() {
+                    // SAFETY: every slice of this piece completed successfully: the READ wrote
+                    // all `len` bytes of the target from its start.
+                    unsafe { fill(buf, piece.len as usize) };
+                }
+            }
+        }
+        let bufs = if self.leak {
+            std::mem::forget(bufs);
+            None
+        } else {
+            Some(bufs)
+        };
+        for (report, rail) in self.reports.iter_mut().zip(self.rails.rails()) {
+            if report.failure.is_none() {
+                report.failure = rail.conn().error();
+            }
+        }
+        Finished::new(bufs, errors, std::mem::take(&mut self.reports))
+    }
+
+    /// Posts queued slices while some rail that reaches their piece has room.
+    fn post_more(&mut self) {
+        let window = self.rails.options().window as u64;
+        while let Some(&cut) = self.queue.front() {
+            if self.pieces[cut.piece].error.is_some() || self.leak {
+                self.queue.pop_front();
+                continue;
+            }
+            let piece = &self.pieces[cut.piece];
+            let loads: Vec<Load> = self
+                .rails
+                .rails()
+                .iter()
+                .zip(&piece.routes)
+                .map(|(r, route)| Load {
+                    usable: route.is_some() && r.alive(),
+                    local: piece.node.is_none() || r.node().is_none() || r.node() == piece.node,
+                    outstanding: r.outstanding(),
+                })
+                .collect();
+            let idle = self.flights.iter().all(VecDeque::is_empty);
+            match plan::choose(&loads, cut.len, window, idle) {
+                Choice::Rail(r) => {
+                    self.queue.pop_front();
+                    if !self.post(r, cut) {
+                        break;
+                    }
+                }
+                Choice::Full => break,
+                Choice::Unreachable => {
+                    self.queue.pop_front();
+                    let why = self.down(cut.piece);
+                    self.pieces[cut.piece].error.get_or_insert(why);
+                }
+            }
+        }
+    }
+
+    /// Why no rail can take a piece any more: the refusal if one refused it, else the rails'
+    /// failures.
+    fn down(&mut self, piece: usize) -> Error {
+        if let Some(e) = self.pieces[piece].refused.take() {
+            return e;
+        }
+        let failures = self
+            .rails
+            .rails()
+            .iter()
+            .zip(&self.pieces[piece].routes)
+            .enumerate()
+            .filter(|(_, (_, route))| route.is_some())
+            .map(|(i, (r, _))| {
+                format!("rail {i} ({}): {}", r.device(), r.conn().error().map_or("failed".into(), |e| e.to_string()))
+            })
+            .collect();
+        Error::RailsDown { failures }
+    }
+
+    /// Posts `cut` on rail `r`, never waiting. A rail that refuses the request (its grants,
+    /// the range) leaves the piece's routes; a failed post puts the slice back. Returns `false`
+    /// if the rail's send queue is full (the slice is put back: post more after a reap).
+    fn post(&mut self, r: usize, cut: Cut) -> bool {
+        let rail = &self.rails.rails()[r];
+        let conn = rail.conn();
+        let piece = &self.pieces[cut.piece];
+        let route = piece.routes[r].as_ref().expect("a chosen rail reaches the piece");
+        // A slice is at most 1 GiB (RailOptions::slice).
+        let sge = Sge::new(piece.addr + cut.start, cut.len as u32, route.lkey);
+        let action = if self.read {
+            Action::Read { remote: &route.remote, offset: cut.start }
+        } else {
+            Action::Write { remote: &route.remote, offset: cut.start, imm: None }
+        };
+        let req = match conn.request(action, SgeList::One(sge)) {
+            Ok(req) => req,
+            Err(e) => {
+                let piece = &mut self.pieces[cut.piece];
+                piece.routes[r] = None;
+                piece.refused.get_or_insert(e);
+                self.queue.push_front(cut);
+                return true;
+            }
+        };
+        rail.load().fetch_add(cut.len, Ordering::Relaxed);
+        // SAFETY: the memory is the piece's buffer, which this transfer owns until the slice's
+        // completion is claimed (`settle`), or parks with this connection (drop), or leaks (a
+        // flush that never came).
+        match unsafe { rail.try_post(&req) } {
+            Ok(Some(ticket)) => {
+                self.seq += 1;
+                self.flights[r].push_back(Flight { ticket, cut, seq: self.seq });
+                true
+            }
+            Ok(None) => {
+                rail.load().fetch_sub(cut.len, Ordering::Relaxed);
+                self.queue.push_front(cut);
+                false
+            }
+            Err(e) => {
+                rail.load().fetch_sub(cut.len, Ordering::Relaxed);
+                // The rail's earlier failure (it failed since it was chosen) is not this
+                // slice's: post it elsewhere.
+                let e = if conn.core().failure().is_some() && !matches!(fate(&e), Fate::Leak) {
+                    Error::Operation { op: "post", wr_id: 0, status: WcStatus::WrFlushErr, vendor_err: 0 }
+                } else {
+                    e
+                };
+                self.failed(r, cut, e);
+                true
+            }
+        }
+    }
+
+    /// Takes the outcome of rail `r`'s oldest slice in flight.
+    fn settle(&mut self, r: usize, res: Result<Completed>) {
+        let f = self.flights[r].pop_front().expect("a slice in flight");
+        let rail = &self.rails.rails()[r];
+        rail.load().fetch_sub(f.cut.len, Ordering::Relaxed);
+        match res {
+            Ok(_) => {
+                rail.moved(f.cut.len);
+                self.reports[r].bytes += f.cut.len;
+                self.reports[r].slices += 1;
+            }
+            Err(e) => self.failed(r, f.cut, e),
+        }
+    }
+
+    /// A slice that failed on rail `r` with `e`: posted again, or its piece failed.
+    fn failed(&mut self, r: usize, cut: Cut, e: Error) {
+        let conn = self.rails.rails()[r].conn();
+        let report = &mut self.reports[r];
+        match fate(&e) {
+            Fate::Repost if conn.core().failure().is_some() || conn.forked_copy() => {
+                report.failure.get_or_insert_with(|| conn.error().unwrap_or(e));
+                report.reposted += 1;
+                self.queue.push_front(cut);
+            }
+            Fate::Repost | Fate::Fail => {
+                if let Some(why) = conn.error() {
+                    report.failure.get_or_insert(why);
+                }
+                self.pieces[cut.piece].error.get_or_insert(e);
+            }
+            Fate::Leak => {
+                self.leak = true;
+                report.failure.get_or_insert_with(|| conn.error().unwrap_or(Error::Closed));
+                self.pieces[cut.piece].error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+impl<B: Send + 'static> Drop for Striped<B> {
+    fn drop(&mut self) {
+        if self.flights.iter().all(VecDeque::is_empty) {
+            return;
+        }
+        let bufs = std::mem::take(&mut self.bufs);
+        if self.leak || self.rails.rails().iter().any(|r| r.conn().forked_copy()) {
+            // The NIC may use the memory for ever (or a fork()ed child's copy: the parent's
+            // NIC may, and the connections' locks may be held): keep it for good.
+            std::mem::forget(bufs);
+            return;
+        }
+        let keep = Arc::new(Keep(Mutex::new(bufs)));
+        for (r, flights) in self.flights.iter_mut().enumerate() {
+            let rail = &self.rails.rails()[r];
+            for f in flights.drain(..) {
+                let parked = ParkedSlice { _keep: Arc::clone(&keep), load: Arc::clone(rail.load()), len: f.cut.len };
+                if rail.conn().core().park(f.ticket, Box::new(parked)) {
+                    rail.parked();
+                }
+            }
+        }
+    }
+}
