@@ -267,7 +267,8 @@ impl Heap {
     }
 
     /// The keys of the chunk holding `ptr` for `pd`, if this heap handed it out and is bound to
-    /// `pd`.
+    /// `pd` (registering the chunk with `pd` now if the heap registers on first use and had
+    /// not: [`crate::heap::HeapBuilder::register_on_first_use`]; `None` if that fails).
     pub fn keys_for<T>(&self, ptr: *const T, pd: &Pd) -> Option<Keys> {
         keys_for_in(self.shared(), ptr.cast(), pd)
     }
@@ -346,5 +347,13 @@ pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
     if rec.owner.load(Ordering::Relaxed) != s.id {
         return None;
     }
-    keys_in_slot(rec, s.owner.slot_of(pd)?)
+    let slot = s.owner.slot_of(pd)?;
+    if let Some(keys) = keys_in_slot(rec, slot) {
+        return Some(keys);
+    }
+    if !s.owner.first_use {
+        return None;
+    }
+    // Not yet used through `pd` (`heap::lazy`): registered now.
+    keys_in_slot(rec, s.owner.register_first_use(rec, pd, ptr as u64).ok()?)
 }
