@@ -30,19 +30,20 @@ use crate::verbs::Pd;
 /// map gives a chunk and its owner's id, not the owner). Touched only when a heap is built and
 /// when a lookup for a PD finds no registration, never by the extent hooks, and never while a
 /// `bound` lock is held.
-static FIRST_USE_OWNERS: Mutex<Vec<Weak<Owner>>> = Mutex::new(Vec::new());
+static FIRST_USE_OWNERS: Mutex<Vec<(u64, Weak<Owner>)>> = Mutex::new(Vec::new());
 
 /// Lists `owner` as registering on first use (and forgets owners gone since).
 pub(crate) fn enroll(owner: &Arc<Owner>) {
     let mut owners = FIRST_USE_OWNERS.lock().unwrap_or_else(PoisonError::into_inner);
-    owners.retain(|w| w.strong_count() > 0);
-    owners.push(Arc::downgrade(owner));
+    owners.retain(|(_, w)| w.strong_count() > 0);
+    owners.push((owner.id, Arc::downgrade(owner)));
 }
 
 /// The live owner `id` if it registers on first use.
 fn first_use_owner(id: u64) -> Option<Arc<Owner>> {
     let owners = FIRST_USE_OWNERS.lock().unwrap_or_else(PoisonError::into_inner);
-    owners.iter().filter_map(Weak::upgrade).find(|o| o.id == id)
+    // Only `id`'s is upgraded (an upgraded owner's drop may be this thread's: no other).
+    owners.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade())
 }
 
 impl Owner {

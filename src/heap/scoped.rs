@@ -160,7 +160,9 @@ impl Heap {
         self.born
     }
 
-    /// Registers every chunk the heap has, and every later one, with `pd` (late bind).
+    /// Registers every chunk the heap has, and every later one, with `pd` (late bind; a heap
+    /// built with [`HeapBuilder::register_on_first_use`] that has a primary PD registers its
+    /// chunks with `pd` on their first use through it instead, reserved ones at once).
     ///
     /// If `pd`'s device is removed later (`rdma link delete`, a driver unbound, a NIC reset),
     /// the heap drops that binding by itself (at once on the kernel's device event, at the
