@@ -32,7 +32,9 @@ impl Owner {
         self.bind(pd, Arc::new(move |ctx: &Context| self.unbind_removed(ctx)))
     }
 
-    /// Registers every chunk so far, and every later one, with `pd`. Returns the PD's slot.
+    /// Registers every chunk so far, and every later one, with `pd` (for a heap registering on
+    /// first use, a PD after the primary one: only the reserved chunks now, the others on
+    /// their first use through it, see `heap::lazy`). Returns the PD's slot.
     /// When `pd`'s device is removed, `on_removed` (which calls [`Owner::unbind_removed`]) runs
     /// on the liveness thread (the device monitor's).
     ///
@@ -71,6 +73,9 @@ impl Owner {
             let meta = rec.meta.load(Ordering::Relaxed);
             if first && self.hugepages && !meta {
                 chunk::advise_hugepages(base, len);
+            }
+            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed)) {
+                continue; // registered on its first use through `pd` (`heap::lazy`)
             }
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, len, self.access_for(meta)) {
@@ -133,7 +138,8 @@ impl Owner {
             chunks,
             bytes,
             elapsed_us = started.elapsed().as_micros() as u64,
-            "bound to a protection domain: every chunk registered"
+            first_use = !self.registers_at_map(slot, false),
+            "bound to a protection domain: its chunks registered (on first use: the reserved ones)"
         );
         Ok(slot)
     }

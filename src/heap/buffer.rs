@@ -114,7 +114,9 @@ impl Buffer {
         keys_in(self.shared(), self.ptr.as_ptr())
     }
 
-    /// Keys for a specific bound PD.
+    /// Keys for a specific bound PD (registered now if the heap registers with it on first
+    /// use and had not: [`crate::heap::HeapBuilder::register_on_first_use`]; `None` if that
+    /// fails).
     pub fn keys_for(&self, pd: &Pd) -> Option<Keys> {
         keys_for_in(self.shared(), self.ptr.as_ptr(), pd)
     }

@@ -32,6 +32,7 @@ pub struct HeapBuilder {
     whole_chunks: bool,
     thread_cache: usize,
     idle_release: Option<Duration>,
+    first_use: bool,
 }
 
 impl HeapBuilder {
@@ -40,6 +41,35 @@ impl HeapBuilder {
     /// [`Buffer::lkey`] and [`crate::keys_of`] report.
     pub fn bind(mut self, pd: &Pd) -> Self {
         self.pds.push(pd.clone());
+        self
+    }
+
+    /// Register chunks with the PDs after the first one on first use (default off): a chunk
+    /// is registered with the primary PD (the first one bound) when jemalloc maps it, as
+    /// always, and with each other bound PD only the first time memory of it is used through
+    /// that PD — as the local side of an operation on a connection of that PD, a grant, or
+    /// keys asked for that PD ([`crate::keys_of_for`], [`Buffer::keys_for`],
+    /// [`Heap::keys_for`]). For a heap bound to many NICs' PDs whose buffers each meet only
+    /// some of them: one `ibv_reg_mr` per chunk up front instead of one per PD.
+    ///
+    /// The primary PD stays eager: [`Buffer::lkey`], [`Buffer::sge`], [`crate::keys_of`]
+    /// and chunk-wide rkeys are its keys, looked up without a PD to register with, and an
+    /// allocation must hand out memory that has them.
+    ///
+    /// The first use pays the registration of the whole chunk (milliseconds for a large one,
+    /// see BENCHMARKS.md), on the using thread, holding the heap's registration lock (the
+    /// heap's allocations that need a new chunk wait meanwhile); of threads racing the first
+    /// use, one registers and the others use its registration. A failure fails that operation
+    /// with [`Error::Registration`] and leaves the chunk as it was (the next use tries again).
+    /// The registrations are released like the others: an idle chunk is deregistered from
+    /// every PD (and registered again on its next use through each), the heap's drop
+    /// deregisters all. [`HeapStats::registered_bytes`] shows each PD's share, and
+    /// [`HeapStats::first_use_registrations`] counts them. Chunks [`Heap::reserve`] makes
+    /// are registered with every PD at once. A trait method `lkey_for` of
+    /// [`crate::transfer::Local`] or [`crate::transfer::IoBuf`] only looks keys up: it
+    /// returns `None` for a chunk not yet used through `pd` (operations register it).
+    pub fn register_on_first_use(mut self, on: bool) -> Self {
+        self.first_use = on;
         self
     }
 
@@ -195,7 +225,12 @@ impl HeapBuilder {
             self.access
         };
         let decay = crate::heap::idle::decay_ms(self.idle_release);
-        let owner = Arc::new(Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX), decay));
+        let mut owner = Owner::new(chunk_access, node, self.hugepages, self.limit.unwrap_or(usize::MAX), decay);
+        owner.first_use = self.first_use;
+        let owner = Arc::new(owner);
+        if self.first_use {
+            crate::heap::lazy::enroll(&owner);
+        }
         for pd in &self.pds {
             owner.bind_shared(pd)?;
         }
@@ -242,6 +277,7 @@ impl Heap {
             whole_chunks: false,
             thread_cache: DEFAULT_THREAD_CACHE,
             idle_release: Some(crate::heap::DEFAULT_IDLE_RELEASE),
+            first_use: false,
         }
     }
 }

@@ -57,3 +57,34 @@ fn device_a_registered_buffer_the_device_will_not_deregister_stays_mapped() {
     assert!(mapped(addr, len), "a buffer still registered was unmapped");
     drop(mw);
 }
+
+/// Registration on first use: a failed `ibv_reg_mr` (injected) fails the operation with
+/// `Error::Registration`, registers nothing, and the next use of the same chunk registers it.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_failed_first_use_is_a_typed_error_and_the_next_use_registers() {
+    use crate::transfer::QpOptions;
+    let ctx = Context::open_default().expect("an RDMA device");
+    let (pd1, pd2) = (Pd::new(&ctx).unwrap(), Pd::new(&ctx).unwrap());
+    let heap = Heap::builder().bind(&pd1).bind(&pd2).register_on_first_use(true).build().unwrap();
+    let target = Heap::builder().bind(&pd2).access(Access::ALL_REMOTE).build().unwrap();
+    let dst = target.alloc(4096).unwrap().expose().unwrap();
+    let opts =
+        Options { qp: QpOptions { remote_access: Access::REMOTE_WRITE, ..Default::default() }, ..Default::default() };
+    let (a, _b) = Connection::pair(&pd2, &opts).unwrap();
+    let mut src = heap.alloc(4096).unwrap();
+    src.fill(0x5A);
+    crate::heap::lazy::FAIL_NEXT.store(libc::ENOMEM, std::sync::atomic::Ordering::Relaxed);
+    match a.write(&src, &dst.remote(), 0) {
+        Err(crate::Error::Registration { errno, .. }) => assert_eq!(errno, libc::ENOMEM),
+        other => panic!("expected Error::Registration, got {other:?}"),
+    }
+    let failed = heap.stats();
+    assert_eq!(failed.registration_failures, 1);
+    assert_eq!((failed.registered_bytes[1], failed.first_use_registrations), (0, 0), "nothing registered with pd2");
+    a.write(&src, &dst.remote(), 0).expect("the next use registers the chunk");
+    assert!(dst.to_vec().iter().all(|&x| x == 0x5A), "the bytes arrived");
+    let used = heap.stats();
+    assert_eq!(used.first_use_registrations, 1);
+    assert_eq!(used.registered_bytes[1], chunk_of(src.as_ptr()).unwrap().1 as u64);
+}

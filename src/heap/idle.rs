@@ -156,7 +156,8 @@ impl Owner {
     }
 
     /// The commit hook: `true` fails the commit. Registers an idle chunk (or the slots a refused
-    /// release left unregistered) with every bound PD first; zeroes the range unless the chunk
+    /// release left unregistered) with every bound PD first (those it registers with when
+    /// mapped: see `heap::lazy`); zeroes the range unless the chunk
     /// is pristine (jemalloc takes committed-again memory as zeroed).
     pub(crate) fn commit(&self, start: usize, len: usize) -> bool {
         let Some(rec) = chunk::find_range(start, len.max(1)).filter(|r| r.owner.load(Ordering::Acquire) == self.id)
@@ -181,6 +182,9 @@ impl Owner {
             let Some(pd) = pd.as_ref().filter(|pd| !pd.context().is_removed()) else { continue };
             if !rec.mrs[slot].load(Ordering::Acquire).is_null() {
                 continue;
+            }
+            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed)) {
+                continue; // registered again on its next use through that PD (`heap::lazy`)
             }
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
@@ -225,12 +229,12 @@ impl Owner {
     }
 
     /// A new chunk's idle-release state: handed to jemalloc uncommitted (all of it counts as
-    /// decommitted), and kept for good if a `reserve` runs.
-    pub(crate) fn note_commit_state(&self, rec: &ChunkRec, size: usize, uncommitted: bool) {
+    /// decommitted), and kept for good if a `reserve` runs (`kept`, read once by the caller).
+    pub(crate) fn note_commit_state(&self, rec: &ChunkRec, size: usize, uncommitted: bool, kept: bool) {
         if uncommitted {
             rec.decommitted.store(size, Ordering::Relaxed);
         }
-        if self.reserving.load(Ordering::Acquire) > 0 {
+        if kept {
             rec.kept.store(true, Ordering::Relaxed);
         }
     }

@@ -1,6 +1,7 @@
 //! Pointer → keys, for any byte any heap handed out.
 
 use crate::heap::chunk::{self, ChunkRec};
+use crate::heap::lazy;
 use crate::verbs::{Access, Pd};
 
 /// The memory-region keys covering a byte of heap memory.
@@ -44,9 +45,13 @@ pub fn keys_of<T>(ptr: *const T) -> Option<Keys> {
     keys_in_slot(rec, 0)
 }
 
-/// Like [`keys_of`], for a specific PD the owning heap is bound to.
+/// Like [`keys_of`], for a specific PD the owning heap is bound to. A heap that registers on
+/// first use ([`crate::heap::HeapBuilder::register_on_first_use`]) registers the chunk with
+/// `pd` now if it had not yet (`None` if that fails; an operation using the memory through
+/// `pd` reports why).
 pub fn keys_of_for<T>(ptr: *const T, pd: &Pd) -> Option<Keys> {
-    mr_of(ptr.cast(), pd).map(|(_, keys)| keys)
+    let (rec, slot) = lazy::registration_for(ptr.cast(), 1, pd).ok()?;
+    keys_in_slot(rec, slot)
 }
 
 /// The lkey of `[ptr, ptr+len)` if it lies inside one registered chunk of a heap bound to `pd`
@@ -63,18 +68,16 @@ pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
     Some((rec.base.load(Relaxed), rec.len.load(Relaxed)))
 }
 
-/// The chunk's memory region in `pd` holding `ptr`, with its keys.
-fn mr_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Keys)> {
-    let (_, rec) = chunk::find(ptr as usize)?;
-    (0..chunk::MAX_PDS).find_map(|slot| Some((rec.mr_in(slot, pd.as_raw())?, keys_in_slot(rec, slot)?)))
-}
-
 /// The chunk's memory region in `pd` holding `ptr` (for binding memory windows) and the rights
-/// it was registered with.
-pub(crate) fn mr_and_access_of(ptr: *const u8, pd: &Pd) -> Option<(*mut rdma_sys::ibv_mr, Access)> {
-    let (_, rec) = chunk::find(ptr as usize)?;
-    let (_, mr) = rec.registration_in(pd.as_raw())?;
+/// it was registered with; registered now if its heap registers with `pd` on first use.
+///
+/// # Errors
+/// [`crate::Error::NotRegistered`] if `ptr` is not memory of a heap bound to `pd`; what a
+/// registration on first use fails with ([`crate::Error::Registration`], ...).
+pub(crate) fn mr_and_access_of(ptr: *const u8, pd: &Pd) -> crate::Result<(*mut rdma_sys::ibv_mr, Access)> {
+    let (rec, slot) = lazy::registration_for(ptr, 1, pd)?;
+    let mr = rec.mr_in(slot, pd.as_raw()).ok_or(crate::Error::NotRegistered { addr: ptr as u64 })?;
     // Written before the registration was published (read with acquire by `mr_in`).
     let access = Access::from_bits_truncate(rec.access.load(std::sync::atomic::Ordering::Relaxed));
-    Some((mr, access))
+    Ok((mr, access))
 }

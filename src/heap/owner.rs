@@ -34,6 +34,8 @@ pub(crate) struct Counters {
     pub(crate) reg_calls: AtomicU64,
     pub(crate) reg_nanos: AtomicU64,
     pub(crate) reg_failures: AtomicU64,
+    /// Of `reg_calls`, chunks registered on their first use through a PD (`heap::lazy`).
+    pub(crate) first_use_regs: AtomicU64,
     /// Live bytes freed or allocated outside any thread cache slot (thread exit).
     pub(crate) orphan_live: AtomicI64,
     /// Chunks (and their bytes) released as idle now, and releases so far (`heap::idle`).
@@ -73,6 +75,9 @@ pub(crate) struct Owner {
     /// that made the chunk: nothing emits them there.
     pub(crate) trace_chunks: bool,
     pub(crate) limit: usize,
+    /// Register chunks with the PDs after the primary one on first use, not when mapped
+    /// (`heap::lazy`). Set before the owner is shared.
+    pub(crate) first_use: bool,
     /// The idle interval as jemalloc's `dirty_decay_ms` (-1: off; see `heap::idle`).
     pub(crate) idle_ms: AtomicI64,
     /// `Heap::reserve` calls running: chunks made meanwhile are never released.
@@ -104,6 +109,7 @@ impl Owner {
             dontfork: true,
             trace_chunks: true,
             limit,
+            first_use: false,
             idle_ms: AtomicI64::new(idle_ms),
             reserving: AtomicU32::new(0),
             counters: Counters::default(),
@@ -132,6 +138,7 @@ impl Owner {
             dontfork: false,
             trace_chunks: false,
             limit: usize::MAX,
+            first_use: false,
             idle_ms: AtomicI64::new(-1), // set by `Global::new`
             reserving: AtomicU32::new(0),
             counters: Counters {
@@ -142,6 +149,7 @@ impl Owner {
                 reg_calls: AtomicU64::new(0),
                 reg_nanos: AtomicU64::new(0),
                 reg_failures: AtomicU64::new(0),
+                first_use_regs: AtomicU64::new(0),
                 orphan_live: AtomicI64::new(0),
                 idle_chunks: AtomicU64::new(0),
                 idle_bytes: AtomicU64::new(0),
@@ -209,12 +217,17 @@ impl Owner {
             return Err(HookError::Advise(e));
         }
         let mapped_in = started.elapsed();
+        // Read once: whether the chunk is kept (`Heap::reserve`) decides its registrations too.
+        let kept = self.reserving.load(Ordering::Acquire) > 0;
         let mut mrs = [std::ptr::null_mut(); MAX_PDS];
         let mut registered_in = std::time::Duration::ZERO;
         for (slot, pd) in bound.pds.iter().enumerate() {
             // A removed device's PD is about to be unbound (`unbind_removed`): registering with
             // it may fail (a disassociated context) and would fail the allocation.
             let Some(pd) = pd.as_ref().filter(|pd| !pd.context().is_removed()) else { continue };
+            if !self.registers_at_map(slot, kept) {
+                continue; // registered on its first use through that PD (`heap::lazy`)
+            }
             let t = Instant::now();
             match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
                 Ok(mr) => {
@@ -241,7 +254,7 @@ impl Owner {
             return Err(HookError::TableFull);
         };
         let rec = chunk::rec(index);
-        self.note_commit_state(rec, size, uncommitted);
+        self.note_commit_state(rec, size, uncommitted, kept);
         for (slot, &mr) in mrs.iter().enumerate() {
             if !mr.is_null() {
                 rec.set_mr(slot, mr, self.access_for(meta));
@@ -294,7 +307,7 @@ impl Owner {
             chunk::deregister_and_unmap(&[], base, size);
             return Err(HookError::TableFull);
         };
-        self.note_commit_state(chunk::rec(index), size, uncommitted);
+        self.note_commit_state(chunk::rec(index), size, uncommitted, self.reserving.load(Ordering::Acquire) > 0);
         self.count_new_chunk(size, meta);
         Ok(base)
     }

@@ -160,7 +160,9 @@ impl Heap {
         self.born
     }
 
-    /// Registers every chunk the heap has, and every later one, with `pd` (late bind).
+    /// Registers every chunk the heap has, and every later one, with `pd` (late bind; a heap
+    /// built with [`HeapBuilder::register_on_first_use`] that has a primary PD registers its
+    /// chunks with `pd` on their first use through it instead, reserved ones at once).
     ///
     /// If `pd`'s device is removed later (`rdma link delete`, a driver unbound, a NIC reset),
     /// the heap drops that binding by itself (at once on the kernel's device event, at the
@@ -267,7 +269,8 @@ impl Heap {
     }
 
     /// The keys of the chunk holding `ptr` for `pd`, if this heap handed it out and is bound to
-    /// `pd`.
+    /// `pd` (registering the chunk with `pd` now if the heap registers on first use and had
+    /// not: [`crate::heap::HeapBuilder::register_on_first_use`]; `None` if that fails).
     pub fn keys_for<T>(&self, ptr: *const T, pd: &Pd) -> Option<Keys> {
         keys_for_in(self.shared(), ptr.cast(), pd)
     }
@@ -346,5 +349,13 @@ pub(crate) fn keys_for_in(s: &Shared, ptr: *const u8, pd: &Pd) -> Option<Keys> {
     if rec.owner.load(Ordering::Relaxed) != s.id {
         return None;
     }
-    keys_in_slot(rec, s.owner.slot_of(pd)?)
+    let slot = s.owner.slot_of(pd)?;
+    if let Some(keys) = keys_in_slot(rec, slot) {
+        return Some(keys);
+    }
+    if !s.owner.first_use {
+        return None;
+    }
+    // Not yet used through `pd` (`heap::lazy`): registered now.
+    keys_in_slot(rec, s.owner.register_first_use(rec, pd, ptr as u64).ok()?)
 }

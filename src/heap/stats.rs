@@ -48,6 +48,9 @@ pub struct HeapStats {
     /// idle chunks registered again); a buffer's own keys (`remote`, `expose`, `remote_desc`)
     /// are not counted.
     pub reg_mr_calls: u64,
+    /// Of `reg_mr_calls`, chunks registered on their first use through a PD (see
+    /// [`crate::heap::HeapBuilder::register_on_first_use`]).
+    pub first_use_registrations: u64,
     /// Total time spent in `ibv_reg_mr`.
     pub reg_mr_time: Duration,
     /// Registrations that failed (each one failed an allocation or a bind).
@@ -71,6 +74,7 @@ impl HeapStats {
             thread_cached_bytes: 0,
             jemalloc_allocated,
             reg_mr_calls: c.reg_calls.load(Ordering::Relaxed),
+            first_use_registrations: c.first_use_regs.load(Ordering::Relaxed),
             reg_mr_time: Duration::from_nanos(c.reg_nanos.load(Ordering::Relaxed)),
             registration_failures: c.reg_failures.load(Ordering::Relaxed),
             cross_chunk_merges_refused: CROSS_CHUNK_MERGES_REFUSED.load(Ordering::Relaxed),

@@ -130,7 +130,7 @@ unsafe fn exact_key(conn: &Connection, ptr: *mut u8, len: usize, access: Access)
         return Err(Error::InvalidArgument("a grant gives remote read and/or write rights only".into()));
     }
     let pd = conn.pd();
-    let (chunk_mr, heap_access) = mr_and_access_of(ptr, pd).ok_or(Error::NotRegistered { addr: ptr as u64 })?;
+    let (chunk_mr, heap_access) = mr_and_access_of(ptr, pd)?;
     // One chunk holds the whole range (an allocation never spans two; checked all the same, as
     // a window or registration of the range would reach whatever lies past the chunk).
     let last = ptr as usize + (len - 1);

@@ -4,7 +4,7 @@
 //! anything is posted. (Non-blocking operations take owned memory: [`crate::transfer::IoBuf`].)
 
 use crate::error::{Error, Result};
-use crate::heap::{lkey_within_chunk, BufSlice, Buffer};
+use crate::heap::{lkey_or_register, lkey_within_chunk, BufSlice, Buffer};
 use crate::transfer::request::iobuf::{IoBuf, IoBufMut, Slice};
 use crate::verbs::{Exposable, Pd, RegisteredBuf, RemoteWritable, Sge};
 
@@ -39,12 +39,13 @@ pub unsafe trait LocalMut: Local {}
 
 /// A bounds-checked SGE for `local` in `pd`, or the typed error saying why not.
 pub(crate) fn sge_of<L: Local + ?Sized>(local: &L, pd: &Pd) -> Result<Sge> {
-    sge_of_parts(local.local_ptr(), local.local_len(), local.lkey_for(pd))
+    sge_of_parts(local.local_ptr(), local.local_len(), local.lkey_for(pd), pd)
 }
 
 /// An SGE for `len` bytes at `ptr` under `lkey`, or the typed error saying why not (an empty
-/// range gets an empty entry, refused by `Connection::request`).
-pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>) -> Result<Sge> {
+/// range gets an empty entry, refused by `Connection::request`). Without a key, heap memory
+/// not yet used through `pd` is registered with it now, if its heap registers on first use.
+pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>, pd: &Pd) -> Result<Sge> {
     let len32 = u32::try_from(len)
         .map_err(|_| Error::InvalidArgument(format!("one operation moves at most 4 GiB - 1, got {len} bytes")))?;
     let addr = ptr as u64;
@@ -52,9 +53,10 @@ pub(crate) fn sge_of_parts(ptr: *const u8, len: usize, lkey: Option<u32>) -> Res
         // Refused by the request's check, which names the operation (no key to look up).
         return Ok(Sge::new(addr, 0, 0));
     }
-    // Not `ok_or`: that builds (and drops) an Error on every call.
-    let Some(lkey) = lkey else {
-        return Err(Error::NotRegistered { addr });
+    // Not `ok_or_else` on the hot path: a key found is used as is.
+    let lkey = match lkey {
+        Some(lkey) => lkey,
+        None => lkey_or_register(ptr, len, pd)?,
     };
     Ok(Sge::new(addr, len32, lkey))
 }

@@ -97,14 +97,14 @@ impl<T: sealed::Target> OwnedScatter for T {}
 /// The entry of one owned source.
 #[inline]
 fn source_sge<B: IoBuf>(buf: &B, pd: &Pd) -> Result<Sge> {
-    sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(pd))
+    sge_of_parts(buf.stable_ptr(), buf.bytes_len(), buf.lkey_for(pd), pd)
 }
 
 /// The entry of one owned target.
 #[inline]
 fn target_sge<B: IoTarget>(buf: &mut B, pd: &Pd) -> Result<Sge> {
     let (ptr, len) = buf.target();
-    sge_of_parts(ptr.cast_const(), len, buf.target_lkey(pd))
+    sge_of_parts(ptr.cast_const(), len, buf.target_lkey(pd), pd)
 }
 
 /// `n` bytes written across `parts`, in order: each part learns what landed in it.
