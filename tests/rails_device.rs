@@ -128,8 +128,14 @@ fn device_a_list_of_1000_pages_lands_at_scattered_offsets_with_errors_per_piece(
 fn lose_rail_1_midway(how: &str) {
     const N: usize = 32 << 20;
     let (pd, heap, mut opts) = setup(64 << 10, 1 << 20);
-    opts.conn.qp.retry_count = 6; // a peer gone is found in ~0.5 s (rxe retries for ever with 7)
-    let (ours, theirs) = groups(&pd, &opts);
+    if how == "silent" {
+        // rxe retries for ever with the default retry count of 7: nothing but the transfer's
+        // own deadline (the connection's op_timeout) finds the dead rail.
+        opts.conn.wait.op_timeout = std::time::Duration::from_secs(2);
+    } else {
+        opts.conn.qp.retry_count = 6; // a peer gone is found in ~0.5 s
+    }
+    let (mut ours, mut theirs) = groups(&pd, &opts);
     let (target, desc) = inbox(&heap, N);
     let want = pattern(99, N);
     let mut src = heap.alloc(N).unwrap();
@@ -144,12 +150,22 @@ fn lose_rail_1_midway(how: &str) {
         "ours" => ours.rail(1).close().unwrap(),
         _ => theirs.rail(1).close().unwrap(),
     }
+    let lost = std::time::Instant::now();
     let done = t.wait();
-    println!("{how} end of rail 1 closed: {:?}", done.rails());
+    println!("{how}: rail 1 lost; done {:?} later: {:?}", lost.elapsed(), done.rails());
     assert!(done.is_ok(), "{done:?}");
     let r1 = &done.rails()[1];
     match how {
         "ours" => assert!(matches!(r1.failure, Some(Error::Closed)), "the report names rail 1's failure: {r1:?}"),
+        "silent" => {
+            let timed_out = Some(mralloc::verbs::WcStatus::RespTimeoutErr);
+            assert!(
+                matches!(r1.failure, Some(Error::Operation { status, .. }) if Some(status) == timed_out),
+                "the report names rail 1's deadline: {r1:?}"
+            );
+            assert!(r1.reposted > 0, "the stalled slices were posted again: {r1:?}");
+            assert!(lost.elapsed() < std::time::Duration::from_secs(20), "a silent rail held the transfer up");
+        }
         _ => {
             assert!(matches!(r1.failure, Some(Error::Operation { .. })), "the report names rail 1's failure: {r1:?}");
             assert!(
@@ -162,7 +178,18 @@ fn lose_rail_1_midway(how: &str) {
     assert_bytes_eq(&target.to_vec(), &want, "32 MiB over two rails, one lost midway");
     let info = ours.info();
     assert!(!info[1].alive && info[0].alive && info.iter().all(|r| r.outstanding == 0), "{info:?}");
+    // A new connection in rail 1's place: the next transfer uses both rails again.
+    let (x, y) = Connection::pair(&pd, &opts.conn).unwrap();
+    assert!(ours.restore(2, Connection::pair(&pd, &opts.conn).unwrap().0).is_err(), "no rail 2");
+    ours.restore(1, x).unwrap();
+    theirs.restore(1, y).unwrap();
+    let mut src = heap.alloc(8 << 20).unwrap();
+    src.copy_from_slice(&pattern(100, 8 << 20));
+    let done = ours.post_write(src, &desc, 0).map_err(|r| r.error).unwrap().wait();
+    assert!(done.is_ok() && done.rails().iter().all(|r| r.bytes > 0 && r.failure.is_none()), "{done:?}");
+    assert_bytes_eq(&target.to_vec()[..8 << 20], &pattern(100, 8 << 20), "after rail 1 was restored");
     // A piece only dead rails could reach fails with RailsDown.
+    ours.rail(1).close().unwrap();
     ours.rail(0).close().unwrap();
     let r = ours.post_write(heap.alloc(10).unwrap(), &desc, 0).map(|_| ()).map_err(|r| r.error);
     assert!(matches!(r, Err(Error::RailsDown { ref failures }) if failures.len() == 2), "{r:?}");
@@ -178,6 +205,12 @@ fn device_a_rail_closed_mid_transfer_leaves_the_rest_to_the_other() {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_a_rail_whose_peer_went_away_has_its_slices_posted_on_the_other() {
     lose_rail_1_midway("theirs");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_rail_that_goes_silent_is_failed_at_its_deadline_and_its_slices_posted_on_the_other() {
+    lose_rail_1_midway("silent");
 }
 
 /// A buffer that records, when dropped, how many bytes the group still had in flight.

@@ -2,7 +2,7 @@
 //! links, an rxe device on each end of each): set up in one call, striped writes and reads
 //! verified byte for byte, a list of 1000 pages to scattered offsets, and one link cut in the
 //! middle of a 64 MiB transfer — which completes on the other rail, names the dead one, and
-//! leaks nothing. Run by scripts/test; outside such a boot (no MRALLOC_LINKS) it fails.
+//! leaks nothing — then brought back up, and a new connection over it restored as rail 1. Run by scripts/test; outside such a boot (no MRALLOC_LINKS) it fails.
 
 mod common;
 
@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Options, QpOptions, RailOptions, Rails, RailsListener, WaitOptions};
+use mralloc::transfer::{Connection, Listener, Options, QpOptions, RailOptions, Rails, RailsListener, WaitOptions};
 use mralloc::verbs::{Access, Context, Pd};
 use mralloc::{Buffer, RemoteDesc};
 
 const BIG: usize = 64 << 20;
 const PAGE: usize = 4096;
+const RESTORED: usize = 9 << 20;
 
 fn word(heap: &Heap, w: &[u8]) -> Buffer {
     let mut b = heap.alloc(w.len()).unwrap();
@@ -60,7 +61,7 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
     let pdns = our_pdns();
     let others = |heap: &Heap| resources("mr", &pdns) as i64 - 2 * heap.stats().chunks as i64;
     let (qps0, mrs0, live0) = (resources("qp", &pdns), others(&heap), heap.stats().live_bytes);
-    let rails = if me == 0 {
+    let mut rails = if me == 0 {
         let l = RailsListener::bind((links[0].local_ip.as_str(), 7910), &pds, opts.clone()).unwrap();
         l.accept().unwrap()
     } else {
@@ -86,6 +87,13 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
         rails.send(&word(&heap, b"ok")).unwrap();
         expect(&rails, &heap, b"cut");
         assert_bytes_eq(&inbox.to_vec(), &pattern(777, BIG), "host 1: the 64 MiB write that lost a link midway");
+        rails.send(&word(&heap, b"ok")).unwrap();
+        // Link 1 comes back: a new connection over it takes rail 1's place on both sides.
+        let conn =
+            connect_retrying(|| Connection::connect((links[1].peer_ip.as_str(), 7911), &pds[1], opts.conn.clone()));
+        rails.restore(1, conn).unwrap();
+        expect(&rails, &heap, b"restored");
+        assert_bytes_eq(&inbox.to_vec()[..RESTORED], &pattern(778, RESTORED), "host 1: written over both rails again");
         rails.send(&word(&heap, b"ok")).unwrap();
     } else {
         let theirs = RemoteDesc::from_bytes(rails.peer_blob()).unwrap();
@@ -136,11 +144,12 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
             t.progress();
             rails.info()[1].bytes > before
         });
+        // Down at once (an ioctl, not a spawned `ip`): rail 1's window, just refilled, is
+        // still on the wire.
         let dev = netdev_of(&links[1].device);
-        let cut = Instant::now();
-        let ok = std::process::Command::new("ip").args(["link", "set", "dev", &dev, "down"]).status();
-        assert!(ok.is_ok_and(|s| s.success()), "ip link set dev {dev} down");
         let in_flight = rails.info()[1].outstanding;
+        let cut = Instant::now();
+        set_link(&dev, false);
         let done = t.wait();
         println!(
             "host 0: {dev} cut with {in_flight} bytes in flight on rail 1; done after {:?}: {:?}",
@@ -149,7 +158,10 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
         );
         assert!(done.is_ok(), "{done:?}");
         let r1 = &done.rails()[1];
-        assert!(r1.failure.is_some(), "the report names rail 1's failure: {r1:?}");
+        assert!(
+            matches!(r1.failure, Some(mralloc::Error::Disconnected(mralloc::Disconnect::PortDown { .. }))),
+            "the report names rail 1's failure: {r1:?}"
+        );
         assert!(in_flight == 0 || r1.reposted > 0, "rail 1's slices in flight were posted again: {r1:?}");
         assert_eq!(done.rails().iter().map(|r| r.bytes).sum::<u64>(), BIG as u64);
         let info = rails.info();
@@ -157,8 +169,19 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
         drop(done);
         rails.send(&word(&heap, b"cut")).unwrap();
         expect(&rails, &heap, b"ok");
-        let ok = std::process::Command::new("ip").args(["link", "set", "dev", &dev, "up"]).status();
-        assert!(ok.is_ok_and(|s| s.success()), "ip link set dev {dev} up");
+        set_link(&dev, true);
+        let t = Instant::now();
+        let conn =
+            Listener::bind((links[1].local_ip.as_str(), 7911), &pds[1], opts.conn.clone()).unwrap().accept().unwrap();
+        rails.restore(1, conn).unwrap();
+        let mut src = heap.alloc(RESTORED).unwrap();
+        src.copy_from_slice(&pattern(778, RESTORED));
+        let done = rails.post_write(src, &theirs, 0).map_err(|r| r.error).unwrap().wait();
+        println!("host 0: rail 1 restored {:?} after the link came up: {:?}", t.elapsed(), done.rails());
+        assert!(done.is_ok() && done.rails().iter().all(|r| r.bytes > 0 && r.failure.is_none()), "{done:?}");
+        drop(done);
+        rails.send(&word(&heap, b"restored")).unwrap();
+        expect(&rails, &heap, b"ok");
     }
     // Nothing leaks: the group's QPs and the transfers' registrations are gone with it.
     drop(rails);
@@ -167,4 +190,31 @@ fn device_dual_rails_stripe_and_survive_a_cut_link() {
     assert_eq!(heap.stats().live_bytes, live0, "host {me}: every buffer of the transfers freed");
     println!("host {me}: QPs, MRs and live bytes back to the baseline ({qps0}, {mrs0}, {live0})");
     drop(inbox);
+}
+
+/// Sets network device `dev` up or down (`SIOCSIFFLAGS`, as `ip link set` does).
+fn set_link(dev: &str, up: bool) {
+    // SAFETY: a plain datagram socket, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: an all-zero ifreq is valid; the name fits (checked) with its NUL.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    assert!(dev.len() < req.ifr_name.len(), "{dev}: name too long");
+    for (d, s) in req.ifr_name.iter_mut().zip(dev.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: `req` names the device; the kernel fills in its flags.
+    let got = unsafe { libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req) };
+    assert_eq!(got, 0, "SIOCGIFFLAGS {dev}: {}", std::io::Error::last_os_error());
+    // SAFETY: the flags member of the union, just read by SIOCGIFFLAGS.
+    unsafe {
+        let flags = &mut req.ifr_ifru.ifru_flags;
+        *flags = if up { *flags | libc::IFF_UP as libc::c_short } else { *flags & !(libc::IFF_UP as libc::c_short) };
+    }
+    // SAFETY: as above; the kernel reads the flags.
+    let set = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &req) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: `fd` is ours, closed once.
+    unsafe { libc::close(fd) };
+    assert_eq!(set, 0, "SIOCSIFFLAGS {dev} up={up}: {err}");
 }

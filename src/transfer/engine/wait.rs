@@ -107,6 +107,21 @@ impl Connection {
         }
     }
 
+    /// Waits at most `max` for a completion on this connection, the way its mode waits, without
+    /// claiming any and without failing the connection if none comes (a rails transfer's
+    /// wait, which watches several connections, sleeps on one at a time).
+    pub(crate) fn nap(&self, max: Duration) {
+        let mark = self.core().mark();
+        if matches!(self.progress(), Ok(n) if n > 0) {
+            return;
+        }
+        let mut spins = 0;
+        if let Err(e) = self.core().pause(&mut spins, max, mark) {
+            tracing::debug!("completion path failed ({e}); failing the connection");
+            self.fail(Failure::local(&e));
+        }
+    }
+
     /// Records a local error of the completion path: fails the connection, starts the flush wait
     /// (`now`, on the waiter's watch).
     fn fail_locally(&self, local: &mut Option<(Error, Duration)>, e: Error, now: Duration) {

@@ -36,6 +36,9 @@ impl std::fmt::Debug for AsyncRails {
 #[must_use = "a transfer does nothing useful unless awaited; dropping it parks its buffers"]
 pub struct StripedOp<B: Send + 'static> {
     state: Option<std::result::Result<Striped<B>, Finished<B>>>,
+    /// Wakes the future when the oldest slice of a rail reaches its deadline (a rail that went
+    /// silent raises no completion: `progress` fails it then).
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<B: Send + 'static> std::fmt::Debug for StripedOp<B> {
@@ -65,6 +68,16 @@ impl<B: Send + 'static> Future for StripedOp<B> {
             // Register, then look once more: a completion reaped in between raised no wake-up.
             s.wake_on_completion(cx);
             if !s.progress() {
+                if let Some(at) = s.expire_stalled() {
+                    let at = tokio::time::Instant::from_std(at);
+                    let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                    if timer.deadline() != at {
+                        timer.as_mut().reset(at);
+                    }
+                    if timer.as_mut().poll(cx).is_ready() {
+                        cx.waker().wake_by_ref();
+                    }
+                }
                 return Poll::Pending;
             }
         }
@@ -77,6 +90,7 @@ impl<B: Send + 'static> Future for StripedOp<B> {
 
 fn op<B: Send + 'static>(r: std::result::Result<Striped<B>, crate::transfer::Rejected<B>>) -> StripedOp<B> {
     StripedOp {
+        timer: None,
         state: Some(r.map_err(|rej| match rej.buf {
             Some(buf) => Finished::refused(buf, rej.error),
             None => unreachable!("a refused striped transfer gives its buffer back"),
@@ -175,6 +189,14 @@ impl AsyncRails {
         Ok(self.rail(i))
     }
 
+    /// [`Rails::restore`] for an async group.
+    ///
+    /// # Errors
+    /// As [`Rails::restore`].
+    pub fn restore(&mut self, i: usize, conn: AsyncConnection) -> Result<()> {
+        self.rails.restore_link(i, Link::Async(conn))
+    }
+
     /// [`Rails::post_write`] as a future. A refusal (as `post_write`'s) resolves at once, the
     /// buffer back in the [`Finished`] with the error as its piece's.
     pub fn write<B: IoBuf>(&self, buf: B, remote: &RemoteDesc, offset: u64) -> StripedOp<B> {
@@ -188,12 +210,12 @@ impl AsyncRails {
 
     /// [`Rails::post_write_list`] as a future.
     pub fn write_list<B: IoBuf>(&self, pieces: Vec<(B, RemoteDesc)>) -> StripedOp<B> {
-        StripedOp { state: Some(Ok(self.rails.post_write_list(pieces))) }
+        StripedOp { state: Some(Ok(self.rails.post_write_list(pieces))), timer: None }
     }
 
     /// [`Rails::post_read_list`] as a future.
     pub fn read_list<B: IoTarget>(&self, pieces: Vec<(B, RemoteDesc)>) -> StripedOp<B> {
-        StripedOp { state: Some(Ok(self.rails.post_read_list(pieces))) }
+        StripedOp { state: Some(Ok(self.rails.post_read_list(pieces))), timer: None }
     }
 }
 

@@ -232,12 +232,13 @@ pub struct Rails {
 
 /// The rails and options, shared with the transfers in flight (which outlive no rail).
 pub(crate) struct Group {
-    rails: Vec<Rail>,
+    /// Shared by the groups a restore makes (transfers in flight keep the group they began with).
+    rails: Vec<Arc<Rail>>,
     opts: RailOptions,
 }
 
 impl Group {
-    pub(crate) fn rails(&self) -> &[Rail] {
+    pub(crate) fn rails(&self) -> &[Arc<Rail>] {
         &self.rails
     }
 
@@ -275,7 +276,7 @@ impl Rails {
         if opts.slice == 0 || opts.slice > 1 << 30 {
             return Err(Error::InvalidArgument(format!("a slice is 1 B..=1 GiB, got {} bytes", opts.slice)));
         }
-        let rails = links.into_iter().map(Rail::new).collect();
+        let rails = links.into_iter().map(|l| Arc::new(Rail::new(l))).collect();
         Ok(Rails { group: Arc::new(Group { rails, opts }), blob_at: 0 })
     }
 
@@ -344,7 +345,7 @@ impl Rails {
 
     /// The index of the message rail.
     pub(crate) fn messages_index(&self) -> Result<usize> {
-        match self.group.rails.iter().position(Rail::alive) {
+        match self.group.rails.iter().position(|r| r.alive()) {
             Some(i) => Ok(i),
             None => Err(self.group.rails[0].conn().error().unwrap_or(Error::Closed)),
         }
@@ -364,6 +365,32 @@ impl Rails {
     /// As [`Rails::messages`] and [`Connection::recv`].
     pub fn recv<S: Scatter + ?Sized>(&self, local: &mut S) -> Result<Received> {
         self.messages()?.recv(local)
+    }
+
+    /// Puts `conn` in rail `i`'s place — a new connection between the two sides' `i`-th devices
+    /// once the old one failed (its link back up, its device back): transfers started from now
+    /// on use it; those in flight finish with the rails they began with. Both sides restore
+    /// their end (the peer's [`Rails::restore`] with its end of the same connection).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `i` is not a rail of the group or `conn` has failed
+    /// already (`conn` is dropped).
+    pub fn restore(&mut self, i: usize, conn: Connection) -> Result<()> {
+        self.restore_link(i, Link::Blocking(conn))
+    }
+
+    /// [`Rails::restore`] for any front end's link.
+    pub(crate) fn restore_link(&mut self, i: usize, link: Link) -> Result<()> {
+        if i >= self.len() {
+            return Err(Error::InvalidArgument(format!("rail {i} of a group of {}", self.len())));
+        }
+        if let Some(e) = link.conn().error() {
+            return Err(Error::InvalidArgument(format!("restoring rail {i} with a failed connection: {e}")));
+        }
+        let mut rails = self.group.rails.clone();
+        rails[i] = Arc::new(Rail::new(link));
+        self.group = Arc::new(Group { rails, opts: self.group.opts.clone() });
+        Ok(())
     }
 
     /// Closes every rail ([`Connection::close`]).

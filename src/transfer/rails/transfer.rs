@@ -10,15 +10,18 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::heap::nodes_of_pages;
+use crate::heap::{lkey_or_register, nodes_of_pages};
 use crate::remote::RemoteBuf;
 use crate::remote_desc::RemoteDesc;
 use crate::transfer::engine::completion::{Completed, Filled, Ticket};
 use crate::transfer::rails::finished::{Finished, RailReport};
 use crate::transfer::rails::plan::{self, Choice, Cut, Load};
 use crate::transfer::rails::{Group, Rails};
+
+mod wait;
 use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::request::{Action, SgeList};
 use crate::verbs::{Pd, Sge, WcStatus};
@@ -46,6 +49,8 @@ struct Flight {
     ticket: Ticket,
     cut: Cut,
     seq: u64,
+    /// When it was posted: its connection's `op_timeout` counts from here.
+    posted: Instant,
 }
 
 /// A striped WRITE or READ in flight, owning its buffers ([`Rails::post_write`] and friends).
@@ -133,13 +138,13 @@ impl Rails {
         }
         for rail in self.group().rails() {
             let conn = rail.conn();
-            let route = match (lkey(conn.pd()), remote.for_peer(conn.peer())) {
-                (Some(lkey), Ok(remote)) => Some(Route { lkey, remote }),
-                (None, _) => {
-                    p.refused.get_or_insert(Error::NotRegistered { addr });
-                    None
-                }
-                (_, Err(e)) => {
+            // A heap that registers with a device on first use does it here, for each rail the
+            // piece may go over.
+            let local =
+                lkey(conn.pd()).map_or_else(|| lkey_or_register(addr as *const u8, len as usize, conn.pd()), Ok);
+            let route = match (local, remote.for_peer(conn.peer())) {
+                (Ok(lkey), Ok(remote)) => Some(Route { lkey, remote }),
+                (Err(e), _) | (_, Err(e)) => {
                     p.refused.get_or_insert(e);
                     None
                 }
@@ -201,9 +206,20 @@ impl<B: Send + 'static> Striped<B> {
         }
     }
 
-    /// Reaps the completions that have arrived and posts what the windows allow. Returns
-    /// whether the transfer is over (then [`Striped::wait`] returns at once).
+    /// Reaps the completions that have arrived and posts what the windows allow; fails a rail
+    /// whose oldest slice of this transfer waited longer than its connection's `op_timeout`
+    /// (its slices are posted again on the others once flushed). Returns whether the transfer
+    /// is over (then [`Striped::wait`] returns at once).
     pub fn progress(&mut self) -> bool {
+        self.reap_ready();
+        self.expire_stalled();
+        self.post_more();
+        self.is_over()
+    }
+
+    /// Settles every slice whose completion has arrived. Returns whether there was one.
+    fn reap_ready(&mut self) -> bool {
+        let mut moved = false;
         for r in 0..self.flights.len() {
             while let Some(f) = self.flights[r].front() {
                 let conn = self.rails.rails()[r].conn();
@@ -212,10 +228,10 @@ impl<B: Send + 'static> Striped<B> {
                 }
                 let res = conn.wait(f.ticket);
                 self.settle(r, res);
+                moved = true;
             }
         }
-        self.post_more();
-        self.is_over()
+        moved
     }
 
     /// Asks each rail with a slice of this transfer in flight (every rail, if none has: their
@@ -232,27 +248,6 @@ impl<B: Send + 'static> Striped<B> {
 
     pub(crate) fn is_over(&self) -> bool {
         self.queue.is_empty() && self.flights.iter().all(VecDeque::is_empty)
-    }
-
-    /// Waits until every slice has completed (or failed for good) and gives the buffers back
-    /// with an outcome per piece and a report per rail. A rail that fails meanwhile has its
-    /// slices posted again on the others; a piece fails if its own request failed (a refused
-    /// key or range: [`Error::Operation`]) or every rail that reaches it failed
-    /// ([`Error::RailsDown`]).
-    pub fn wait(mut self) -> Finished<B> {
-        while !self.progress() {
-            // Block on the oldest slice in flight, then take whatever else has arrived.
-            let oldest = (0..self.flights.len()).filter_map(|r| self.flights[r].front().map(|f| (f.seq, r))).min();
-            let Some((_, r)) = oldest else {
-                // Send queues full of other transfers' requests: their completions make room.
-                std::thread::yield_now();
-                continue;
-            };
-            let ticket = self.flights[r].front().expect("a slice in flight").ticket;
-            let res = self.rails.rails()[r].conn().wait(ticket);
-            self.settle(r, res);
-        }
-        self.finish()
     }
 
     /// The end of a transfer that is over: the READ targets learn what was written, the
@@ -287,6 +282,9 @@ impl<B: Send + 'static> Striped<B> {
     /// Posts queued slices while some rail that reaches their piece has room.
     fn post_more(&mut self) {
         let window = self.rails.options().window as u64;
+        // Rails whose send queue was found full this round: chosen last, and chosen again means
+        // every usable rail is full.
+        let mut full = 0u32;
         while let Some(&cut) = self.queue.front() {
             if self.pieces[cut.piece].error.is_some() || self.leak {
                 self.queue.pop_front();
@@ -298,18 +296,20 @@ impl<B: Send + 'static> Striped<B> {
                 .rails()
                 .iter()
                 .zip(&piece.routes)
-                .map(|(r, route)| Load {
+                .enumerate()
+                .map(|(i, (r, route))| Load {
                     usable: route.is_some() && r.alive(),
                     local: piece.node.is_none() || r.node().is_none() || r.node() == piece.node,
-                    outstanding: r.outstanding(),
+                    outstanding: if full & (1 << i) != 0 { u64::MAX } else { r.outstanding() },
                 })
                 .collect();
             let idle = self.flights.iter().all(VecDeque::is_empty);
             match plan::choose(&loads, cut.len, window, idle) {
+                Choice::Rail(r) if full & (1 << r) != 0 => break,
                 Choice::Rail(r) => {
                     self.queue.pop_front();
                     if !self.post(r, cut) {
-                        break;
+                        full |= 1 << r;
                     }
                 }
                 Choice::Full => break,
@@ -374,7 +374,7 @@ impl<B: Send + 'static> Striped<B> {
         match unsafe { rail.try_post(&req) } {
             Ok(Some(ticket)) => {
                 self.seq += 1;
-                self.flights[r].push_back(Flight { ticket, cut, seq: self.seq });
+                self.flights[r].push_back(Flight { ticket, cut, seq: self.seq, posted: Instant::now() });
                 true
             }
             Ok(None) => {
