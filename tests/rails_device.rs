@@ -395,3 +395,88 @@ fn device_async_rails_stripe_set_up_in_one_call_and_a_cancelled_transfer_frees_n
         );
     });
 }
+
+/// A second Soft-RoCE device, on a veth pair of its own with an IPv4 address (a RoCE v2 GID):
+/// deleted on drop.
+struct ExtraDevice;
+
+const EXTRA: &str = "mrrail1";
+
+impl ExtraDevice {
+    fn add() -> ExtraDevice {
+        let run = |cmd: &str, args: &[&str]| {
+            let st = std::process::Command::new(cmd).args(args).status().unwrap();
+            assert!(st.success(), "{cmd} {args:?}: {st}");
+        };
+        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+        run("ip", &["link", "add", "mrrveth0", "type", "veth", "peer", "name", "mrrveth1"]);
+        run("ip", &["addr", "add", "10.79.0.1/24", "dev", "mrrveth0"]);
+        run("ip", &["link", "set", "mrrveth0", "up"]);
+        run("ip", &["link", "set", "mrrveth1", "up"]);
+        run("rdma", &["link", "add", EXTRA, "type", "rxe", "netdev", "mrrveth0"]);
+        ExtraDevice
+    }
+}
+
+impl Drop for ExtraDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).status();
+        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+    }
+}
+
+/// Two devices on two NUMA nodes (scripts/test's device run boots a 2-node VM; the devices'
+/// nodes are named through `MRALLOC_NUMA_NODE`, as on a machine whose sysfs does not tell): a
+/// buffer on node 0 goes over the rail of the device on node 0 only, one on node 1 over the
+/// other; with `prefer_local` off both rails carry each; with the local rail dead the other
+/// takes it all.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_rails_prefer_the_device_on_the_buffers_numa_node() {
+    use mralloc::heap::NumaPolicy;
+    use mralloc::verbs::Context;
+    assert!(mralloc::heap::online_nodes().len() >= 2, "run in a 2-node VM (scripts/softroce --numa 2)");
+    let _extra = ExtraDevice::add();
+    std::env::set_var(mralloc::verbs::NUMA_OVERRIDE, format!("{}:0,{EXTRA}:1", device_name()));
+    let pds = [Pd::new(&open()).unwrap(), Pd::new(&Context::open(EXTRA).unwrap()).unwrap()];
+    let heap_on = |node| {
+        Heap::builder()
+            .bind(&pds[0])
+            .bind(&pds[1])
+            .numa(NumaPolicy::Node(node))
+            .access(Access::ALL_REMOTE)
+            .build()
+            .unwrap()
+    };
+    let heaps = [heap_on(0), heap_on(1)];
+    let group = |prefer_local| {
+        let opts = RailOptions { conn: rights(RW), slice: 64 << 10, prefer_local, ..RailOptions::default() };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for pd in &pds {
+            let (x, y) = Connection::pair(pd, &opts.conn).unwrap();
+            a.push(x);
+            b.push(y);
+        }
+        (Rails::new(a, opts.clone()).unwrap(), Rails::new(b, opts).unwrap())
+    };
+    let (ours, _theirs) = group(true);
+    let nodes: Vec<Option<u32>> = ours.info().iter().map(|r| r.numa_node).collect();
+    assert_eq!(nodes, [Some(0), Some(1)], "{:?}", ours.info());
+    let (target, desc) = inbox(&heaps[0], 4 << 20);
+    assert_eq!(desc.keys().len(), 2, "a key per device");
+    let moved = |rails: &Rails, node: usize, seed: u64| {
+        let mut src = heaps[node].alloc(4 << 20).unwrap();
+        src.copy_from_slice(&pattern(seed, 4 << 20));
+        let done = rails.post_write(src, &desc, 0).map_err(|r| r.error).unwrap().wait();
+        assert!(done.is_ok(), "{done:?}");
+        assert_bytes_eq(&target.to_vec(), &pattern(seed, 4 << 20), "written");
+        done.rails().iter().map(|r| r.bytes).collect::<Vec<u64>>()
+    };
+    assert_eq!(moved(&ours, 0, 1), [4 << 20, 0], "a buffer on node 0 over the node-0 device only");
+    assert_eq!(moved(&ours, 1, 2), [0, 4 << 20], "a buffer on node 1 over the node-1 device only");
+    let (spread, _spread_theirs) = group(false);
+    assert!(moved(&spread, 0, 3).iter().all(|&b| b > 0), "prefer_local off: both rails");
+    ours.rail(0).close().unwrap();
+    assert_eq!(moved(&ours, 0, 4), [0, 4 << 20], "the node-0 device dead: the other takes it");
+    std::env::remove_var(mralloc::verbs::NUMA_OVERRIDE);
+}
