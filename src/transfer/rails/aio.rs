@@ -14,7 +14,7 @@ use tokio::net::ToSocketAddrs;
 use crate::error::{Error, Result};
 use crate::remote_desc::RemoteDesc;
 use crate::transfer::rails::setup::{answer, hello, hello_rails, join, joins, parse_answer, pds_fit, token, HELLO};
-use crate::transfer::rails::{Finished, Link, RailInfo, RailOptions, Rails, Striped};
+use crate::transfer::rails::{check_options, Finished, Link, RailInfo, RailOptions, Rails, Striped};
 use crate::transfer::request::iobuf::{IoBuf, IoTarget};
 use crate::transfer::{AsyncConnection, AsyncListener};
 use crate::verbs::Pd;
@@ -88,11 +88,14 @@ impl<B: Send + 'static> Future for StripedOp<B> {
     }
 }
 
-fn op<B: Send + 'static>(r: std::result::Result<Striped<B>, crate::transfer::Rejected<B>>) -> StripedOp<B> {
+fn op<B: Send + 'static>(
+    rails: &Rails,
+    r: std::result::Result<Striped<B>, crate::transfer::Rejected<B>>,
+) -> StripedOp<B> {
     StripedOp {
         timer: None,
         state: Some(r.map_err(|rej| match rej.buf {
-            Some(buf) => Finished::refused(buf, rej.error),
+            Some(buf) => Finished::refused(buf, rej.error, rails.group().blank_reports()),
             None => unreachable!("a refused striped transfer gives its buffer back"),
         })),
     }
@@ -126,6 +129,7 @@ impl AsyncRails {
         blob: &[u8],
     ) -> Result<AsyncRails> {
         let n = pds_fit(pds)?;
+        check_options(&opts)?;
         let first = AsyncConnection::connect_with(addr, &pds[0], opts.conn.clone(), &hello(n, blob)).await?;
         let (theirs, token, ports, blob_at) = parse_answer(first.peer_blob())?;
         let ip = first
@@ -200,12 +204,12 @@ impl AsyncRails {
     /// [`Rails::post_write`] as a future. A refusal (as `post_write`'s) resolves at once, the
     /// buffer back in the [`Finished`] with the error as its piece's.
     pub fn write<B: IoBuf>(&self, buf: B, remote: &RemoteDesc, offset: u64) -> StripedOp<B> {
-        op(self.rails.post_write(buf, remote, offset))
+        op(&self.rails, self.rails.post_write(buf, remote, offset))
     }
 
     /// [`Rails::post_read`] as a future (refusals as [`AsyncRails::write`]'s).
     pub fn read<B: IoTarget>(&self, buf: B, remote: &RemoteDesc, offset: u64) -> StripedOp<B> {
-        op(self.rails.post_read(buf, remote, offset))
+        op(&self.rails, self.rails.post_read(buf, remote, offset))
     }
 
     /// [`Rails::post_write_list`] as a future.
@@ -239,6 +243,7 @@ impl AsyncRailsListener {
     /// As [`crate::transfer::RailsListener::bind`] (each listener as [`AsyncListener::bind`]).
     pub async fn bind(addr: impl ToSocketAddrs, pds: &[Pd], opts: RailOptions) -> Result<AsyncRailsListener> {
         pds_fit(pds)?;
+        check_options(&opts)?;
         let first = AsyncListener::bind(addr, &pds[0], opts.conn.clone()).await?;
         let ip = first.local_addr()?.ip();
         let mut listeners = vec![first];

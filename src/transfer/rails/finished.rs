@@ -33,6 +33,12 @@ impl<B> std::fmt::Debug for Finished<B> {
     }
 }
 
+impl RailReport {
+    pub(crate) fn blank(rail: usize, device: &str) -> RailReport {
+        RailReport { rail, device: device.to_string(), bytes: 0, slices: 0, reposted: 0, failure: None }
+    }
+}
+
 impl<B> Finished<B> {
     pub(crate) fn new(bufs: Option<Vec<B>>, errors: Vec<Option<Error>>, rails: Vec<RailReport>) -> Finished<B> {
         Finished { bufs, errors, rails }
@@ -40,8 +46,8 @@ impl<B> Finished<B> {
 
     /// A one-piece transfer refused before anything was posted: its buffer back with why.
     #[cfg(feature = "tokio")]
-    pub(crate) fn refused(buf: B, error: Error) -> Finished<B> {
-        Finished { bufs: Some(vec![buf]), errors: vec![Some(error)], rails: Vec::new() }
+    pub(crate) fn refused(buf: B, error: Error, rails: Vec<RailReport>) -> Finished<B> {
+        Finished { bufs: Some(vec![buf]), errors: vec![Some(error)], rails }
     }
 
     /// Whether every piece arrived.

@@ -194,7 +194,12 @@ pub struct RailInfo {
 /// pieces — KV-cache pages, tensor shards — goes as one transfer, completed once, with an error
 /// per piece. A rail that fails (its link cut, the peer's port down, the device removed, a
 /// keepalive lost) has its unfinished slices posted again on the rails that live: the transfer
-/// succeeds while one rail reaches each piece, and reports which rail failed and why.
+/// succeeds while one rail reaches each piece, and reports which rail failed and why. A rail
+/// that goes silent (a path that drops everything) is failed once a slice on it has waited its
+/// connection's [`op_timeout`](crate::transfer::WaitOptions::op_timeout). A piece the peer
+/// refuses (a wrong key or range) fails alone — but, as any refused request does to an RC
+/// connection, it breaks the rail its slice was on; the other slices on that rail go to the
+/// others.
 ///
 /// Remote memory is named by a [`RemoteDesc`]: one rkey per device of the exposing side
 /// ([`crate::heap::Exposed::desc`]), of which each rail uses the one of the device at its far
@@ -245,6 +250,22 @@ impl Group {
     pub(crate) fn options(&self) -> &RailOptions {
         &self.opts
     }
+
+    /// A report per rail of a transfer that moved nothing yet.
+    pub(crate) fn blank_reports(&self) -> Vec<RailReport> {
+        self.rails.iter().enumerate().map(|(rail, r)| RailReport::blank(rail, r.device())).collect()
+    }
+}
+
+/// Checks what a group's options may hold.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a slice size outside 1 B..=1 GiB.
+pub(crate) fn check_options(opts: &RailOptions) -> Result<()> {
+    if opts.slice == 0 || opts.slice > 1 << 30 {
+        return Err(Error::InvalidArgument(format!("a slice is 1 B..=1 GiB, got {} bytes", opts.slice)));
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Rails {
@@ -273,9 +294,7 @@ impl Rails {
             let n = links.len();
             return Err(Error::InvalidArgument(format!("a rail group holds 1..={MAX_RAILS} connections, got {n}")));
         }
-        if opts.slice == 0 || opts.slice > 1 << 30 {
-            return Err(Error::InvalidArgument(format!("a slice is 1 B..=1 GiB, got {} bytes", opts.slice)));
-        }
+        check_options(&opts)?;
         let rails = links.into_iter().map(|l| Arc::new(Rail::new(l))).collect();
         Ok(Rails { group: Arc::new(Group { rails, opts }), blob_at: 0 })
     }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transfer::rails::{RailOptions, Rails, MAX_RAILS};
+use crate::transfer::rails::{check_options, RailOptions, Rails, MAX_RAILS};
 use crate::transfer::{Connection, Listener};
 use crate::verbs::Pd;
 
@@ -139,6 +139,7 @@ impl Rails {
     /// [`crate::transfer::MAX_BLOB`] less 6 bytes.
     pub fn connect_with(addr: impl ToSocketAddrs, pds: &[Pd], opts: RailOptions, blob: &[u8]) -> Result<Rails> {
         let n = pds_fit(pds)?;
+        check_options(&opts)?;
         let first = Connection::connect_with(addr, &pds[0], opts.conn.clone(), &hello(n, blob))?;
         let (theirs, token, ports, blob_at) = parse_answer(first.peer_blob())?;
         let ip = first.peer_addr().ok_or_else(|| bad("rail 0 has no peer address"))?.ip();
@@ -182,6 +183,7 @@ impl RailsListener {
     /// [`Listener::bind`] for each rail's listener.
     pub fn bind(addr: impl ToSocketAddrs, pds: &[Pd], opts: RailOptions) -> Result<RailsListener> {
         pds_fit(pds)?;
+        check_options(&opts)?;
         let first = Listener::bind(addr, &pds[0], opts.conn.clone())?;
         let ip = first.local_addr()?.ip();
         let mut listeners = vec![first];
@@ -211,7 +213,10 @@ impl RailsListener {
     /// setting up a group, or whose later rails do not come within the options'
     /// `setup.connect_timeout`, is dropped and the call waits for the next one (as
     /// [`Listener::accept_with`] does for failed setups); a connection on a later rail's port
-    /// that does not carry this group's token is dropped.
+    /// that does not carry this group's token is dropped. Groups set up one at a time: a
+    /// client that sets up rail 0 and then goes silent holds the others back for up to
+    /// `connect_timeout` (set a [`crate::transfer::SetupOptions::secret`] to keep strangers
+    /// from doing that).
     ///
     /// # Errors
     /// As [`Listener::accept_with`] for this side's own failures; [`Error::InvalidArgument`]
@@ -248,11 +253,12 @@ impl RailsListener {
 
     /// Takes the group's rails 1..count, each carrying `token` and its index, within `limit`.
     fn take_rails(&self, first: Connection, count: usize, token: u64, limit: Duration) -> Result<Vec<Connection>> {
-        let deadline = std::time::Instant::now() + limit;
+        // A limit too far to add is no limit (`Duration::MAX`).
+        let deadline = std::time::Instant::now().checked_add(limit);
         let mut conns = vec![first];
         for rail in 1..count {
             loop {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let left = deadline.map_or(limit, |d| d.saturating_duration_since(std::time::Instant::now()));
                 let c = self.listeners[rail].accept_within(&[], left)?;
                 let joined = joins(c.peer_blob(), token, rail);
                 if joined {

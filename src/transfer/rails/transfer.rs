@@ -23,6 +23,7 @@ use crate::transfer::rails::{Group, Rails};
 
 mod wait;
 use crate::transfer::request::iobuf::Rejected;
+use crate::transfer::request::received::Posted;
 use crate::transfer::request::{Action, SgeList};
 use crate::verbs::{Pd, Sge, WcStatus};
 
@@ -51,6 +52,8 @@ struct Flight {
     seq: u64,
     /// When it was posted: its connection's `op_timeout` counts from here.
     posted: Instant,
+    /// What it was posted as (its completion is checked against it).
+    posted_as: Posted,
 }
 
 /// A striped WRITE or READ in flight, owning its buffers ([`Rails::post_write`] and friends).
@@ -95,14 +98,18 @@ enum Fate {
     Leak,
 }
 
-fn fate(e: &Error) -> Fate {
+/// What `e`, the outcome of the slice posted as work request `wr_id` (`None`: refused when
+/// posted), means. A flushed request reports the failure that broke its connection, which may
+/// be another request's (`wr_id` says whose): only a request's own failure fails its piece.
+fn fate(e: &Error, wr_id: Option<u64>) -> Fate {
     match e {
         Error::FlushLost { .. } | Error::Forked(_) => Fate::Leak,
-        Error::Operation { status, .. } => match status {
+        Error::Operation { status, wr_id: failed, .. } => match status {
             WcStatus::WrFlushErr | WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr | WcStatus::RespTimeoutErr => {
                 Fate::Repost
             }
-            _ => Fate::Fail,
+            _ if Some(*failed) == wr_id => Fate::Fail,
+            _ => Fate::Repost,
         },
         _ => Fate::Repost,
     }
@@ -169,19 +176,7 @@ impl<B: Send + 'static> Striped<B> {
         fill: Option<Filled<B>>,
     ) -> Striped<B> {
         let lens: Vec<u64> = pieces.iter().map(|p| if p.error.is_some() { 0 } else { p.len }).collect();
-        let reports = rails
-            .rails()
-            .iter()
-            .enumerate()
-            .map(|(rail, r)| RailReport {
-                rail,
-                device: r.device().to_string(),
-                bytes: 0,
-                slices: 0,
-                reposted: 0,
-                failure: None,
-            })
-            .collect();
+        let reports = rails.blank_reports();
         let mut s = Striped {
             rails: Arc::clone(rails),
             bufs,
@@ -200,6 +195,11 @@ impl<B: Send + 'static> Striped<B> {
 
     /// A one-piece transfer whose piece failed before posting gives its buffer back.
     pub(crate) fn single(mut self) -> std::result::Result<Striped<B>, Rejected<B>> {
+        // A piece that failed after some of its slices were posted (its rails died meanwhile)
+        // is not refused: the NIC may still use the buffer; `wait` reports the failure.
+        if self.pieces[0].error.is_none() || !self.flights.iter().all(VecDeque::is_empty) {
+            return Ok(self);
+        }
         match self.pieces[0].error.take() {
             None => Ok(self),
             Some(error) => Err(Rejected { error, buf: self.bufs.pop() }),
@@ -211,14 +211,33 @@ impl<B: Send + 'static> Striped<B> {
     /// (its slices are posted again on the others once flushed). Returns whether the transfer
     /// is over (then [`Striped::wait`] returns at once).
     pub fn progress(&mut self) -> bool {
+        if self.forked() {
+            return true;
+        }
         self.reap_ready();
         self.expire_stalled();
         self.post_more();
         self.is_over()
     }
 
+    /// In a fork()ed child of the process that made the rails: the requests are the parent's
+    /// and the connections' locks may be held. Stops the transfer without touching them: the
+    /// buffers are kept for good (leaked), every piece not yet done says `Forked`.
+    pub(crate) fn forked(&mut self) -> bool {
+        if !self.rails.rails().iter().any(|r| r.conn().forked_copy()) {
+            return false;
+        }
+        self.leak = true;
+        let flying = self.flights.iter_mut().flat_map(|f| f.drain(..)).map(|f| f.cut);
+        let cuts: Vec<Cut> = flying.chain(self.queue.drain(..)).collect();
+        for cut in cuts {
+            self.pieces[cut.piece].error.get_or_insert(Error::Forked("this rail group"));
+        }
+        true
+    }
+
     /// Settles every slice whose completion has arrived. Returns whether there was one.
-    fn reap_ready(&mut self) -> bool {
+    pub(crate) fn reap_ready(&mut self) -> bool {
         let mut moved = false;
         for r in 0..self.flights.len() {
             while let Some(f) = self.flights[r].front() {
@@ -234,15 +253,13 @@ impl<B: Send + 'static> Striped<B> {
         moved
     }
 
-    /// Asks each rail with a slice of this transfer in flight (every rail, if none has: their
-    /// send queues are full of other requests) to wake `cx` on its next completion.
+    /// Asks every rail to wake `cx` on its next completion (every rail: a later `progress`
+    /// may move this transfer's slices to rails that had none, and the send queues may be
+    /// full of other requests).
     #[cfg(feature = "tokio")]
     pub(crate) fn wake_on_completion(&self, cx: &std::task::Context<'_>) {
-        let idle = self.flights.iter().all(VecDeque::is_empty);
-        for (rail, flights) in self.rails.rails().iter().zip(&self.flights) {
-            if idle || !flights.is_empty() {
-                rail.wake_on_completion(cx);
-            }
+        for rail in self.rails.rails() {
+            rail.wake_on_completion(cx);
         }
     }
 
@@ -286,7 +303,12 @@ impl<B: Send + 'static> Striped<B> {
         // every usable rail is full.
         let mut full = 0u32;
         while let Some(&cut) = self.queue.front() {
-            if self.pieces[cut.piece].error.is_some() || self.leak {
+            if self.leak {
+                // A flush never came: nothing more is posted; what was not sent says so.
+                let lost = Error::FlushLost { wr_id: 0, waited: std::time::Duration::ZERO };
+                self.pieces[cut.piece].error.get_or_insert(lost);
+            }
+            if self.pieces[cut.piece].error.is_some() {
                 self.queue.pop_front();
                 continue;
             }
@@ -367,6 +389,7 @@ impl<B: Send + 'static> Striped<B> {
                 return true;
             }
         };
+        let posted_as = req.posted();
         rail.load().fetch_add(cut.len, Ordering::Relaxed);
         // SAFETY: the memory is the piece's buffer, which this transfer owns until the slice's
         // completion is claimed (`settle`), or parks with this connection (drop), or leaks (a
@@ -374,7 +397,7 @@ impl<B: Send + 'static> Striped<B> {
         match unsafe { rail.try_post(&req) } {
             Ok(Some(ticket)) => {
                 self.seq += 1;
-                self.flights[r].push_back(Flight { ticket, cut, seq: self.seq, posted: Instant::now() });
+                self.flights[r].push_back(Flight { ticket, cut, seq: self.seq, posted: Instant::now(), posted_as });
                 true
             }
             Ok(None) => {
@@ -386,12 +409,12 @@ impl<B: Send + 'static> Striped<B> {
                 rail.load().fetch_sub(cut.len, Ordering::Relaxed);
                 // The rail's earlier failure (it failed since it was chosen) is not this
                 // slice's: post it elsewhere.
-                let e = if conn.core().failure().is_some() && !matches!(fate(&e), Fate::Leak) {
+                let e = if conn.core().failure().is_some() && !matches!(fate(&e, None), Fate::Leak) {
                     Error::Operation { op: "post", wr_id: 0, status: WcStatus::WrFlushErr, vendor_err: 0 }
                 } else {
                     e
                 };
-                self.failed(r, cut, e);
+                self.failed(r, cut, e, None);
                 true
             }
         }
@@ -402,21 +425,28 @@ impl<B: Send + 'static> Striped<B> {
         let f = self.flights[r].pop_front().expect("a slice in flight");
         let rail = &self.rails.rails()[r];
         rail.load().fetch_sub(f.cut.len, Ordering::Relaxed);
-        match res {
+        // The completion must be the request's kind (a device fault otherwise: the slice's
+        // bytes are not taken as moved).
+        match res.and_then(|c| c.delivered(f.posted_as)) {
             Ok(_) => {
                 rail.moved(f.cut.len);
                 self.reports[r].bytes += f.cut.len;
                 self.reports[r].slices += 1;
             }
-            Err(e) => self.failed(r, f.cut, e),
+            Err(e) => self.failed(r, f.cut, e, Some(f.ticket.wr_id)),
         }
     }
 
-    /// A slice that failed on rail `r` with `e`: posted again, or its piece failed.
-    fn failed(&mut self, r: usize, cut: Cut, e: Error) {
+    /// A slice that failed on rail `r` with `e` (posted as work request `wr_id`): posted
+    /// again, or its piece failed. A failed piece's other slices are not posted again (its
+    /// refused key or range would break another rail too).
+    fn failed(&mut self, r: usize, cut: Cut, e: Error, wr_id: Option<u64>) {
         let conn = self.rails.rails()[r].conn();
         let report = &mut self.reports[r];
-        match fate(&e) {
+        match fate(&e, wr_id) {
+            Fate::Repost if self.pieces[cut.piece].error.is_some() => {
+                report.failure.get_or_insert_with(|| conn.error().unwrap_or(e));
+            }
             Fate::Repost if conn.core().failure().is_some() || conn.forked_copy() => {
                 report.failure.get_or_insert_with(|| conn.error().unwrap_or(e));
                 report.reposted += 1;
@@ -442,12 +472,18 @@ impl<B: Send + 'static> Drop for Striped<B> {
         if self.flights.iter().all(VecDeque::is_empty) {
             return;
         }
-        let bufs = std::mem::take(&mut self.bufs);
-        if self.leak || self.rails.rails().iter().any(|r| r.conn().forked_copy()) {
-            // The NIC may use the memory for ever (or a fork()ed child's copy: the parent's
-            // NIC may, and the connections' locks may be held): keep it for good.
+        let mut bufs = std::mem::take(&mut self.bufs);
+        if self.rails.rails().iter().any(|r| r.conn().forked_copy()) {
+            // A fork()ed child's copy: the parent's NIC may use the memory, and the
+            // connections' locks may be held: keep it for good, touch nothing.
             std::mem::forget(bufs);
             return;
+        }
+        if self.leak {
+            // A flush never came: the NIC may use the memory for ever. The slices still in
+            // flight are parked all the same (their tickets abandoned, their bytes taken off
+            // their rails' loads when reaped), over no memory.
+            std::mem::forget(std::mem::take(&mut bufs));
         }
         let keep = Arc::new(Keep(Mutex::new(bufs)));
         for (r, flights) in self.flights.iter_mut().enumerate() {

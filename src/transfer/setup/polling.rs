@@ -255,7 +255,8 @@ impl Polling {
     /// withdrawn: its `Waiting` guard drops, so no handshake answers it).
     pub(crate) fn accept_by(&self, blob: &[u8], limit: Option<Duration>) -> Result<Established> {
         self.born.check("this listener")?;
-        let deadline = limit.map(|l| (Instant::now() + l, l));
+        // A limit too far to add is no limit.
+        let deadline = limit.and_then(|l| Some((Instant::now().checked_add(l)?, l)));
         let (reply, rx, _waiting) = Reply::blocking();
         self.accepting.offer(blob.to_vec(), reply);
         self.wait(&rx, deadline)

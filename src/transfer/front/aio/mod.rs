@@ -65,6 +65,8 @@ impl Shared {
         &self,
         req: &crate::transfer::request::Request,
     ) -> crate::Result<Option<crate::transfer::engine::completion::Ticket>> {
+        // Before the lock: a fork()ed child's copy may find it held for good.
+        self.conn.usable()?;
         let backlog = self.backlog.lock();
         if !backlog.is_empty() {
             return Ok(None);

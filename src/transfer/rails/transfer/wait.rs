@@ -30,6 +30,9 @@ impl<B: Send + 'static> Striped<B> {
     pub fn wait(mut self) -> Finished<B> {
         let mut quiet_since: Option<Instant> = None;
         loop {
+            if self.forked() {
+                break;
+            }
             let moved = self.reap_ready();
             let next = self.expire_stalled();
             self.post_more();
@@ -52,7 +55,11 @@ impl<B: Send + 'static> Striped<B> {
             }
             let oldest = (0..self.flights.len()).filter_map(|r| self.flights[r].front().map(|f| (f.seq, r))).min();
             let Some((_, r)) = oldest else {
-                // Send queues full of other transfers' requests: their completions make room.
+                // Send queues full of other transfers' requests: their completions make room,
+                // once reaped (posting does not reap).
+                for rail in self.rails.rails() {
+                    let _ = rail.conn().progress();
+                }
                 std::thread::yield_now();
                 continue;
             };
@@ -78,7 +85,9 @@ impl<B: Send + 'static> Striped<B> {
         for r in 0..self.flights.len() {
             let Some(f) = self.flights[r].front() else { continue };
             let conn = self.rails.rails()[r].conn();
-            let deadline = f.posted + conn.options().wait.op_timeout;
+            // A timeout too far to add is no timeout.
+            let Some(deadline) = f.posted.checked_add(conn.options().wait.op_timeout) else { continue };
+            let lost_at = deadline.checked_add(FLUSH_WAIT).unwrap_or(deadline);
             match conn.core().failure() {
                 None if now >= deadline => {
                     tracing::debug!("rails: a slice on rail {r} waited {:?}; failing the rail", now - f.posted);
@@ -91,7 +100,7 @@ impl<B: Send + 'static> Striped<B> {
                     });
                 }
                 None => next = Some(next.map_or(deadline, |n| n.min(deadline))),
-                Some(_) if now >= deadline + FLUSH_WAIT => {
+                Some(_) if now >= lost_at => {
                     tracing::error!("rails: rail {r} was never flushed; leaking the transfer's buffers");
                     self.leak = true;
                     let lost = std::mem::take(&mut self.flights[r]);
@@ -103,7 +112,7 @@ impl<B: Send + 'static> Striped<B> {
                             .get_or_insert(Error::FlushLost { wr_id: f.ticket.wr_id, waited });
                     }
                 }
-                Some(_) => next = Some(next.map_or(deadline + FLUSH_WAIT, |n| n.min(deadline + FLUSH_WAIT))),
+                Some(_) => next = Some(next.map_or(lost_at, |n| n.min(lost_at))),
             }
         }
         next
