@@ -16,8 +16,8 @@ impl Buffer {
     /// [`Error::NoRemoteAccess`] if the heap was built without [`Access::REMOTE_READ`],
     /// [`Error::NotRegistered`] if it is bound to no PD, [`Error::Verbs`] if a device refuses a
     /// registration or a GID query, [`Error::NoActiveDevice`] if a bound device has no active
-    /// port, [`Error::MalformedDescriptor`] with [`crate::DescFault::DuplicateDevice`] if two
-    /// bound PDs are on the same device (their keys would share one identity), [`Error::Forked`]
+    /// port, [`Error::InvalidArgument`] if two bound PDs are on the same device (their keys
+    /// would share one identity: bind one PD per device), [`Error::Forked`]
     /// in a fork()ed child. Registrations made before an error stay until revoked.
     pub fn remote_desc(&self) -> Result<RemoteDesc> {
         self.check_readable()?;
@@ -34,7 +34,16 @@ impl Buffer {
         for pd in &pds {
             // The key first: it refuses a fork()ed child before any query of the parent's device.
             let remote = self.key_with(pd, rights)?;
-            keys.push(DeviceKey { gid: pd.context().default_gid()?, rkey: remote.rkey });
+            let gid = pd.context().default_gid()?;
+            if keys.iter().any(|k: &DeviceKey| k.gid == gid) {
+                return Err(Error::InvalidArgument(format!(
+                    "the heap is bound to two protection domains of device {}: a RemoteDesc holds one key per \
+                     device (the peer picks it by the device's GID, {gid}), so bind one PD per device \
+                     (rails over one device may share its PD)",
+                    pd.context().name()
+                )));
+            }
+            keys.push(DeviceKey { gid, rkey: remote.rkey });
         }
         RemoteDesc::new(self.addr(), self.size() as u64, &keys)
     }

@@ -110,7 +110,8 @@ impl AsyncRails {
         Ok(AsyncRails { rails: Rails::from_links(conns.into_iter().map(Link::Async).collect(), opts)? })
     }
 
-    /// [`Rails::connect`], async.
+    /// [`Rails::connect`], async: to a [`crate::transfer::RailsListener`] or an
+    /// [`AsyncRailsListener`].
     ///
     /// # Errors
     /// As [`Rails::connect`] (each rail as [`AsyncConnection::connect_with`]).
@@ -184,7 +185,8 @@ impl AsyncRails {
         self.rails.peer_blob()
     }
 
-    /// The rail messages go on: the first that lives (as [`Rails::messages`]).
+    /// The rail messages go on: the first that lives (as [`Rails::messages`]). Send and
+    /// receive there: `rails.messages()?.send(buf).await`.
     ///
     /// # Errors
     /// The first rail's failure if every rail failed.

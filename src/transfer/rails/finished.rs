@@ -21,6 +21,7 @@ pub struct RailReport {
 }
 
 /// The end of a striped transfer: the buffers, an outcome per piece, what each rail did.
+#[must_use = "pieces of a transfer may have failed: check Finished::is_ok or use into_result"]
 pub struct Finished<B> {
     bufs: Option<Vec<B>>,
     errors: Vec<Option<Error>>,

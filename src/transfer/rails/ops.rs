@@ -48,7 +48,9 @@ impl Rails {
     }
 
     /// Starts one transfer of many pieces: each buffer written, whole, to the start of its
-    /// remote range (which must be at least as long). The pieces are cut and spread over the
+    /// remote range (which must be at least as long; cut one with [`RemoteDesc::slice`]). A
+    /// piece of at most [`RailOptions::slice`](crate::transfer::RailOptions::slice) bytes goes
+    /// whole, on one rail. The pieces are cut and spread over the
     /// rails as one; [`Striped::wait`] reports each piece's outcome. A piece no rail can take
     /// (empty, too long for its range, not registered, no key) fails alone, before anything
     /// is posted.
