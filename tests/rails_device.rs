@@ -7,44 +7,18 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
+use common::rails::{groups, inbox, setup, RW};
 use common::*;
-use mralloc::heap::{Exposed, Heap};
+use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, IoBuf, RailOptions, Rails, RailsListener, Secret, SetupOptions, Slice};
 use mralloc::verbs::{Access, Pd};
 use mralloc::{Buffer, Error, RemoteDesc};
-
-const RW: Access = Access::REMOTE_WRITE.union(Access::REMOTE_READ);
-
-/// Two rail groups joined to each other: `ours[i]` and `theirs[i]` are the ends of one pair.
-fn groups(pd: &Pd, opts: &RailOptions) -> (Rails, Rails) {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..2 {
-        let (x, y) = Connection::pair(pd, &opts.conn).unwrap();
-        a.push(x);
-        b.push(y);
-    }
-    (Rails::new(a, opts.clone()).unwrap(), Rails::new(b, opts.clone()).unwrap())
-}
-
-fn setup(slice: usize, window: usize) -> (Pd, Heap, RailOptions) {
-    let pd = Pd::new(&open()).unwrap();
-    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
-    let opts = RailOptions { conn: rights(RW), slice, window, ..RailOptions::default() };
-    (pd, heap, opts)
-}
-
-fn inbox(heap: &Heap, len: usize) -> (Exposed, RemoteDesc) {
-    let x = heap.alloc(len).unwrap().expose().unwrap();
-    x.write_from(0, &vec![0; len]).unwrap();
-    let d = x.desc().unwrap();
-    (x, d)
-}
 
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_striped_writes_and_reads_are_byte_exact_and_use_both_rails() {
     let (pd, heap, opts) = setup(64 << 10, 512 << 10);
-    let (ours, _theirs) = groups(&pd, &opts);
+    let (ours, _theirs) = groups(&pd, &opts, 2);
     for (i, &n) in [1usize, 4095, (64 << 10) + 1, 1 << 20, (8 << 20) + 3, 64 << 20].iter().enumerate() {
         let off = 5 + i as u64;
         let (target, desc) = inbox(&heap, n + 16);
@@ -77,7 +51,7 @@ fn device_striped_writes_and_reads_are_byte_exact_and_use_both_rails() {
 fn device_a_list_of_1000_pages_lands_at_scattered_offsets_with_errors_per_piece() {
     const PAGE: usize = 4096;
     let (pd, heap, opts) = setup(16 << 10, 256 << 10);
-    let (ours, _theirs) = groups(&pd, &opts);
+    let (ours, _theirs) = groups(&pd, &opts, 2);
     let (target, desc) = inbox(&heap, 2000 * PAGE);
     // Page i goes to slot perm[i] of 2000 (every other slot stays empty), in a shuffled order.
     let mut rng = Rng(7);
@@ -135,7 +109,7 @@ fn lose_rail_1_midway(how: &str) {
     } else {
         opts.conn.qp.retry_count = 6; // a peer gone is found in ~0.5 s
     }
-    let (mut ours, mut theirs) = groups(&pd, &opts);
+    let (mut ours, mut theirs) = groups(&pd, &opts, 2);
     let (target, desc) = inbox(&heap, N);
     let want = pattern(99, N);
     let mut src = heap.alloc(N).unwrap();
@@ -247,7 +221,7 @@ unsafe impl IoBuf for Tracked {
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_a_dropped_transfer_frees_its_buffer_only_after_every_slice() {
     let (pd, heap, opts) = setup(64 << 10, 1 << 20);
-    let (ours, _theirs) = groups(&pd, &opts);
+    let (ours, _theirs) = groups(&pd, &opts, 2);
     let ours = Arc::new(ours);
     let (target, desc) = inbox(&heap, 16 << 20);
     let dropped = Arc::new(AtomicBool::new(false));

@@ -8,37 +8,8 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::*;
-use mralloc::heap::{Exposed, Heap};
-use mralloc::transfer::{Connection, RailOptions, Rails};
-use mralloc::verbs::{Access, Pd};
+use common::rails::{groups, inbox, setup};
 use mralloc::RemoteDesc;
-
-const RW: Access = Access::REMOTE_WRITE.union(Access::REMOTE_READ);
-
-fn groups(pd: &Pd, opts: &RailOptions, n: usize) -> (Rails, Rails) {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..n {
-        let (x, y) = Connection::pair(pd, &opts.conn).unwrap();
-        a.push(x);
-        b.push(y);
-    }
-    (Rails::new(a, opts.clone()).unwrap(), Rails::new(b, opts.clone()).unwrap())
-}
-
-fn setup(slice: usize, window: usize) -> (Pd, Heap, RailOptions) {
-    let pd = Pd::new(&open()).unwrap();
-    let heap = Heap::builder().bind(&pd).access(Access::ALL_REMOTE).build().unwrap();
-    let opts = RailOptions { conn: rights(RW), slice, window, ..RailOptions::default() };
-    (pd, heap, opts)
-}
-
-fn inbox(heap: &Heap, len: usize) -> (Exposed, RemoteDesc) {
-    let x = heap.alloc(len).unwrap().expose().unwrap();
-    x.write_from(0, &vec![0; len]).unwrap();
-    let d = x.desc().unwrap();
-    (x, d)
-}
 
 /// Post A (fills the send queues), post B, wait B first: B has no slice of its own in
 /// flight, its rails' send queues are full of A's (completed, unreaped) requests, and

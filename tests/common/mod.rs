@@ -7,6 +7,7 @@
 
 pub mod hosts;
 pub mod model;
+pub mod rails;
 pub mod rdma_res;
 
 #[allow(unused_imports)]

@@ -13,7 +13,7 @@ use tokio::net::ToSocketAddrs;
 
 use crate::error::{Error, Result};
 use crate::remote_desc::RemoteDesc;
-use crate::transfer::rails::setup::{answer, hello, hello_rails, join, joins, parse_answer, pds_fit, token, HELLO};
+use crate::transfer::rails::setup::{hello, join, joins, next_answer, parse_answer, pds_fit, rails_wanted, HELLO};
 use crate::transfer::rails::{check_options, Finished, Link, RailInfo, RailOptions, Rails, Striped};
 use crate::transfer::request::iobuf::{IoBuf, IoTarget};
 use crate::transfer::{AsyncConnection, AsyncListener};
@@ -280,18 +280,11 @@ impl AsyncRailsListener {
         let _one = self.one.lock().await;
         let limit = self.opts.conn.setup.connect_timeout;
         loop {
-            let token = token()?;
-            let ports =
-                self.listeners[1..].iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>>>()?;
-            let first = self.listeners[0].accept_with(&answer(token, &ports, blob)).await?;
-            let Some(theirs) = hello_rails(first.peer_blob()) else {
-                tracing::debug!(
-                    "rails: a client that is not setting up a rail group on {:?}; dropped",
-                    first.peer_addr()
-                );
+            let (token, answer) = next_answer(self.listeners[1..].iter().map(AsyncListener::local_addr), blob)?;
+            let first = self.listeners[0].accept_with(&answer).await?;
+            let Some(count) = rails_wanted(first.peer_blob(), first.peer_addr(), self.listeners.len()) else {
                 continue;
             };
-            let count = theirs.min(self.listeners.len());
             match tokio::time::timeout(limit, self.take_rails(first, count, token)).await {
                 Ok(Ok(conns)) => {
                     let mut rails = AsyncRails::new(conns, self.opts.clone())?;

@@ -82,14 +82,14 @@ pub(crate) fn hello(rails: u8, blob: &[u8]) -> Vec<u8> {
 }
 
 /// The client's rail count in its hello (`None`: not a rail group's hello).
-pub(crate) fn hello_rails(b: &[u8]) -> Option<usize> {
+fn hello_rails(b: &[u8]) -> Option<usize> {
     let mut rest = header(b).ok()?;
     take::<1>(&mut rest, "hello").ok().map(|[n]| usize::from(n)).filter(|&n| n > 0)
 }
 
 /// The listener's answer: its rail count, the group's token, the ports of rails 1.., then the
 /// application's blob.
-pub(crate) fn answer(token: u64, ports: &[u16], blob: &[u8]) -> Vec<u8> {
+fn answer(token: u64, ports: &[u16], blob: &[u8]) -> Vec<u8> {
     let mut b = Vec::with_capacity(15 + 2 * ports.len() + blob.len());
     b.extend_from_slice(MAGIC);
     b.extend_from_slice(&[VERSION, ports.len() as u8 + 1]);
@@ -227,18 +227,11 @@ impl RailsListener {
         let _one = self.one.lock();
         let limit = self.opts.conn.setup.connect_timeout;
         loop {
-            let token = token()?;
-            let ports =
-                self.listeners[1..].iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>>>()?;
-            let first = self.listeners[0].accept_with(&answer(token, &ports, blob))?;
-            let Some(theirs) = hello_rails(first.peer_blob()) else {
-                tracing::debug!(
-                    "rails: a client that is not setting up a rail group on {:?}; dropped",
-                    first.peer_addr()
-                );
+            let (token, answer) = next_answer(self.listeners[1..].iter().map(Listener::local_addr), blob)?;
+            let first = self.listeners[0].accept_with(&answer)?;
+            let Some(count) = rails_wanted(first.peer_blob(), first.peer_addr(), self.listeners.len()) else {
                 continue;
             };
-            let count = theirs.min(self.listeners.len());
             match self.take_rails(first, count, token, limit) {
                 Ok(conns) => {
                     let mut rails = Rails::new(conns, self.opts.clone())?;
@@ -274,8 +267,29 @@ impl RailsListener {
     }
 }
 
+/// A fresh token and the answer that names it and the later rails' listeners (`addrs`), with
+/// the application's `blob`: what the next group's rail 0 is accepted with.
+///
+/// # Errors
+/// A listener's address, or the random bytes, cannot be had.
+pub(crate) fn next_answer(addrs: impl Iterator<Item = Result<SocketAddr>>, blob: &[u8]) -> Result<(u64, Vec<u8>)> {
+    let token = token()?;
+    let ports = addrs.map(|a| a.map(|a| a.port())).collect::<Result<Vec<_>>>()?;
+    Ok((token, answer(token, &ports, blob)))
+}
+
+/// How many of the `offered` rails the client that sent `hello` from `peer` gets (`None`, said
+/// in a debug event: not a rail group's client, dropped).
+pub(crate) fn rails_wanted(hello: &[u8], peer: Option<SocketAddr>, offered: usize) -> Option<usize> {
+    let wanted = hello_rails(hello);
+    if wanted.is_none() {
+        tracing::debug!("rails: a client that is not setting up a rail group on {peer:?}; dropped");
+    }
+    wanted.map(|n| n.min(offered))
+}
+
 /// A fresh group token from the kernel's CSPRNG.
-pub(crate) fn token() -> Result<u64> {
+fn token() -> Result<u64> {
     let mut b = [0u8; 8];
     // SAFETY: `b` is 8 writable bytes.
     let got = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
