@@ -119,7 +119,7 @@ pub(crate) fn joins(b: &[u8], token: u64, rail: usize) -> bool {
 
 impl Rails {
     /// Connects a rail group to a [`RailsListener`] (or an
-    /// [`AsyncRailsListener`](crate::transfer::AsyncRailsListener)) at `addr`: rail `i` in
+    /// `AsyncRailsListener`, feature `tokio`) at `addr`: rail `i` in
     /// `pds[i]`, as many rails as the side with fewer protection domains has. Rails may share a
     /// PD (several rails over one device). Each rail is a TCP setup as
     /// [`Connection::connect`] makes, with `opts.conn` (its secret included).
