@@ -122,7 +122,10 @@ impl Rails {
     /// `AsyncRailsListener`, feature `tokio`) at `addr`: rail `i` in
     /// `pds[i]`, as many rails as the side with fewer protection domains has. Rails may share a
     /// PD (several rails over one device). Each rail is a TCP setup as
-    /// [`Connection::connect`] makes, with `opts.conn` (its secret included).
+    /// [`Connection::connect`] makes, with `opts.conn` (its secret included); every rail's
+    /// TCP goes to `addr`'s host (the RDMA traffic then goes over each rail's own devices), so
+    /// that address must be reachable for the setup. Check [`Rails::len`]: a listener with
+    /// fewer devices gives fewer rails.
     ///
     /// # Errors
     /// - [`Error::InvalidArgument`] for no protection domains or more than [`MAX_RAILS`].
