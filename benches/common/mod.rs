@@ -119,6 +119,11 @@ pub fn usage_error(usage: &str, msg: &str) -> ! {
     std::process::exit(2)
 }
 
+/// The value of an option as text.
+pub fn text(p: &mut lexopt::Parser) -> Result<String, lexopt::Error> {
+    p.value()?.string()
+}
+
 /// The value of option `--name` as a number.
 pub fn number<T: std::str::FromStr>(p: &mut lexopt::Parser, name: &str) -> Result<T, lexopt::Error> {
     let v = p.value()?.string()?;
