@@ -36,8 +36,7 @@ fn device_striped_writes_and_reads_are_byte_exact_and_use_both_rails() {
         assert!(target.to_vec()[..off as usize].iter().all(|&b| b == 0), "{n}: nothing before the range");
 
         let back = ours.post_read(heap.alloc_uninit(n).unwrap(), &desc, off).map_err(|r| r.error).unwrap().wait();
-        let (mut bufs, _) = back.into_result().unwrap();
-        let back = bufs.pop().unwrap();
+        let (back, _) = back.into_one().unwrap();
         assert_eq!(back.init_len(), n, "a READ initialises all of its target");
         let back = back.into_init();
         assert_bytes_eq(&back, &want, &format!("striped read {n}"));

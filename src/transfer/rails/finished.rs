@@ -72,6 +72,20 @@ impl<B> Finished<B> {
         (self.bufs, self.errors, self.rails)
     }
 
+    /// The buffer of a one-buffer transfer ([`Rails::post_write`](crate::transfer::Rails::post_write),
+    /// [`Rails::post_read`](crate::transfer::Rails::post_read)) and the rails' reports, if it
+    /// arrived. (Of a list, the first buffer; the others are dropped.)
+    ///
+    /// # Errors
+    /// As [`Finished::into_result`].
+    pub fn into_one(self) -> Result<(B, Vec<RailReport>)> {
+        let (bufs, rails) = self.into_result()?;
+        match bufs.into_iter().next() {
+            Some(buf) => Ok((buf, rails)),
+            None => Err(Error::InvalidArgument("a transfer of no pieces has no buffer".into())),
+        }
+    }
+
     /// The buffers and the rails' reports if every piece arrived.
     ///
     /// # Errors

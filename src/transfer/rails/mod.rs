@@ -226,7 +226,7 @@ pub struct RailInfo {
 /// for r in done.rails() {
 ///     println!("rail {} ({}): {} bytes, failure: {:?}", r.rail, r.device, r.bytes, r.failure);
 /// }
-/// let (data, _) = done.into_result()?;
+/// let (data, _) = done.into_one()?;
 /// # drop(data); Ok::<(), mralloc::Error>(())
 /// ```
 pub struct Rails {
