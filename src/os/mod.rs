@@ -15,6 +15,28 @@ pub(crate) fn page_size() -> usize {
     }
 }
 
+/// Fills `buf` from the kernel's CSPRNG (`getrandom(2)`, again after EINTR or a short read).
+///
+/// # Errors
+/// [`crate::Error::Io`] naming `what` the bytes are for.
+pub(crate) fn fill_random(buf: &mut [u8], what: &str) -> crate::error::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let tail = &mut buf[filled..];
+        // SAFETY: the pointer and length describe `tail`, a live, writable part of `buf`.
+        let got = unsafe { libc::getrandom(tail.as_mut_ptr().cast(), tail.len(), 0) };
+        if got < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(crate::Error::Io { what: format!("reading random bytes for {what} (getrandom)"), source: e });
+        }
+        filled += got as usize;
+    }
+    Ok(())
+}
+
 /// Writes one line to stderr without allocating (at most 512 bytes): for messages from inside
 /// the allocator, where formatting into a `String` could re-enter it.
 #[cfg(feature = "global")]

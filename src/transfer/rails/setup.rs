@@ -294,14 +294,7 @@ pub(crate) fn rails_wanted(hello: &[u8], peer: Option<SocketAddr>, offered: usiz
 /// A fresh group token from the kernel's CSPRNG.
 fn token() -> Result<u64> {
     let mut b = [0u8; 8];
-    // SAFETY: `b` is 8 writable bytes.
-    let got = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if got != 8 {
-        return Err(Error::Io {
-            what: "reading random bytes for a rail group token".into(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
+    crate::os::fill_random(&mut b, "a rail group token")?;
     Ok(u64::from_ne_bytes(b))
 }
 

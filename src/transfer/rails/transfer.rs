@@ -19,13 +19,13 @@ use crate::remote_desc::RemoteDesc;
 use crate::transfer::engine::completion::{Completed, Filled, Ticket};
 use crate::transfer::rails::finished::{Finished, RailReport};
 use crate::transfer::rails::plan::{self, Choice, Cut, Load};
-use crate::transfer::rails::{Group, Rails};
-
-mod wait;
+use crate::transfer::rails::{Group, Rails, MAX_RAILS};
 use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::request::received::Posted;
 use crate::transfer::request::{Action, SgeList};
 use crate::verbs::{Pd, Sge, WcStatus};
+
+mod wait;
 
 /// How one rail reaches one piece: the local key in its PD, the remote range with the key of
 /// the peer's device at its far end.
@@ -197,13 +197,12 @@ impl<B: Send + 'static> Striped<B> {
     pub(crate) fn single(mut self) -> std::result::Result<Striped<B>, Rejected<B>> {
         // A piece that failed after some of its slices were posted (its rails died meanwhile)
         // is not refused: the NIC may still use the buffer; `wait` reports the failure.
-        if self.pieces[0].error.is_none() || !self.flights.iter().all(VecDeque::is_empty) {
-            return Ok(self);
+        if self.flights.iter().all(VecDeque::is_empty) {
+            if let Some(error) = self.pieces[0].error.take() {
+                return Err(Rejected { error, buf: self.bufs.pop() });
+            }
         }
-        match self.pieces[0].error.take() {
-            None => Ok(self),
-            Some(error) => Err(Rejected { error, buf: self.bufs.pop() }),
-        }
+        Ok(self)
     }
 
     /// Reaps the completions that have arrived and posts what the windows allow; fails a rail
@@ -313,20 +312,18 @@ impl<B: Send + 'static> Striped<B> {
                 continue;
             }
             let piece = &self.pieces[cut.piece];
-            let loads: Vec<Load> = self
-                .rails
-                .rails()
-                .iter()
-                .zip(&piece.routes)
-                .enumerate()
-                .map(|(i, (r, route))| Load {
+            // One per rail, on the stack: this runs for every slice.
+            let mut loads = [Load { usable: false, local: false, outstanding: 0 }; MAX_RAILS];
+            let rails = self.rails.rails();
+            for (i, (r, route)) in rails.iter().zip(&piece.routes).enumerate() {
+                loads[i] = Load {
                     usable: route.is_some() && r.alive(),
                     local: piece.node.is_none() || r.node().is_none() || r.node() == piece.node,
                     outstanding: if full & (1 << i) != 0 { u64::MAX } else { r.outstanding() },
-                })
-                .collect();
+                };
+            }
             let idle = self.flights.iter().all(VecDeque::is_empty);
-            match plan::choose(&loads, cut.len, window, idle) {
+            match plan::choose(&loads[..rails.len()], cut.len, window, idle) {
                 Choice::Rail(r) if full & (1 << r) != 0 => break,
                 Choice::Rail(r) => {
                     self.queue.pop_front();
@@ -407,13 +404,8 @@ impl<B: Send + 'static> Striped<B> {
             }
             Err(e) => {
                 rail.load().fetch_sub(cut.len, Ordering::Relaxed);
-                // The rail's earlier failure (it failed since it was chosen) is not this
-                // slice's: post it elsewhere.
-                let e = if conn.core().failure().is_some() && !matches!(fate(&e, None), Fate::Leak) {
-                    Error::Operation { op: "post", wr_id: 0, status: WcStatus::WrFlushErr, vendor_err: 0 }
-                } else {
-                    e
-                };
+                // No work request of its own: a failure of the rail (since it was chosen) is
+                // not this slice's, and `failed` posts it elsewhere.
                 self.failed(r, cut, e, None);
                 true
             }

@@ -62,20 +62,7 @@ type Nonce = [u8; NONCE_LEN];
 /// A fresh nonce from the kernel's CSPRNG (`getrandom(2)`).
 fn nonce() -> Result<Nonce> {
     let mut n = [0u8; NONCE_LEN];
-    let mut filled = 0;
-    while filled < n.len() {
-        let tail = &mut n[filled..];
-        // SAFETY: the pointer and length describe `tail`, a live, writable part of `n`.
-        let got = unsafe { libc::getrandom(tail.as_mut_ptr().cast(), tail.len(), 0) };
-        if got < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(Error::Io { what: "reading random bytes for a nonce (getrandom)".into(), source: e });
-        }
-        filled += got as usize;
-    }
+    crate::os::fill_random(&mut n, "a nonce")?;
     Ok(n)
 }
 

@@ -5,7 +5,6 @@
 //! slices, until its oldest slice of the transfer has waited its connection's `op_timeout`;
 //! then the rail is failed, its slices flushed and posted again on the rails that live.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
@@ -103,9 +102,8 @@ impl<B: Send + 'static> Striped<B> {
                 Some(_) if now >= lost_at => {
                     tracing::error!("rails: rail {r} was never flushed; leaking the transfer's buffers");
                     self.leak = true;
-                    let lost = std::mem::take(&mut self.flights[r]);
-                    let waited = now - f_posted(&lost);
-                    for f in lost {
+                    let waited = now - f.posted;
+                    for f in std::mem::take(&mut self.flights[r]) {
                         // Its bytes stay on the rail's load: the rail is dead.
                         self.pieces[f.cut.piece]
                             .error
@@ -117,9 +115,4 @@ impl<B: Send + 'static> Striped<B> {
         }
         next
     }
-}
-
-/// When the oldest of `flights` was posted.
-fn f_posted(flights: &VecDeque<super::Flight>) -> Instant {
-    flights.front().map_or_else(Instant::now, |f| f.posted)
 }
