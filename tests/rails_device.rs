@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use common::rails::{groups, inbox, setup, RW};
+use common::rails::{groups, inbox, setup, ExtraDevice, EXTRA, RW};
 use common::*;
 use mralloc::heap::Heap;
 use mralloc::transfer::{Connection, IoBuf, RailOptions, Rails, RailsListener, Secret, SetupOptions, Slice};
@@ -367,35 +367,6 @@ fn device_async_rails_stripe_set_up_in_one_call_and_a_cancelled_transfer_frees_n
             "written over async rails set up in one call",
         );
     });
-}
-
-/// A second Soft-RoCE device, on a veth pair of its own with an IPv4 address (a RoCE v2 GID):
-/// deleted on drop.
-struct ExtraDevice;
-
-const EXTRA: &str = "mrrail1";
-
-impl ExtraDevice {
-    fn add() -> ExtraDevice {
-        let run = |cmd: &str, args: &[&str]| {
-            let st = std::process::Command::new(cmd).args(args).status().unwrap();
-            assert!(st.success(), "{cmd} {args:?}: {st}");
-        };
-        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
-        run("ip", &["link", "add", "mrrveth0", "type", "veth", "peer", "name", "mrrveth1"]);
-        run("ip", &["addr", "add", "10.79.0.1/24", "dev", "mrrveth0"]);
-        run("ip", &["link", "set", "mrrveth0", "up"]);
-        run("ip", &["link", "set", "mrrveth1", "up"]);
-        run("rdma", &["link", "add", EXTRA, "type", "rxe", "netdev", "mrrveth0"]);
-        ExtraDevice
-    }
-}
-
-impl Drop for ExtraDevice {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).status();
-        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
-    }
 }
 
 /// Two devices on two NUMA nodes (scripts/test's device run boots a 2-node VM; the devices'

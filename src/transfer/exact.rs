@@ -178,15 +178,37 @@ impl<B: IoBufMut> Keyed<B> {
         access: Access,
     ) -> std::result::Result<(Keyed<B>, SendOp), Rejected<B>> {
         let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_len());
-        // SAFETY: `buf` moves into the Keyed with its key, which frees it only once the key is
-        // dead and released, or never; nothing references its bytes meanwhile (a Keyed gives
-        // no access to them).
+        // SAFETY: `buf` owns `[ptr, ptr + len)` and moves into the Keyed with its key, which
+        // frees it only once the key is dead and released, or never; nothing references its
+        // bytes meanwhile (a Keyed gives no access to them).
+        unsafe { Keyed::prepare_over(conn, ptr, len, buf, access) }
+    }
+}
+
+impl<K> Keyed<K> {
+    /// [`Keyed::prepare`] for `[ptr, ptr + len)`, kept alive by `keep` (several keys over one
+    /// buffer: each holds a share of it).
+    ///
+    /// # Safety
+    /// As [`exact_key`], with `keep` as what keeps the range: until `keep` is dropped, the
+    /// range stays allocated, and nothing references its bytes while any key over it lives.
+    ///
+    /// # Errors
+    /// With `keep` back: the connection's failure, and as [`exact_key`].
+    pub(crate) unsafe fn prepare_over(
+        conn: &Connection,
+        ptr: *mut u8,
+        len: usize,
+        keep: K,
+        access: Access,
+    ) -> std::result::Result<(Keyed<K>, SendOp), Rejected<K>> {
+        // SAFETY: the caller's contract; the Keyed holds `keep` until the key is released.
         match conn.check().and_then(|()| unsafe { exact_key(conn, ptr, len, access) }) {
             Ok((key, rkey, bind)) => {
                 let remote = RemoteBuf { addr: ptr as u64, len: len as u64, rkey };
-                Ok((Keyed { key: Some(key), buf: Some(buf), remote }, bind))
+                Ok((Keyed { key: Some(key), buf: Some(keep), remote }, bind))
             }
-            Err(error) => Err(Rejected { error, buf: Some(buf) }),
+            Err(error) => Err(Rejected { error, buf: Some(keep) }),
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::transfer::exact::Keyed;
 use crate::transfer::request::iobuf::IoBufMut;
 use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::Access;
+use crate::verbs::{Access, SendOp};
 
 /// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
 /// over exactly that buffer's bytes, working through that connection only. The grant owns the
@@ -52,75 +52,144 @@ impl<B: IoBufMut> Grant<'_, B> {
         self.held.as_ref().is_some_and(Keyed::over_chunk)
     }
 
-    /// Posts the key's revocation (the window's invalidation). If it cannot be posted (a failed
-    /// connection, no send-queue room within the operation timeout), the connection is failed:
-    /// a QP in the error state serves no remote access through its windows, so the buffer is
-    /// unreachable either way.
-    fn post_revocation(&self, held: &Keyed<B>) -> Result<Ticket> {
-        // SAFETY: LOCAL_INV touches no local memory.
-        let r = unsafe { self.conn.submit_control(held.revocation()) };
-        if let Err(e) = &r {
-            self.conn.fail(Failure::local(e));
-        }
-        r
-    }
-
     /// Kills the rkey (later remote accesses fail with a remote access error), waits for that,
     /// and returns the buffer.
     ///
     /// # Errors
-    /// Without the buffer (`buf` is `None`) but in a fork()ed child:
+    /// Without the buffer (`buf` is `None`) unless said:
     /// - the window's invalidation cannot be posted (the connection's earlier failure,
     ///   [`Error::Timeout`] for send-queue room, [`Error::Verbs`]) or fails
     ///   ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]): the
-    ///   connection is failed (its queue pair serves no remote access any more) and keeps the
-    ///   buffer until its queue pair is flushed, when it is dropped. With [`Error::FlushLost`]
-    ///   it is leaked;
+    ///   connection is failed and closed (its queue pair serves no remote access any more) and,
+    ///   once flushed, the buffer comes back with the error; if the flush does not come within
+    ///   the close's wait the connection keeps the buffer until it is dropped. With
+    ///   [`Error::FlushLost`] it is leaked;
     /// - an exact registration's removal fails ([`Error::Verbs`]): the buffer is leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         let held = self.held.take().expect("a live grant holds its key and buffer");
-        if self.conn.forked_copy() {
-            // A fork()ed child's copy: the key is the parent's (nothing to revoke here, and the
-            // connection's locks may have been held at the fork); the child's copy of the bytes
-            // is its own.
-            return Err(Rejected { error: Error::Forked("this grant"), buf: Some(held.into_forked_copy()) });
-        }
-        let r = self.post_revocation(&held).and_then(|id| self.conn.wait(id).map(|_| ()));
-        match r {
-            Ok(()) => held.into_buf().map_err(|error| Rejected { error, buf: None }),
-            Err(error @ Error::FlushLost { .. }) => {
-                std::mem::forget(held);
-                Err(Rejected { error, buf: None })
-            }
-            Err(error) => {
-                self.conn.core().park_until_closed(Box::new(held));
-                Err(Rejected { error, buf: None })
-            }
-        }
+        revoke(self.conn, held)
     }
 }
 
 impl<B: IoBufMut> Drop for Grant<'_, B> {
     fn drop(&mut self) {
-        let Some(held) = self.held.take() else { return };
-        if self.conn.forked_copy() {
-            std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
-            return;
+        if let Some(held) = self.held.take() {
+            release(self.conn, held);
         }
-        let posted = self.post_revocation(&held);
-        let held = Box::new(held);
-        match posted {
-            Ok(id) => {
-                self.conn.core().park(id, held);
+    }
+}
+
+/// Posts the revocation of `held`'s key on `conn`. If it cannot be posted (a failed
+/// connection, no send-queue room within the operation timeout), the connection is failed: a
+/// QP in the error state serves no remote access through its windows, so the bytes are
+/// unreachable either way.
+fn post_revocation<K>(conn: &Connection, held: &Keyed<K>) -> Result<Ticket> {
+    // SAFETY: LOCAL_INV touches no local memory.
+    let r = unsafe { conn.submit_control(held.revocation()) };
+    if let Err(e) = &r {
+        conn.fail(Failure::local(e));
+    }
+    r
+}
+
+/// A key whose window may be bound, held across a call that may unwind (a panicking log
+/// subscriber): unwinding leaks it (and what it keeps) instead of releasing it under a window
+/// that may still serve the peer.
+struct Bound<K>(Option<Keyed<K>>);
+
+impl<K> Bound<K> {
+    fn get(&self) -> &Keyed<K> {
+        self.0.as_ref().expect("a Bound holds its key until taken")
+    }
+
+    fn take(mut self) -> Keyed<K> {
+        self.0.take().expect("a Bound holds its key until taken")
+    }
+}
+
+impl<K> Drop for Bound<K> {
+    fn drop(&mut self) {
+        if let Some(k) = self.0.take() {
+            std::mem::forget(k);
+        }
+    }
+}
+
+/// Binds `held`'s window through `conn` (posts `bind`, the request [`Keyed::prepare`] made,
+/// and waits for it): the key works once this returns `Ok`.
+///
+/// # Errors
+/// A bind's failure, as [`Connection::write`] (it fails the connection), with what `held`
+/// kept back (the window is unbound, or its QP in the error state and flushed); with
+/// [`Error::FlushLost`] that is leaked.
+pub(crate) fn bind<K: Send + 'static>(
+    conn: &Connection,
+    held: Keyed<K>,
+    bind: SendOp,
+) -> std::result::Result<Keyed<K>, Rejected<K>> {
+    let held = Bound(Some(held));
+    // SAFETY: binding touches no local memory; the window covers what `held` keeps, which it
+    // (or the connection, or a leak) keeps until the window is invalidated or the QP flushed.
+    let r = unsafe { conn.submit_control(bind) }.and_then(|id| conn.wait(id));
+    match r {
+        Ok(_) => Ok(held.take()),
+        // The flush never came: leaked (the guard forgets it).
+        Err(error @ Error::FlushLost { .. }) => Err(Rejected { error, buf: None }),
+        // A failed bind leaves the window unbound (or the QP in the error state and flushed):
+        // nothing reaches the bytes through it.
+        Err(error) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
+    }
+}
+
+/// Kills `held`'s key (bound through `conn`), waits for that, and gives back what it kept, as
+/// [`Grant::revoke`] says (its errors are this function's).
+pub(crate) fn revoke<K: Send + 'static>(conn: &Connection, held: Keyed<K>) -> std::result::Result<K, Rejected<K>> {
+    if conn.forked_copy() {
+        // A fork()ed child's copy: the key is the parent's (nothing to revoke here, and the
+        // connection's locks may have been held at the fork); the child's copy of the bytes is
+        // its own.
+        return Err(Rejected { error: Error::Forked("this grant"), buf: Some(held.into_forked_copy()) });
+    }
+    let held = Bound(Some(held));
+    let r = post_revocation(conn, held.get()).and_then(|id| conn.wait(id).map(|_| ()));
+    match r {
+        Ok(()) => held.take().into_buf().map_err(|error| Rejected { error, buf: None }),
+        // The flush never came: leaked (the guard forgets it).
+        Err(error @ Error::FlushLost { .. }) => Err(Rejected { error, buf: None }),
+        // The connection is failed (by the failure, or by `post_revocation`): once its queue
+        // pair is flushed the window serves nobody, and what the key kept comes back.
+        Err(error) => match conn.close() {
+            Ok(()) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
+            Err(_) => {
+                conn.core().park_until_closed(Box::new(held.take()));
+                Err(Rejected { error, buf: None })
             }
-            Err(Error::FlushLost { .. }) => std::mem::forget(held),
-            Err(e) => {
-                tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is flushed");
-                self.conn.core().park_until_closed(held);
-            }
+        },
+    }
+}
+
+/// Kills `held`'s key (bound through `conn`) without waiting: what it keeps is released once
+/// the connection has reaped the invalidation (on a failed connection: once its queue pair is
+/// flushed, when the connection is dropped).
+pub(crate) fn release<K: Send + 'static>(conn: &Connection, held: Keyed<K>) {
+    if conn.forked_copy() {
+        std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
+        return;
+    }
+    let posted = post_revocation(conn, &held);
+    let held = Box::new(held);
+    match posted {
+        Ok(id) => {
+            conn.core().park(id, held);
+        }
+        Err(Error::FlushLost { .. }) => std::mem::forget(held),
+        Err(e) => {
+            // Parked first: a log subscriber that panics must not drop it.
+            conn.core().park_until_closed(held);
+            tracing::debug!("revoking a dropped grant: {e}; its buffer is kept until the queue pair is flushed");
         }
     }
 }
@@ -143,20 +212,9 @@ impl Connection {
     ///
     /// With [`Error::FlushLost`] the buffer is leaked.
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
-        let (held, bind) = Keyed::prepare(self, buf, access)?;
+        let (held, op) = Keyed::prepare(self, buf, access)?;
         let remote = held.remote();
-        // SAFETY: binding touches no local memory; the window covers `buf`, which the grant (or
-        // the connection, or a leak) keeps until the window is invalidated or the QP flushed.
-        let r = unsafe { self.submit_control(bind) }.and_then(|id| self.wait(id));
-        match r {
-            Ok(_) => Ok(Grant { conn: self, held: Some(held), remote }),
-            Err(error @ Error::FlushLost { .. }) => {
-                std::mem::forget(held);
-                Err(Rejected { error, buf: None })
-            }
-            // A failed bind leaves the window unbound (or the QP in the error state and
-            // flushed): nothing reaches the buffer through it.
-            Err(error) => Err(Rejected { error, buf: held.into_buf().ok() }),
-        }
+        let held = bind(self, held, op)?;
+        Ok(Grant { conn: self, held: Some(held), remote })
     }
 }

@@ -75,7 +75,7 @@ pub use options::{DeviceChoice, Options, QpOptions, SetupOptions, WaitMode, Wait
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use rails::{AsyncRails, AsyncRailsListener, StripedOp};
-pub use rails::{Finished, RailInfo, RailOptions, RailReport, Rails, RailsListener, Striped, MAX_RAILS};
+pub use rails::{Finished, RailInfo, RailOptions, RailReport, Rails, RailsGrant, RailsListener, Striped, MAX_RAILS};
 pub use request::iobuf::{IoBuf, IoBufMut, IoTarget, Rejected, Slice};
 pub use request::local::{Local, LocalMut};
 pub use request::owned::{OwnedGather, OwnedScatter};

@@ -38,3 +38,32 @@ pub fn inbox(heap: &Heap, len: usize) -> (Exposed, RemoteDesc) {
     let d = x.desc().unwrap();
     (x, d)
 }
+
+/// A second Soft-RoCE device, on a veth pair of its own with an IPv4 address (a RoCE v2 GID):
+/// deleted on drop.
+pub struct ExtraDevice;
+
+pub const EXTRA: &str = "mrrail1";
+
+impl ExtraDevice {
+    pub fn add() -> ExtraDevice {
+        let run = |cmd: &str, args: &[&str]| {
+            let st = std::process::Command::new(cmd).args(args).status().unwrap();
+            assert!(st.success(), "{cmd} {args:?}: {st}");
+        };
+        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+        run("ip", &["link", "add", "mrrveth0", "type", "veth", "peer", "name", "mrrveth1"]);
+        run("ip", &["addr", "add", "10.79.0.1/24", "dev", "mrrveth0"]);
+        run("ip", &["link", "set", "mrrveth0", "up"]);
+        run("ip", &["link", "set", "mrrveth1", "up"]);
+        run("rdma", &["link", "add", EXTRA, "type", "rxe", "netdev", "mrrveth0"]);
+        ExtraDevice
+    }
+}
+
+impl Drop for ExtraDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).status();
+        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+    }
+}

@@ -3,12 +3,13 @@
 #[cfg(feature = "tokio")]
 mod aio;
 mod finished;
+mod grant;
 mod ops;
 mod plan;
 mod setup;
 mod transfer;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -23,6 +24,7 @@ use crate::RemoteDesc;
 #[cfg(feature = "tokio")]
 pub use aio::{AsyncRails, AsyncRailsListener, StripedOp};
 pub use finished::{Finished, RailReport};
+pub use grant::RailsGrant;
 pub use setup::RailsListener;
 pub use transfer::Striped;
 
@@ -84,6 +86,9 @@ pub(crate) struct Rail {
     device: String,
     node: Option<u32>,
     gbps: Option<f64>,
+    /// Keys of live rails grants bound through this rail's connection (see `grant.rs`): while
+    /// any lives, the rail is not restored (a peer would use a key of the old QP on the new).
+    grant_keys: AtomicUsize,
 }
 
 impl Rail {
@@ -93,7 +98,15 @@ impl Rail {
         let device = ctx.name().to_string();
         let node = ctx.numa_node();
         let gbps = ctx.port(conn.qp().port()).ok().and_then(|p| p.gbps());
-        Rail { link, load: Arc::new(AtomicU64::new(0)), moved: AtomicU64::new(0), device, node, gbps }
+        Rail {
+            link,
+            load: Arc::new(AtomicU64::new(0)),
+            moved: AtomicU64::new(0),
+            device,
+            node,
+            gbps,
+            grant_keys: AtomicUsize::new(0),
+        }
     }
 
     pub(crate) fn conn(&self) -> &Connection {
@@ -159,6 +172,16 @@ impl Rail {
         &self.load
     }
 
+    /// Counts a grant's key bound through this rail (`+1`) or revoked, released or leaked
+    /// (`-1`: its grant is over, the peer has no use for its descriptor).
+    pub(crate) fn count_grant_key(&self, made: bool) {
+        if made {
+            self.grant_keys.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.grant_keys.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     pub(crate) fn moved(&self, bytes: u64) {
         self.moved.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -202,8 +225,8 @@ pub struct RailInfo {
 /// others.
 ///
 /// Remote memory is named by a [`RemoteDesc`]: one rkey per device of the exposing side
-/// ([`crate::heap::Exposed::desc`]), of which each rail uses the one of the device at its far
-/// end. Local memory is owned, as for [`crate::transfer::Pending`]: a heap bound to every rail's
+/// ([`crate::heap::Exposed::desc`], or a window per rail over one owned buffer:
+/// [`Rails::grant`]), of which each rail uses the one of the device at its far end. Local memory is owned, as for [`crate::transfer::Pending`]: a heap bound to every rail's
 /// protection domain gives a buffer a key on each
 /// ([`HeapBuilder::bind`](crate::heap::HeapBuilder::bind) once per device).
 ///
@@ -391,9 +414,14 @@ impl Rails {
     /// on use it; those in flight finish with the rails they began with. Both sides restore
     /// their end (the peer's [`Rails::restore`] with its end of the same connection).
     ///
+    /// A grant made over the group ([`Rails::grant`]) before has a key bound through the old
+    /// connection under the same device's GID, which the peer would use on the new one (and
+    /// break it): while such a grant lives the rail is not restored. Revoke or drop it first,
+    /// and grant again after.
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `i` is not a rail of the group or `conn` has failed
-    /// already (`conn` is dropped).
+    /// [`Error::InvalidArgument`] if `i` is not a rail of the group, `conn` has failed already,
+    /// or a live grant has a key on rail `i` (`conn` is dropped).
     pub fn restore(&mut self, i: usize, conn: Connection) -> Result<()> {
         self.restore_link(i, Link::Blocking(conn))
     }
@@ -405,6 +433,12 @@ impl Rails {
         }
         if let Some(e) = link.conn().error() {
             return Err(Error::InvalidArgument(format!("restoring rail {i} with a failed connection: {e}")));
+        }
+        let keys = self.group.rails[i].grant_keys.load(Ordering::Relaxed);
+        if keys > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "rail {i} carries keys of {keys} live grants (Rails::grant): revoke or drop them first"
+            )));
         }
         let mut rails = self.group.rails.clone();
         rails[i] = Arc::new(Rail::new(link));

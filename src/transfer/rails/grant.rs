@@ -1,0 +1,247 @@
+//! Grants over rails: one owned buffer, a key per rail, one descriptor for the peer.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::Error;
+use crate::remote_desc::{DeviceKey, RemoteDesc};
+use crate::transfer::exact::Keyed;
+use crate::transfer::grant::{bind, release, revoke};
+use crate::transfer::rails::{Rail, Rails};
+use crate::transfer::request::iobuf::{IoBufMut, Rejected};
+#[cfg(doc)]
+use crate::transfer::{Connection, Grant};
+use crate::verbs::{Access, WcStatus};
+
+/// What every key of a rails grant holds a share of: the buffer, freed when the last key is
+/// released. (The mutex only makes the share `Send` for any `Send` buffer: nobody locks it
+/// until the last share is unwrapped.)
+type Share<B> = Arc<Mutex<B>>;
+
+/// Remote access to one buffer, given to the peer of a [`Rails`] group through every live rail
+/// at once: a [`Grant`] per rail (a memory window bound through that rail's connection, over
+/// exactly the buffer's bytes), gathered in one [`RemoteDesc`] — the key of each rail under
+/// the GID this side's end of that rail presents, which is what the peer's
+/// [`RemoteDesc::for_peer`] matches. The peer's own [`Rails`] stripe over it as over any
+/// descriptor; a rail that fails takes its key with it, and the others keep working.
+///
+/// The keys work through the grant's connections only (type 2 windows): the descriptor is for
+/// the peer's ends of this group, not for other connections to the same devices, and a rail
+/// is not [restored](Rails::restore) while a grant has a key on it.
+///
+/// The grant owns the buffer, as a [`Grant`] does:
+/// - [`RailsGrant::revoke`] kills every key, waits for that, and gives the buffer back;
+/// - dropping it kills every key without waiting: the buffer is freed once every rail has
+///   reaped its key's invalidation (a failed rail: once its queue pair is flushed, when its
+///   connection is dropped);
+/// - forgetting it leaks the buffer, and keeps the rails' connections open (the grant holds
+///   them, so that no queue pair goes while a window is bound through it).
+///
+/// The rights, the heap's [`Access::MW_BIND`] and what the windows lie over are as for
+/// [`Connection::grant`].
+pub struct RailsGrant<B: IoBufMut> {
+    /// A key per rail that took one, in rail order.
+    keys: Vec<RailKey<B>>,
+    desc: RemoteDesc,
+}
+
+/// One rail's key of a rails grant. The key is taken out to be revoked or released; one
+/// dropped with the key still in (unwinding from a panic) leaks it, and so the buffer: its
+/// window may still be bound.
+struct RailKey<B> {
+    /// Its index in the group.
+    at: usize,
+    rail: Arc<Rail>,
+    keyed: Option<Keyed<Share<B>>>,
+    /// As the descriptor names it.
+    key: DeviceKey,
+}
+
+impl<B> RailKey<B> {
+    /// The key, to revoke or release through `self.rail`: the rail counts it gone.
+    fn take(&mut self) -> Keyed<Share<B>> {
+        self.rail.count_grant_key(false);
+        self.keyed.take().expect("a rail key is taken once")
+    }
+}
+
+impl<B> Drop for RailKey<B> {
+    fn drop(&mut self) {
+        if let Some(k) = self.keyed.take() {
+            std::mem::forget(k);
+        }
+    }
+}
+
+impl<B: IoBufMut> std::fmt::Debug for RailsGrant<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RailsGrant")
+            .field("desc", &self.desc)
+            .field("rails", &self.rails().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl<B: IoBufMut> RailsGrant<B> {
+    /// What the peer needs: address, length and a key per rail (encode it with
+    /// [`RemoteDesc::to_vec`]).
+    pub fn desc(&self) -> RemoteDesc {
+        self.desc
+    }
+
+    /// The rails that carry a key (the group's indexes; those dead when the grant was made
+    /// have none).
+    pub fn rails(&self) -> impl Iterator<Item = usize> + '_ {
+        self.keys.iter().map(|k| k.at)
+    }
+
+    /// Kills every rail's key (later remote accesses through any rail fail with a remote access
+    /// error), waits for that, and returns the buffer. A key on a rail that failed meanwhile is
+    /// dead once that rail's queue pair is flushed (its connection is closed for that).
+    ///
+    /// # Errors
+    /// As [`Grant::revoke`], for the first rail whose key could not be shown dead (its
+    /// connection then keeps the buffer until it is dropped: `buf` is `None`; the other
+    /// rails' keys are killed all the same). In a fork()ed child: [`Error::Forked`], with the
+    /// child's copy of the buffer.
+    pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
+        match revoke_all(std::mem::take(&mut self.keys), None, None) {
+            (Some(buf), None) => Ok(buf),
+            (buf, error) => {
+                let error = error.unwrap_or_else(|| Error::Protocol("a rails grant's buffer did not come back".into()));
+                Err(Rejected { error, buf })
+            }
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for RailsGrant<B> {
+    fn drop(&mut self) {
+        for mut k in std::mem::take(&mut self.keys) {
+            let keyed = k.take();
+            release(k.rail.conn(), keyed);
+        }
+    }
+}
+
+/// Revokes every key, waiting for each; the buffer back if every share came home (`home` is
+/// one the caller still held), and the first error (`first`, then the revocations': a key
+/// whose rail failed but whose share came back, its queue pair flushed, is dead, not an error).
+fn revoke_all<B: IoBufMut>(
+    keys: Vec<RailKey<B>>,
+    mut home: Option<Share<B>>,
+    mut first: Option<Error>,
+) -> (Option<B>, Option<Error>) {
+    for mut k in keys {
+        let keyed = k.take();
+        match revoke(k.rail.conn(), keyed) {
+            Ok(share) => home = Some(share),
+            Err(Rejected { error: e @ Error::Forked(_), buf }) => {
+                first.get_or_insert(e);
+                home = buf.or(home);
+            }
+            Err(Rejected { error, buf: Some(share) }) => {
+                tracing::debug!("rail {}'s grant key died with its connection: {error}", k.at);
+                home = Some(share);
+            }
+            Err(Rejected { error, buf: None }) => {
+                first.get_or_insert(error);
+            }
+        }
+    }
+    // Every other share is dropped by now; one still held by a connection (a revocation that
+    // could not be shown done) or leaked keeps the buffer from coming back.
+    (home.and_then(|share| Arc::try_unwrap(share).ok()).map(Mutex::into_inner), first)
+}
+
+/// Whether a bind's failure is its rail's (flushed or timed out with a connection that failed
+/// for whatever reason) rather than the bind's own (a device that refused it).
+fn rail_failed_under(error: &Error) -> bool {
+    !matches!(error, Error::Operation { status, .. } if !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr))
+}
+
+impl Rails {
+    /// Grants the peer `access` (remote read and/or write) to exactly `buf` through every live
+    /// rail: a window per rail bound through its connection, one [`RemoteDesc`] for all of
+    /// them (see [`RailsGrant`]). Rails dead when it is called, or failing under the bind, get
+    /// no key; the peer's transfers over the descriptor go on the others. The first grant on a
+    /// device probes it (milliseconds, once per opened device).
+    ///
+    /// # Errors
+    /// With the buffer back in [`Rejected`] (every key made so far is revoked first: if one
+    /// cannot be, as [`RailsGrant::revoke`]):
+    /// - [`Error::RailsDown`]: no rail lives (or every one failed while its key was bound);
+    /// - [`Error::InvalidArgument`]: more live rails than a descriptor carries keys
+    ///   ([`RemoteDesc::MAX_DEVICES`]), two rails whose ends present one GID (their keys could
+    ///   not be told apart), or as [`Connection::grant`] (an empty buffer, other rights, a heap
+    ///   without [`Access::MW_BIND`]);
+    /// - as [`Connection::grant`] on a live rail: [`Error::NotRegistered`] (the buffer is not
+    ///   in a heap bound to that rail's protection domain), [`Error::Verbs`], [`Error::Timeout`],
+    ///   a bind the device refused ([`Error::Operation`]);
+    /// - [`Error::FlushLost`] (a bind's flush never came): the buffer is leaked.
+    pub fn grant<B: IoBufMut>(&self, mut buf: B, access: Access) -> std::result::Result<RailsGrant<B>, Rejected<B>> {
+        let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_len());
+        let (mut live, mut down) = (Vec::new(), Vec::new());
+        for (i, rail) in self.group().rails().iter().enumerate() {
+            match rail.conn().error() {
+                None => live.push((i, rail)),
+                Some(e) => down.push(format!("rail {i}: {e}")),
+            }
+        }
+        if live.len() > RemoteDesc::MAX_DEVICES {
+            let n = live.len();
+            let why = format!("a descriptor carries {} keys, the group has {n} live rails", RemoteDesc::MAX_DEVICES);
+            return Err(Rejected { error: Error::InvalidArgument(why), buf: Some(buf) });
+        }
+        let share: Share<B> = Arc::new(Mutex::new(buf));
+        let mut keys: Vec<RailKey<B>> = Vec::with_capacity(live.len());
+        let mut failed = None;
+        for (i, rail) in live {
+            let conn = rail.conn();
+            let gid = conn.qp().endpoint().gid;
+            if let Some(j) = keys.iter().find(|k| k.key.gid == gid).map(|k| k.at) {
+                let why = format!("rails {j} and {i} present one GID ({gid}): a grant needs a device per rail");
+                failed = Some(Error::InvalidArgument(why));
+                break;
+            }
+            // SAFETY: `share` owns `[ptr, ptr + len)` (a stable IoBufMut) and every key holds a
+            // share of it, so it is freed only when the last key is released (each once dead)
+            // or never; nothing references its bytes meanwhile: the grant gives no access to
+            // them, and the buffer is unwrapped only once every share came back.
+            let made = unsafe { Keyed::prepare_over(conn, ptr, len, Arc::clone(&share), access) }
+                .and_then(|(keyed, op)| bind(conn, keyed, op));
+            match made {
+                Ok(keyed) => {
+                    let key = DeviceKey { gid, rkey: keyed.remote().rkey };
+                    rail.count_grant_key(true);
+                    keys.push(RailKey { at: i, rail: Arc::clone(rail), keyed: Some(keyed), key });
+                }
+                // The rail failed under the bind, and the share is back (the window unbound or
+                // its queue pair flushed): the peer cannot use that rail either.
+                Err(Rejected { error, buf: Some(_) }) if !rail.alive() && rail_failed_under(&error) => {
+                    down.push(format!("rail {i}: {error}"));
+                }
+                Err(Rejected { error, .. }) => {
+                    failed = Some(error);
+                    break;
+                }
+            }
+        }
+        let device_keys: Vec<DeviceKey> = keys.iter().map(|k| k.key).collect();
+        let failed =
+            failed.or_else(|| keys.is_empty().then(|| Error::RailsDown { failures: std::mem::take(&mut down) }));
+        let made = match failed {
+            None => RemoteDesc::new(ptr as u64, len as u64, &device_keys),
+            Some(e) => Err(e),
+        };
+        match made {
+            Ok(desc) => Ok(RailsGrant { keys, desc }),
+            Err(error) => {
+                // Nothing was handed out: every key is taken back before the buffer.
+                let (buf, error) = revoke_all(keys, Some(share), Some(error));
+                Err(Rejected { error: error.unwrap_or(Error::Closed), buf })
+            }
+        }
+    }
+}
