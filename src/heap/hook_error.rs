@@ -21,11 +21,35 @@ pub(crate) enum HookError {
     Limit { limit: usize, mapped: usize, requested: usize },
     Map(i32),
     Numa(i32),
-    Register(i32),
+    Register(i32, Registering),
     // `madvise` of the chunk's fork advice failed (`MADV_DONTFORK`, or `MADV_DOFORK` after
     // registering: `chunk::advise`, `chunk::keep_in_children`).
     Advise(i32),
     TableFull,
+}
+
+/// Which registration of a chunk `ibv_reg_mr` refused (the hint says which).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Registering {
+    /// A chunk being mapped (the alloc hook).
+    NewChunk,
+    /// A chunk released as idle, registered again as jemalloc uses it again (the commit hook).
+    IdleChunk,
+    /// A chunk the heap already held, with a PD being bound (`HeapBuilder::bind`, `Heap::bind`).
+    Bind,
+}
+
+impl Registering {
+    /// The chunk, as the hint names it.
+    fn chunk(self) -> &'static str {
+        match self {
+            Registering::NewChunk => "a new chunk",
+            Registering::IdleChunk => {
+                "an idle chunk registered again (released after the idle interval, now used again)"
+            }
+            Registering::Bind => "a chunk the heap already holds (binding a PD)",
+        }
+    }
 }
 
 thread_local! {
@@ -58,10 +82,11 @@ impl HookError {
             HookError::Limit { limit, mapped, requested: chunk } => {
                 Error::LimitExceeded { limit, mapped, requested: requested.max(chunk) }
             }
-            HookError::Register(errno) => Error::Registration {
+            HookError::Register(errno, what) => Error::Registration {
                 errno,
                 hint: format!(
-                    "ibv_reg_mr of a new chunk failed ({}); registered memory is pinned: {}",
+                    "ibv_reg_mr of {} failed ({}); registered memory is pinned: {}",
+                    what.chunk(),
                     std::io::Error::from_raw_os_error(errno),
                     memlock_text()
                 ),
@@ -88,9 +113,28 @@ impl HookError {
 mod tests {
     use std::alloc::Layout;
 
+    use super::{HookError, Registering};
     use crate::heap::idle::FAIL_NEXT_COMMIT;
     use crate::heap::Heap;
     use crate::Error;
+
+    /// The hint of a refused registration says which chunk it was: a new one, or an idle one
+    /// registered again (or one registered with a PD being bound).
+    #[test]
+    fn a_registration_hint_names_the_chunk() {
+        let hint = |what| match HookError::Register(libc::ENOMEM, what).into_error(4096) {
+            Error::Registration { errno: libc::ENOMEM, hint } => hint,
+            other => panic!("expected Error::Registration, got {other:?}"),
+        };
+        let new = hint(Registering::NewChunk);
+        assert!(new.starts_with("ibv_reg_mr of a new chunk failed ("), "{new}");
+        assert!(new.contains("RLIMIT_MEMLOCK"), "{new}");
+        let idle = hint(Registering::IdleChunk);
+        assert!(idle.starts_with("ibv_reg_mr of an idle chunk registered again ("), "{idle}");
+        assert!(!idle.contains("new chunk") && idle.contains("RLIMIT_MEMLOCK"), "{idle}");
+        let bind = hint(Registering::Bind);
+        assert!(bind.starts_with("ibv_reg_mr of a chunk the heap already holds (binding a PD) failed ("), "{bind}");
+    }
 
     /// A hook failure jemalloc recovered from — a commit that could not register a chunk again,
     /// followed by a chunk of its own — is not reported by a later allocation that fails for its

@@ -226,18 +226,22 @@ pub(crate) fn hook_failed(owner: &Owner, size: usize, e: HookError) {
 #[cfg(feature = "global")]
 #[cold]
 fn report_chunk_failure(size: usize, e: HookError) {
+    use crate::heap::hook_error::Registering;
     let why = match e {
         HookError::None => return,
-        HookError::Register(_) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
+        HookError::Register(_, Registering::IdleChunk) => {
+            "ibv_reg_mr refused an idle chunk registered again; check RLIMIT_MEMLOCK (ulimit -l)"
+        }
+        HookError::Register(..) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
         HookError::Limit { .. } => "heap limit reached",
         HookError::Map(_) => "mmap of a new chunk failed",
         HookError::Numa(_) => "mbind of a new chunk failed",
-        HookError::Advise(_) => "madvise (fork advice) of a new chunk failed",
+        HookError::Advise(_) => "madvise (fork advice) of a chunk failed",
         HookError::TableFull => "chunk table full",
     };
     // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
-    // Rust's alloc-error path follows.
-    crate::os::stderr_line(format_args!("mralloc::Global: a new chunk of {size} bytes failed: {e:?} ({why})"));
+    // Rust's alloc-error path follows (jemalloc may still serve it from another chunk).
+    crate::os::stderr_line(format_args!("mralloc::Global: a chunk of {size} bytes failed: {e:?} ({why})"));
 }
 
 #[cfg(test)]
