@@ -197,7 +197,9 @@ pub enum Error {
         /// The first failed piece's error.
         first: Box<Error>,
     },
-    /// Registering a new heap chunk with the NIC failed (often the memlock limit).
+    /// Registering a heap chunk with the NIC failed (often the memlock limit): a new chunk, an
+    /// idle chunk registered again, or one registered on a bind or on its first use through a
+    /// PD; the hint says which.
     #[error("memory registration failed: {} (errno {errno}); {hint}", std::io::Error::from_raw_os_error(*.errno))]
     Registration {
         /// The errno `ibv_reg_mr` left.

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::heap::chunk::{self, MAX_PDS};
-use crate::heap::hook_error::HookError;
+use crate::heap::hook_error::{HookError, Registering};
 use crate::heap::owner::Owner;
 use crate::verbs::removal::{self, Subscription};
 use crate::verbs::{Context, Pd};
@@ -94,7 +94,7 @@ impl Owner {
                 }
                 Err(errno) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
-                    failed = Some((HookError::Register(errno), len));
+                    failed = Some((HookError::Register(errno, Registering::Bind), len));
                     break;
                 }
             }

@@ -234,6 +234,8 @@ impl HeapBuilder {
         for pd in &self.pds {
             owner.bind_shared(pd)?;
         }
+        // The hooks' reason read below must be this creation's (see `heap::hook_error`).
+        take_hook_error();
         let arena = jemalloc::create_arena(owner.hooks_ptr());
         crate::heap::events::emit_pending();
         let arena = arena.map_err(|e| match take_hook_error() {

@@ -15,8 +15,8 @@
 //! registered nowhere, resident nowhere (unless the application mlock()ed part of it: then the
 //! pages stay, and are zeroed when used again), and keeps its address range and page-map entry (jemalloc
 //! still names its retained extents there), where lookups find no keys. The commit of any part
-//! of it registers it again with every bound PD first (a failure fails the commit, and
-//! jemalloc's allocation with a typed error, as a new chunk's would).
+//! of it registers it again with every bound PD first (a failure fails the commit: jemalloc then
+//! grows by a new chunk, and the allocation fails, with a typed error, only if that fails too).
 //!
 //! Decay timing is jemalloc's: `dirty_decay_ms` is the interval and `muzzy_decay_ms` -1, so free
 //! extents reach the decommit hook about an interval after they were freed (smoothstep decay,
@@ -39,7 +39,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::heap::chunk::{self, ChunkRec, MAX_PDS};
-use crate::heap::hook_error::{set_hook_error, HookError};
+use crate::heap::hook_error::{HookError, Registering};
+use crate::heap::hooks::hook_failed;
 use crate::heap::owner::Owner;
 
 /// Default idle interval: jemalloc's own `dirty_decay_ms` default (10 s).
@@ -173,6 +174,11 @@ impl Owner {
             rec.decommitted.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
+        #[cfg(test)]
+        if let errno @ 1.. = FAIL_NEXT_COMMIT.try_with(|c| c.replace(0)).unwrap_or(0) {
+            hook_failed(self, len, HookError::Register(errno, Registering::IdleChunk));
+            return true;
+        }
         let bound = self.lock_bound();
         let base = rec.base.load(Ordering::Relaxed);
         let size = rec.len.load(Ordering::Relaxed);
@@ -197,7 +203,7 @@ impl Owner {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
                     withdraw(rec, &made);
                     drop(bound);
-                    set_hook_error(HookError::Register(e));
+                    hook_failed(self, size, HookError::Register(e, Registering::IdleChunk));
                     return true;
                 }
             }
@@ -206,7 +212,7 @@ impl Owner {
             if let Err(e) = chunk::keep_in_children(base, size) {
                 withdraw(rec, &made);
                 drop(bound);
-                set_hook_error(HookError::Advise(e));
+                hook_failed(self, size, HookError::Advise(e));
                 return true;
             }
         }
@@ -245,6 +251,14 @@ impl Owner {
         self.reserving.fetch_add(1, Ordering::AcqRel);
         Keeping(self)
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the errno with which this thread's next commit of a chunk of a heap fails, as a
+    /// refused registration of an idle chunk would (0: none). Per thread: other tests'
+    /// allocations go on.
+    pub(crate) static FAIL_NEXT_COMMIT: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
 }
 
 /// While alive, new chunks of its owner are kept (see [`Owner::keeping`]).

@@ -12,7 +12,7 @@ use tikv_jemalloc_sys::extent_hooks_t;
 use crate::fork::Born;
 use crate::heap::bound::{self, BoundGuard};
 use crate::heap::chunk::{self, MAX_PDS};
-use crate::heap::hook_error::HookError;
+use crate::heap::hook_error::{HookError, Registering};
 use crate::heap::hooks;
 use crate::heap::numa;
 use crate::verbs::removal::Subscription;
@@ -239,7 +239,7 @@ impl Owner {
                 Err(e) => {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
                     chunk::deregister_and_unmap(&mrs, base, size);
-                    return Err(HookError::Register(e));
+                    return Err(HookError::Register(e, Registering::NewChunk));
                 }
             }
         }

@@ -11,7 +11,7 @@ use tikv_jemalloc_sys as je;
 use crate::error::Result;
 use crate::heap::classes::{alloc_size, cacheable_class, small_class};
 use crate::heap::front::{add_live, Front};
-use crate::heap::hook_error::{take_hook_error, HookError};
+use crate::heap::hook_error::{discard_hook_error, take_hook_error, HookError};
 use crate::heap::jemalloc;
 use crate::heap::pagemap::SLOT;
 use crate::heap::scoped::Heap;
@@ -116,6 +116,9 @@ pub(crate) unsafe fn mallocx_or_flush(
 ) -> std::result::Result<NonNull<u8>, HookError> {
     // SAFETY: the caller's contract.
     if let Some(p) = NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
+        // A hook may have failed on the way (jemalloc then fell back): not this call's error,
+        // nor a later one's.
+        discard_hook_error();
         return Ok(p);
     }
     let first = take_hook_error();
@@ -124,7 +127,10 @@ pub(crate) unsafe fn mallocx_or_flush(
     unsafe { fp.as_ref() }.flush_to_arena();
     // SAFETY: the caller's contract.
     match NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
-        Some(p) => Ok(p),
+        Some(p) => {
+            discard_hook_error();
+            Ok(p)
+        }
         None => match take_hook_error() {
             HookError::None => Err(first),
             again => Err(again),
