@@ -123,3 +123,35 @@ fn a_chunk_with_a_live_buffer_keeps_its_pages() {
     assert!(live.iter().all(|&x| x == 7), "a live buffer's bytes went");
     assert!(resident(chunk.0, chunk.1) > 0, "the live buffer's chunk was released");
 }
+
+/// A thread's cached buffers keep their chunks busy; `Heap::flush_thread_cache` hands them back
+/// and the chunks go idle at the next interval.
+#[test]
+fn a_flushed_thread_cache_lets_its_chunks_go_idle() {
+    let interval = Duration::from_millis(500);
+    // The default thread cache (4 MiB): the burst's 1 MiB buffers are cached as they are freed.
+    let heap = Heap::builder().idle_release(Some(interval)).max_chunk(8 * MIB).build().unwrap();
+    let bufs = burst(&heap);
+    let cs = chunks(&bufs);
+    let pages = resident_in(&cs);
+    drop(bufs);
+    assert!(heap.stats().thread_cached_bytes >= MIB as u64, "{:?}", heap.stats());
+    wait_idle(&heap, interval);
+    let kept = heap.stats().idle_chunks;
+    heap.flush_thread_cache().unwrap();
+    assert_eq!(heap.stats().thread_cached_bytes, 0, "flushed");
+    wait_idle(&heap, interval);
+    let s = heap.stats();
+    let after = resident_in(&cs);
+    println!(
+        "chunks {}: idle {kept} with the cache, {} after the flush; pages {pages} -> {after}",
+        cs.len(),
+        s.idle_chunks
+    );
+    assert!(s.idle_chunks > kept, "the flush released nothing more: {kept} -> {}", s.idle_chunks);
+    assert!(after < pages / 8, "the burst's pages stayed: {pages} -> {after}");
+    // The cache works on after a flush.
+    let b = heap.alloc(MIB).unwrap();
+    drop(b);
+    assert!(heap.stats().thread_cached_bytes >= MIB as u64);
+}

@@ -301,6 +301,26 @@ impl Heap {
         jemalloc::run(&format!("arena.{}.purge", self.arena))
     }
 
+    /// Hands the calling thread's cached buffers of this heap
+    /// ([`HeapBuilder::thread_cache`](crate::heap::HeapBuilder::thread_cache)), and jemalloc's
+    /// thread cache for it, back to the heap, as the thread's exit would: for a thread that
+    /// goes quiet (a worker parked for a while), so that what it keeps neither holds chunks
+    /// back from idle release ([`HeapBuilder::idle_release`](crate::heap::HeapBuilder::idle_release))
+    /// nor counts against the heap's limit. The cache fills again with the thread's next frees.
+    /// Other threads' caches are theirs to flush.
+    ///
+    /// # Errors
+    /// [`Error::Forked`] in a fork()ed child (the heap is the parent's).
+    pub fn flush_thread_cache(&self) -> Result<()> {
+        self.born.check("this heap")?;
+        if let Some(front) = crate::heap::tcache::existing(self.id, self.shared().registry()) {
+            // SAFETY: this thread's own front for the heap, which the handle keeps alive; no
+            // other reference to it is in use on this thread during the call.
+            unsafe { front.as_ref() }.flush_to_arena();
+        }
+        Ok(())
+    }
+
     /// Runs jemalloc's decay now (`arena.N.decay`), which otherwise runs as a side effect of
     /// allocations and frees: blocks freed at least the idle interval ago are released (see
     /// [`HeapBuilder::idle_release`]). A free is taken in at the first run after it, so a heap

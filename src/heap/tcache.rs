@@ -184,6 +184,19 @@ pub(crate) fn last(heap: u64) -> Option<NonNull<Front>> {
     (h == heap).then(|| unsafe { NonNull::new_unchecked(front) })
 }
 
+/// This thread's front cache for heap `heap` if it has one (none is made).
+pub(crate) fn existing(heap: u64, registry: &Arc<Registry>) -> Option<NonNull<Front>> {
+    if !registry.born.here() {
+        return None; // a parent's heap in a fork()ed child: its fronts are the parent's
+    }
+    last(heap).or_else(|| {
+        CACHES
+            .try_with(|c| c.try_borrow().ok()?.entries.iter().find(|e| e.heap == heap).map(|e| e.front))
+            .ok()
+            .flatten()
+    })
+}
+
 /// In a fork()ed child (its only thread is the one that forked): the fast path must not find
 /// the parent's fronts, which serve the parent's heaps; every later lookup takes the slow path,
 /// which refuses them. Called by the fork handler: no allocation, no lock.

@@ -56,15 +56,15 @@ impl<B: IoBufMut> Grant<'_, B> {
     /// and returns the buffer.
     ///
     /// # Errors
-    /// Without the buffer (`buf` is `None`) unless said:
-    /// - the window's invalidation cannot be posted (the connection's earlier failure,
+    /// - The window's invalidation cannot be posted (the connection's earlier failure,
     ///   [`Error::Timeout`] for send-queue room, [`Error::Verbs`]) or fails
     ///   ([`Error::Operation`], [`Error::Timeout`], [`Error::Verbs`], [`Error::Io`]): the
-    ///   connection is failed and closed (its queue pair serves no remote access any more) and,
-    ///   once flushed, the buffer comes back with the error; if the flush does not come within
-    ///   the close's wait the connection keeps the buffer until it is dropped. With
-    ///   [`Error::FlushLost`] it is leaked;
-    /// - an exact registration's removal fails ([`Error::Verbs`]): the buffer is leaked.
+    ///   connection is failed and closed (its queue pair serves no remote access any more).
+    ///   Once it is flushed, the buffer comes back in `buf` with the error; if the flush does
+    ///   not come within the close's wait, `buf` is `None` and the connection keeps the buffer
+    ///   until it is dropped. With [`Error::FlushLost`] (`buf` `None`) it is leaked.
+    /// - An exact registration's removal fails ([`Error::Verbs`], `buf` `None`): the buffer is
+    ///   leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.

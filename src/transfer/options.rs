@@ -66,7 +66,7 @@ pub struct Options {
     /// the connection is idle. A probe is a zero-length RDMA WRITE posted by mralloc's watcher
     /// thread; it names no memory, and the peer's NIC answers it without the peer's
     /// application. An unanswered probe fails the connection with
-    /// [`crate::Error::Disconnected`]`(`[`crate::Disconnect::KeepaliveFailed`]`)` when the
+    /// [`crate::Error::Disconnected`] with [`crate::Disconnect::KeepaliveFailed`] when the
     /// transport gives up on it (`RETRY_EXC_ERR`, after the *retry time* `(qp.retry_count + 1)
     /// × 4.096 µs × 2^qp.ack_timeout`, read back from the QP — an RDMA CM connection's ACK
     /// timeout comes from its path: 0.54 s with these defaults; a device may round each retry up

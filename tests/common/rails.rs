@@ -40,18 +40,28 @@ pub fn inbox(heap: &Heap, len: usize) -> (Exposed, RemoteDesc) {
 }
 
 /// A second Soft-RoCE device, on a veth pair of its own with an IPv4 address (a RoCE v2 GID):
-/// deleted on drop.
+/// deleted on drop, unless a test of this process leaked something of it on purpose
+/// ([`ExtraDevice::leaked`]): `rdma link delete` waits for every user of the device to go.
 pub struct ExtraDevice;
 
 pub const EXTRA: &str = "mrrail1";
 
+/// Whether a test of this process leaked resources of the extra device.
+static LEAKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl ExtraDevice {
+    /// The device, made now, or the one a test of this process left behind.
     pub fn add() -> ExtraDevice {
+        let there = std::process::Command::new("rdma").args(["link", "show", EXTRA]).output();
+        if there.is_ok_and(|o| o.status.success()) && LEAKED.load(std::sync::atomic::Ordering::SeqCst) {
+            return ExtraDevice;
+        }
         let run = |cmd: &str, args: &[&str]| {
             let st = std::process::Command::new(cmd).args(args).status().unwrap();
             assert!(st.success(), "{cmd} {args:?}: {st}");
         };
-        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+        let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).output();
+        let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).output();
         run("ip", &["link", "add", "mrrveth0", "type", "veth", "peer", "name", "mrrveth1"]);
         run("ip", &["addr", "add", "10.79.0.1/24", "dev", "mrrveth0"]);
         run("ip", &["link", "set", "mrrveth0", "up"]);
@@ -59,10 +69,19 @@ impl ExtraDevice {
         run("rdma", &["link", "add", EXTRA, "type", "rxe", "netdev", "mrrveth0"]);
         ExtraDevice
     }
+
+    /// Something of the device is leaked for good (a forgotten grant): it stays for the rest
+    /// of the process.
+    pub fn leaked() {
+        LEAKED.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Drop for ExtraDevice {
     fn drop(&mut self) {
+        if LEAKED.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).status();
         let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
     }

@@ -38,8 +38,37 @@ type Share<B> = Arc<Mutex<B>>;
 /// - forgetting it leaks the buffer, and keeps the rails' connections open (the grant holds
 ///   them, so that no queue pair goes while a window is bound through it).
 ///
-/// The rights, the heap's [`Access::MW_BIND`] and what the windows lie over are as for
-/// [`Connection::grant`].
+/// As for [`Connection::grant`]: the buffer must come from a heap built with
+/// [`Access::MW_BIND`] (not part of [`Access::ALL_REMOTE`]; the key carries the remote rights,
+/// the heap's chunks need none) and bound to every rail's protection domain; the rails' queue
+/// pairs must admit what the grant allows
+/// ([`QpOptions::remote_access`](crate::transfer::QpOptions::remote_access) on this side: the
+/// peer's request is refused with [`Error::NotGranted`] otherwise).
+///
+/// ```no_run
+/// use mralloc::transfer::{Options, QpOptions, RailOptions, RailsListener};
+/// use mralloc::verbs::{Access, Context, Pd};
+/// use mralloc::Heap;
+///
+/// let pds = ["mlx5_0", "mlx5_1"].map(|d| Pd::new(&Context::open(d)?)).into_iter().collect::<mralloc::Result<Vec<_>>>()?;
+/// // Grants need MW_BIND on the heap; the key carries the remote rights.
+/// let heap = pds.iter().fold(Heap::builder(), |b, pd| b.bind(pd)).access(Access::MW_BIND).build()?;
+/// // This side's queue pairs admit the peer's WRITEs.
+/// let qp = QpOptions { remote_access: Access::REMOTE_WRITE, ..QpOptions::default() };
+/// let opts = RailOptions { conn: Options { qp, ..Options::default() }, ..RailOptions::default() };
+/// let rails = RailsListener::bind("0.0.0.0:7471", &pds, opts)?.accept()?;
+/// let grant = rails.grant(heap.alloc(1 << 20)?, Access::REMOTE_WRITE)?;
+/// // The descriptor goes to the peer as a message, from registered memory (the peer receives
+/// // it into RemoteDesc::MAX_ENCODED_LEN bytes and decodes it with RemoteDesc::from_bytes).
+/// let mut msg = heap.alloc(grant.desc().encoded_len())?;
+/// msg.copy_from_slice(&grant.desc().to_vec());
+/// rails.send(&msg)?;
+/// // The peer stripes its WRITEs over the rails, then says it is done (after its transfer
+/// // completed: the bytes are in place by then).
+/// rails.recv(&mut heap.alloc(1)?)?;
+/// let inbox = grant.revoke()?; // every key dead, the buffer back
+/// # drop(inbox); Ok::<(), mralloc::Error>(())
+/// ```
 pub struct RailsGrant<B: IoBufMut> {
     /// A key per rail that took one, in rail order.
     keys: Vec<RailKey<B>>,
@@ -101,10 +130,12 @@ impl<B: IoBufMut> RailsGrant<B> {
     /// dead once that rail's queue pair is flushed (its connection is closed for that).
     ///
     /// # Errors
-    /// As [`Grant::revoke`], for the first rail whose key could not be shown dead (its
-    /// connection then keeps the buffer until it is dropped: `buf` is `None`; the other
-    /// rails' keys are killed all the same). In a fork()ed child: [`Error::Forked`], with the
-    /// child's copy of the buffer.
+    /// As [`Grant::revoke`], for the first rail whose key could not be shown dead — its
+    /// invalidation failed and its connection did not flush (or the flush was lost) — with
+    /// `buf` `None`: that rail's connection keeps the buffer until it is dropped (which the
+    /// grant's rails are once this returns and the [`Rails`] is dropped); the other rails'
+    /// keys are killed all the same. In a fork()ed child: [`Error::Forked`], with the child's
+    /// copy of the buffer.
     pub fn revoke(mut self) -> std::result::Result<B, Rejected<B>> {
         match revoke_all(std::mem::take(&mut self.keys), None, None) {
             (Some(buf), None) => Ok(buf),
