@@ -6,7 +6,7 @@
 //! by one of the exact size). What such a hook recorded belongs to the allocation during which it
 //! ran, and only to it: the allocating call takes it whether jemalloc failed ([`take_hook_error`])
 //! or not ([`discard_hook_error`]), and an owner nobody reads errors of (`Global`'s) does not
-//! record at all (`hooks::hook_failed`). Otherwise a later allocation that fails without a hook's
+//! record at all (`hook_failed`). Otherwise a later allocation that fails without a hook's
 //! reason (jemalloc refusing a size by itself) would report it.
 
 use std::cell::Cell;
@@ -109,48 +109,41 @@ impl HookError {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use std::alloc::Layout;
-
-    use super::{HookError, Registering};
-    use crate::heap::idle::FAIL_NEXT_COMMIT;
-    use crate::heap::Heap;
-    use crate::Error;
-
-    /// The hint of a refused registration says which chunk it was: a new one, or an idle one
-    /// registered again (or one registered with a PD being bound).
-    #[test]
-    fn a_registration_hint_names_the_chunk() {
-        let hint = |what| match HookError::Register(libc::ENOMEM, what).into_error(4096) {
-            Error::Registration { errno: libc::ENOMEM, hint } => hint,
-            other => panic!("expected Error::Registration, got {other:?}"),
-        };
-        let new = hint(Registering::NewChunk);
-        assert!(new.starts_with("ibv_reg_mr of a new chunk failed ("), "{new}");
-        assert!(new.contains("RLIMIT_MEMLOCK"), "{new}");
-        let idle = hint(Registering::IdleChunk);
-        assert!(idle.starts_with("ibv_reg_mr of an idle chunk registered again ("), "{idle}");
-        assert!(!idle.contains("new chunk") && idle.contains("RLIMIT_MEMLOCK"), "{idle}");
-        let bind = hint(Registering::Bind);
-        assert!(bind.starts_with("ibv_reg_mr of a chunk the heap already holds (binding a PD) failed ("), "{bind}");
+/// Records why a hook of an owner (`is_static`: the global allocator's) failed for `size` bytes: in this thread's hook error, which the
+/// allocating call takes (`heap::hook_error`). The global allocator's callers do not look for the
+/// reason (its fast path is jemalloc's), so its owner reports here instead, once per failure,
+/// and leaves nothing behind that a scoped heap's allocation on this thread could report as its own.
+pub(crate) fn hook_failed(is_static: bool, size: usize, e: HookError) {
+    #[cfg(feature = "global")]
+    if is_static {
+        report_chunk_failure(size, e);
+        return;
     }
+    let _ = (is_static, size);
+    set_hook_error(e);
+}
 
-    /// A hook failure jemalloc recovered from — a commit that could not register a chunk again,
-    /// followed by a chunk of its own — is not reported by a later allocation that fails for its
-    /// own reason: a size above jemalloc's largest class, which it refuses without asking a hook
-    /// (through the `Allocator` impl; `Heap::alloc` refuses it before).
-    #[test]
-    fn a_hook_failure_jemalloc_recovered_from_is_not_reported_later() {
-        let heap = Heap::builder().build().unwrap();
-        FAIL_NEXT_COMMIT.with(|c| c.set(libc::ENOMEM));
-        let served = heap.alloc(64 << 10).expect("jemalloc falls back on an exact-size chunk");
-        assert_eq!(FAIL_NEXT_COMMIT.with(|c| c.get()), 0, "the allocation went through the failing commit");
-        let huge = Layout::from_size_align(isize::MAX as usize, 1).unwrap();
-        match heap.raw_alloc(huge, false) {
-            Err(Error::OutOfMemory { .. }) => {}
-            other => panic!("expected the refused size's own OutOfMemory, got {other:?}"),
+/// Reports a failed chunk allocation or commit of the global allocator's hooks (called by
+/// [`hook_failed`] for the static owner, instead of leaving the reason in the thread-local for a
+/// caller: the allocation fast path does not look at what jemalloc returns). Writes one line to stderr
+/// without allocating. jemalloc may still serve the request: after a failed growth by a
+/// whole chunk it retries once with the exact size.
+#[cfg(feature = "global")]
+#[cold]
+fn report_chunk_failure(size: usize, e: HookError) {
+    let why = match e {
+        HookError::None => return,
+        HookError::Register(_, Registering::IdleChunk) => {
+            "ibv_reg_mr refused an idle chunk registered again; check RLIMIT_MEMLOCK (ulimit -l)"
         }
-        drop(served);
-    }
+        HookError::Register(..) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
+        HookError::Limit { .. } => "heap limit reached",
+        HookError::Map(_) => "mmap of a new chunk failed",
+        HookError::Numa(_) => "mbind of a new chunk failed",
+        HookError::Advise(_) => "madvise (fork advice) of a chunk failed",
+        HookError::TableFull => "chunk table full",
+    };
+    // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
+    // Rust's alloc-error path follows (jemalloc may still serve it from another chunk).
+    crate::os::stderr_line(format_args!("mralloc::Global: a chunk of {size} bytes failed: {e:?} ({why})"));
 }

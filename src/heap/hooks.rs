@@ -23,7 +23,7 @@ use libc::{c_uint, c_void};
 use tikv_jemalloc_sys::extent_hooks_t;
 
 use crate::heap::chunk;
-use crate::heap::hook_error::{set_hook_error, HookError};
+use crate::heap::hook_error::{hook_failed, set_hook_error, HookError};
 use crate::heap::owner::Owner;
 
 type CBool = bool;
@@ -89,7 +89,7 @@ unsafe extern "C" fn hook_alloc(
             base as *mut c_void
         }
         Ok(Err(e)) => {
-            hook_failed(owner, size, e);
+            hook_failed(owner.is_static(), size, e);
             std::ptr::null_mut()
         }
         Err(_) => {
@@ -202,46 +202,6 @@ unsafe extern "C" fn hook_merge(
             true
         }
     }
-}
-
-/// Records why a hook of `owner` failed for `size` bytes: in this thread's hook error, which the
-/// allocating call takes (`heap::hook_error`). The global allocator's callers do not look for the
-/// reason (its fast path is jemalloc's), so its owner reports here instead, once per failure,
-/// and leaves nothing behind that a scoped heap's allocation on this thread could report as its own.
-pub(crate) fn hook_failed(owner: &Owner, size: usize, e: HookError) {
-    #[cfg(feature = "global")]
-    if owner.is_static() {
-        report_chunk_failure(size, e);
-        return;
-    }
-    let _ = (owner, size);
-    set_hook_error(e);
-}
-
-/// Reports a failed chunk allocation or commit of the global allocator's hooks (called by
-/// [`hook_failed`] for the static owner, instead of leaving the reason in the thread-local for a
-/// caller: the allocation fast path does not look at what jemalloc returns). Writes one line to stderr
-/// without allocating. jemalloc may still serve the request: after a failed growth by a
-/// whole chunk it retries once with the exact size.
-#[cfg(feature = "global")]
-#[cold]
-fn report_chunk_failure(size: usize, e: HookError) {
-    use crate::heap::hook_error::Registering;
-    let why = match e {
-        HookError::None => return,
-        HookError::Register(_, Registering::IdleChunk) => {
-            "ibv_reg_mr refused an idle chunk registered again; check RLIMIT_MEMLOCK (ulimit -l)"
-        }
-        HookError::Register(..) => "ibv_reg_mr refused a new chunk; check RLIMIT_MEMLOCK (ulimit -l)",
-        HookError::Limit { .. } => "heap limit reached",
-        HookError::Map(_) => "mmap of a new chunk failed",
-        HookError::Numa(_) => "mbind of a new chunk failed",
-        HookError::Advise(_) => "madvise (fork advice) of a chunk failed",
-        HookError::TableFull => "chunk table full",
-    };
-    // Inside the allocator: no typed Error here; a caller whose allocation fails sees NULL and
-    // Rust's alloc-error path follows (jemalloc may still serve it from another chunk).
-    crate::os::stderr_line(format_args!("mralloc::Global: a chunk of {size} bytes failed: {e:?} ({why})"));
 }
 
 #[cfg(test)]

@@ -39,8 +39,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::heap::chunk::{self, ChunkRec, MAX_PDS};
-use crate::heap::hook_error::{HookError, Registering};
-use crate::heap::hooks::hook_failed;
+use crate::heap::hook_error::{hook_failed, HookError, Registering};
 use crate::heap::owner::Owner;
 
 /// Default idle interval: jemalloc's own `dirty_decay_ms` default (10 s).
@@ -176,7 +175,7 @@ impl Owner {
         }
         #[cfg(test)]
         if let errno @ 1.. = FAIL_NEXT_COMMIT.try_with(|c| c.replace(0)).unwrap_or(0) {
-            hook_failed(self, len, HookError::Register(errno, Registering::IdleChunk));
+            hook_failed(self.is_static(), len, HookError::Register(errno, Registering::IdleChunk));
             return true;
         }
         let bound = self.lock_bound();
@@ -203,7 +202,7 @@ impl Owner {
                     self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
                     withdraw(rec, &made);
                     drop(bound);
-                    hook_failed(self, size, HookError::Register(e, Registering::IdleChunk));
+                    hook_failed(self.is_static(), size, HookError::Register(e, Registering::IdleChunk));
                     return true;
                 }
             }
@@ -212,7 +211,7 @@ impl Owner {
             if let Err(e) = chunk::keep_in_children(base, size) {
                 withdraw(rec, &made);
                 drop(bound);
-                hook_failed(self, size, HookError::Advise(e));
+                hook_failed(self.is_static(), size, HookError::Advise(e));
                 return true;
             }
         }

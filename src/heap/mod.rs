@@ -32,6 +32,8 @@ mod front;
 #[cfg(feature = "global")]
 mod global;
 mod hook_error;
+#[cfg(test)]
+mod hook_error_tests;
 mod hooks;
 mod idle;
 mod jemalloc;

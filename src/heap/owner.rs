@@ -116,10 +116,12 @@ impl Owner {
         }
     }
 
-    /// Whether this is the global allocator's owner ([`Owner::new_static`]).
-    #[cfg(feature = "global")]
+    /// Whether this is the global allocator's owner (`Owner::new_static`, feature `global`).
     pub(crate) fn is_static(&self) -> bool {
-        self.id == STATIC_ID
+        #[cfg(feature = "global")]
+        return self.id == STATIC_ID;
+        #[cfg(not(feature = "global"))]
+        false
     }
 
     /// `const` form for the global allocator (no NUMA binding, not kept out of fork children, no limit).
