@@ -410,6 +410,9 @@ fn device_two_processes_over_rdma_cm() {
     let conn = connect_retrying(|| {
         Connection::connect_cm_with((ip.as_str(), port), &pd, Options::default(), b"hello over cm")
     });
+    // The peer's GID, from the CM's route (what a RemoteDesc names the peer's device by).
+    let want = mralloc::verbs::Gid::from_bytes(ip.parse::<std::net::Ipv4Addr>().unwrap().to_ipv6_mapped().octets());
+    assert_eq!(conn.peer().gid, want, "the CM peer's GID");
     let remote = RemoteBuf::from_bytes(conn.peer_blob()).unwrap();
     let mut data = heap.alloc(256 << 10).unwrap();
     data.copy_from_slice(&pattern(5, 256 << 10));

@@ -320,6 +320,21 @@ impl Qp {
         Ok(retry_time(attr.timeout, attr.retry_cnt))
     }
 
+    /// The GID the QP addresses its peer at (its address vector's destination GID, set when it
+    /// was connected: what an RDMA CM connection learned from its route); `None` without a
+    /// global route header (InfiniBand within a subnet).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_qp` fails.
+    pub(crate) fn remote_gid(&self) -> Result<Option<Gid>> {
+        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_AV)?;
+        if attr.ah_attr.is_global == 0 {
+            return Ok(None);
+        }
+        // SAFETY: every bit pattern of the union is a valid [u8; 16].
+        Ok(Some(Gid::from_bytes(unsafe { attr.ah_attr.grh.dgid.raw })))
+    }
+
     /// `ibv_query_qp` of the attributes `mask` names.
     fn query(&self, mask: ffi::ibv_qp_attr_mask) -> Result<ffi::ibv_qp_attr> {
         self.usable()?;

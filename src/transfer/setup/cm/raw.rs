@@ -11,7 +11,7 @@ use rdma_sys as ffi;
 use crate::error::{Error, Result};
 use crate::fork::Born;
 use crate::transfer::Options;
-use crate::verbs::{Endpoint, Gid, Pd, Qp};
+use crate::verbs::{Endpoint, Pd, Qp};
 
 pub(crate) struct Channel(pub(crate) *mut ffi::rdma_event_channel);
 
@@ -399,6 +399,10 @@ pub(crate) fn conn_param(qp: &Qp, pd: &Pd, opts: &Options, private: &[u8]) -> Re
     })
 }
 
+/// The peer's endpoint as the connected `qp` addresses it: the CM tells its QP number, and the
+/// QP's address vector (set by the CM from the route) its GID — what a `RemoteDesc` names the
+/// peer's device by (zero where the QP has no global route, or cannot be queried).
 pub(crate) fn peer_endpoint(qp: &Qp, qpn: u32) -> Endpoint {
-    Endpoint { qpn, psn: 0, gid: Gid::default(), lid: 0, mtu: qp.endpoint().mtu }
+    let gid = qp.remote_gid().ok().flatten().unwrap_or_default();
+    Endpoint { qpn, psn: 0, gid, lid: 0, mtu: qp.endpoint().mtu }
 }
