@@ -74,6 +74,7 @@ fn device_a_rails_grant_gives_a_key_per_rail_and_the_peer_stripes_over_it() {
     assert_eq!(grant.rails().collect::<Vec<_>>(), [0, 1]);
     let gids: Vec<_> = desc.keys().iter().map(|k| k.gid).collect();
     assert_eq!(gids, [ours.rail(0).qp().endpoint().gid, ours.rail(1).qp().endpoint().gid], "a key per rail's device");
+    assert_eq!(gids, [theirs.rail(0).peer().gid, theirs.rail(1).peer().gid], "the GIDs the peer's ends address");
     assert_ne!(gids[0], gids[1]);
     // The descriptor crosses the wire as bytes.
     let desc = mralloc::RemoteDesc::from_bytes(&desc.to_vec()).unwrap();

@@ -7,7 +7,7 @@ use crate::transfer::exact::Keyed;
 use crate::transfer::request::iobuf::IoBufMut;
 use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, SendOp};
+use crate::verbs::{Access, QpState, SendOp, WcStatus};
 
 /// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
 /// over exactly that buffer's bytes, working through that connection only. The grant owns the
@@ -118,6 +118,15 @@ impl<K> Drop for Bound<K> {
     }
 }
 
+/// A bind that failed: what it kept (as [`bind`] says), and whether the failure is the bind's
+/// own — refused when posted on a connection that lived, or completed with an error naming
+/// it — rather than its connection's (failed by something else: the bind was flushed, or
+/// refused with that failure).
+pub(crate) struct BindFailed<K> {
+    pub(crate) rejected: Rejected<K>,
+    pub(crate) own: bool,
+}
+
 /// Binds `held`'s window through `conn` (posts `bind`, the request [`Keyed::prepare`] made,
 /// and waits for it): the key works once this returns `Ok`.
 ///
@@ -129,18 +138,26 @@ pub(crate) fn bind<K: Send + 'static>(
     conn: &Connection,
     held: Keyed<K>,
     bind: SendOp,
-) -> std::result::Result<Keyed<K>, Rejected<K>> {
+) -> std::result::Result<Keyed<K>, BindFailed<K>> {
     let held = Bound(Some(held));
+    let lived = conn.error().is_none();
     // SAFETY: binding touches no local memory; the window covers what `held` keeps, which it
     // (or the connection, or a leak) keeps until the window is invalidated or the QP flushed.
-    let r = unsafe { conn.submit_control(bind) }.and_then(|id| conn.wait(id));
+    let r = match unsafe { conn.submit_control(bind) } {
+        Ok(id) => conn.wait(id).map_err(|e| {
+            let own = matches!(e, Error::Operation { wr_id, status, .. }
+                if wr_id == id.wr_id() && !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr));
+            (e, own)
+        }),
+        Err(e) => Err((e, lived)),
+    };
     match r {
         Ok(_) => Ok(held.take()),
         // The flush never came: leaked (the guard forgets it).
-        Err(error @ Error::FlushLost { .. }) => Err(Rejected { error, buf: None }),
+        Err((error @ Error::FlushLost { .. }, own)) => Err(BindFailed { rejected: Rejected { error, buf: None }, own }),
         // A failed bind leaves the window unbound (or the QP in the error state and flushed):
         // nothing reaches the bytes through it.
-        Err(error) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
+        Err((error, own)) => Err(BindFailed { rejected: Rejected { error, buf: held.take().into_buf().ok() }, own }),
     }
 }
 
@@ -161,9 +178,11 @@ pub(crate) fn revoke<K: Send + 'static>(conn: &Connection, held: Keyed<K>) -> st
         Err(error @ Error::FlushLost { .. }) => Err(Rejected { error, buf: None }),
         // The connection is failed (by the failure, or by `post_revocation`): once its queue
         // pair is flushed the window serves nobody, and what the key kept comes back.
-        Err(error) => match conn.close() {
-            Ok(()) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
-            Err(_) => {
+        // (Only if the QP is seen in the error state: a close finds nothing outstanding at once
+        // even where the QP could not be moved there, and a bound window has nothing outstanding.)
+        Err(error) => match conn.close().and_then(|()| conn.qp().state()) {
+            Ok(QpState::Error) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
+            _ => {
                 conn.core().park_until_closed(Box::new(held.take()));
                 Err(Rejected { error, buf: None })
             }
@@ -179,8 +198,9 @@ pub(crate) fn release<K: Send + 'static>(conn: &Connection, held: Keyed<K>) {
         std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
         return;
     }
-    let posted = post_revocation(conn, &held);
-    let held = Box::new(held);
+    let held = Bound(Some(held));
+    let posted = post_revocation(conn, held.get());
+    let held = Box::new(held.take());
     match posted {
         Ok(id) => {
             conn.core().park(id, held);
@@ -214,7 +234,7 @@ impl Connection {
     pub fn grant<B: IoBufMut>(&self, buf: B, access: Access) -> std::result::Result<Grant<'_, B>, Rejected<B>> {
         let (held, op) = Keyed::prepare(self, buf, access)?;
         let remote = held.remote();
-        let held = bind(self, held, op)?;
+        let held = bind(self, held, op).map_err(|f| f.rejected)?;
         Ok(Grant { conn: self, held: Some(held), remote })
     }
 }

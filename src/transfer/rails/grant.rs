@@ -7,12 +7,12 @@ use parking_lot::Mutex;
 use crate::error::Error;
 use crate::remote_desc::{DeviceKey, RemoteDesc};
 use crate::transfer::exact::Keyed;
-use crate::transfer::grant::{bind, release, revoke};
+use crate::transfer::grant::{bind, release, revoke, BindFailed};
 use crate::transfer::rails::{Rail, Rails};
 use crate::transfer::request::iobuf::{IoBufMut, Rejected};
 #[cfg(doc)]
 use crate::transfer::{Connection, Grant};
-use crate::verbs::{Access, WcStatus};
+use crate::verbs::Access;
 
 /// What every key of a rails grant holds a share of: the buffer, freed when the last key is
 /// released. (The mutex only makes the share `Send` for any `Send` buffer: nobody locks it
@@ -186,12 +186,6 @@ fn revoke_all<B: IoBufMut>(
     (home.and_then(|share| Arc::try_unwrap(share).ok()).map(Mutex::into_inner), first)
 }
 
-/// Whether a bind's failure is its rail's (flushed or timed out with a connection that failed
-/// for whatever reason) rather than the bind's own (a device that refused it).
-fn rail_failed_under(error: &Error) -> bool {
-    !matches!(error, Error::Operation { status, .. } if !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr))
-}
-
 impl Rails {
     /// Grants the peer `access` (remote read and/or write) to exactly `buf` through every live
     /// rail: a window per rail bound through its connection, one [`RemoteDesc`] for all of
@@ -230,7 +224,14 @@ impl Rails {
         let mut failed = None;
         for (i, rail) in live {
             let conn = rail.conn();
-            let gid = conn.qp().endpoint().gid;
+            // The GID the peer's end addresses this one by (an RDMA CM connection's from its route).
+            let gid = match conn.qp().local_gid() {
+                Ok(gid) => gid,
+                Err(error) => {
+                    failed = Some(error);
+                    break;
+                }
+            };
             if let Some(j) = keys.iter().find(|k| k.key.gid == gid).map(|k| k.at) {
                 let why = format!("rails {j} and {i} present one GID ({gid}): a grant needs a device per rail");
                 failed = Some(Error::InvalidArgument(why));
@@ -240,20 +241,28 @@ impl Rails {
             // share of it, so it is freed only when the last key is released (each once dead)
             // or never; nothing references its bytes meanwhile: the grant gives no access to
             // them, and the buffer is unwrapped only once every share came back.
-            let made = unsafe { Keyed::prepare_over(conn, ptr, len, Arc::clone(&share), access) }
-                .and_then(|(keyed, op)| bind(conn, keyed, op));
+            let made = match unsafe { Keyed::prepare_over(conn, ptr, len, Arc::clone(&share), access) } {
+                Ok((keyed, op)) => bind(conn, keyed, op),
+                // Refused before anything was posted: the rail's failure (it died meanwhile), or
+                // the buffer's or the rights' (its own).
+                Err(rejected) => {
+                    let own = rail.alive()
+                        || matches!(rejected.error, Error::NotRegistered { .. } | Error::InvalidArgument(_));
+                    Err(BindFailed { rejected, own })
+                }
+            };
             match made {
                 Ok(keyed) => {
                     let key = DeviceKey { gid, rkey: keyed.remote().rkey };
                     rail.count_grant_key(true);
                     keys.push(RailKey { at: i, rail: Arc::clone(rail), keyed: Some(keyed), key });
                 }
-                // The rail failed under the bind, and the share is back (the window unbound or
-                // its queue pair flushed): the peer cannot use that rail either.
-                Err(Rejected { error, buf: Some(_) }) if !rail.alive() && rail_failed_under(&error) => {
+                // The rail failed under the bind (by something else), and the share is back (the
+                // window unbound or its queue pair flushed): the peer cannot use that rail either.
+                Err(BindFailed { rejected: Rejected { error, buf: Some(_) }, own: false }) if !rail.alive() => {
                     down.push(format!("rail {i}: {error}"));
                 }
-                Err(Rejected { error, .. }) => {
+                Err(BindFailed { rejected: Rejected { error, .. }, .. }) => {
                     failed = Some(error);
                     break;
                 }

@@ -417,7 +417,7 @@ impl Rails {
     /// A grant made over the group ([`Rails::grant`]) before has a key bound through the old
     /// connection under the same device's GID, which the peer would use on the new one (and
     /// break it): while such a grant lives the rail is not restored. Revoke or drop it first,
-    /// and grant again after.
+    /// and grant again after (a forgotten grant keeps the rail from being restored for good).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `i` is not a rail of the group, `conn` has failed already,

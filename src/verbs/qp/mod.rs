@@ -335,6 +335,20 @@ impl Qp {
         Ok(Some(Gid::from_bytes(unsafe { attr.ah_attr.grh.dgid.raw })))
     }
 
+    /// The GID the QP sends from (its address vector's source GID index, looked up in the port's
+    /// table: what its peer addresses it by; an RDMA CM connection's comes from the CM's route,
+    /// not from the GID index the QP was made with); the endpoint's GID without a global route.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_query_qp` or the GID lookup fails.
+    pub(crate) fn local_gid(&self) -> Result<Gid> {
+        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_AV)?;
+        if attr.ah_attr.is_global == 0 {
+            return Ok(self.endpoint().gid);
+        }
+        self.pd.context().gid(self.port(), u32::from(attr.ah_attr.grh.sgid_index))
+    }
+
     /// `ibv_query_qp` of the attributes `mask` names.
     fn query(&self, mask: ffi::ibv_qp_attr_mask) -> Result<ffi::ibv_qp_attr> {
         self.usable()?;

@@ -25,6 +25,11 @@ impl Ticket {
     pub(crate) fn recv(wr_id: u64) -> Ticket {
         Ticket { wr_id, send: false }
     }
+
+    /// The work request's id (what a completion, and an `Error::Operation`, name it by).
+    pub(crate) fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
 }
 
 /// A buffer owned by an operation nobody waits for.
