@@ -7,7 +7,7 @@ use crate::transfer::exact::Keyed;
 use crate::transfer::request::iobuf::IoBufMut;
 use crate::transfer::request::iobuf::Rejected;
 use crate::transfer::Connection;
-use crate::verbs::{Access, QpState, SendOp, WcStatus};
+use crate::verbs::{Access, SendOp, WcStatus};
 
 /// Remote access to one buffer, given to the peer of one connection, with an rkey of its own
 /// over exactly that buffer's bytes, working through that connection only. The grant owns the
@@ -178,11 +178,10 @@ pub(crate) fn revoke<K: Send + 'static>(conn: &Connection, held: Keyed<K>) -> st
         Err(error @ Error::FlushLost { .. }) => Err(Rejected { error, buf: None }),
         // The connection is failed (by the failure, or by `post_revocation`): once its queue
         // pair is flushed the window serves nobody, and what the key kept comes back.
-        // (Only if the QP is seen in the error state: a close finds nothing outstanding at once
-        // even where the QP could not be moved there, and a bound window has nothing outstanding.)
-        Err(error) => match conn.close().and_then(|()| conn.qp().state()) {
-            Ok(QpState::Error) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
-            _ => {
+        // (`close` is Ok only with the QP seen in the error state.)
+        Err(error) => match conn.close() {
+            Ok(()) => Err(Rejected { error, buf: held.take().into_buf().ok() }),
+            Err(_) => {
                 conn.core().park_until_closed(Box::new(held.take()));
                 Err(Rejected { error, buf: None })
             }

@@ -9,6 +9,7 @@ use crate::error::{Disconnect, Error, Result};
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::transfer::engine::completion::Failure;
 use crate::transfer::Connection;
+use crate::verbs::QpState;
 
 impl Connection {
     /// Closes the connection: moves the QP to the error state (later posts fail with
@@ -18,10 +19,11 @@ impl Connection {
     /// buffers back. Dropping a connection closes it.
     ///
     /// # Errors
-    /// [`Error::FlushLost`] (with `wr_id` 0) if the device did not flush within a few seconds (a
-    /// device fault, or the queue pair could not be moved to the error state — that failure
-    /// itself is not reported): dropping the connection waits once more, and leaks the buffers
-    /// still held if the flush has not come by then. Closing twice is not an error.
+    /// [`Error::FlushLost`] (with `wr_id` 0) if the device did not flush within a few seconds, or
+    /// the queue pair is not seen in the error state once nothing is outstanding (a device
+    /// fault, or the queue pair could not be moved there — that failure itself is not reported):
+    /// dropping the connection waits once more, and leaks the buffers still held if the flush
+    /// has not come by then. Closing twice is not an error.
     /// [`Error::Forked`] in a fork()ed child of the process that made the connection (nothing
     /// is closed: the connection is the parent's).
     pub fn close(&self) -> Result<()> {
@@ -37,7 +39,7 @@ impl Connection {
             // A failing poll leaves the flush unseen: keep trying until the deadline.
             let _ = self.core.progress();
             if self.core.quiet() {
-                return Ok(());
+                return self.in_error_state(start);
             }
             if start.elapsed() > FLUSH_WAIT {
                 return Err(Error::FlushLost { wr_id: 0, waited: start.elapsed() });
@@ -45,6 +47,20 @@ impl Connection {
             if self.core.pause(&mut spins, Duration::from_millis(1), mark).is_err() {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+    }
+
+    /// Whether the QP is seen in the error state (or its device is gone), once nothing is
+    /// outstanding: a QP that could not be moved there has nothing outstanding either, yet its
+    /// bound windows still serve the peer.
+    ///
+    /// # Errors
+    /// [`Error::FlushLost`] (with `wr_id` 0) if the QP is in another state or cannot be asked.
+    fn in_error_state(&self, start: Instant) -> Result<()> {
+        match self.qp.state() {
+            Ok(QpState::Error) => Ok(()),
+            _ if self.pd.context().is_removed() => Ok(()),
+            _ => Err(Error::FlushLost { wr_id: 0, waited: start.elapsed() }),
         }
     }
 
