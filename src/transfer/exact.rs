@@ -243,14 +243,20 @@ impl<B> Keyed<B> {
     /// deallocates the window, then deregisters an exact region.
     ///
     /// # Errors
-    /// [`Error::Verbs`] if the device refused to deregister the exact region (the buffer is
-    /// leaked); [`Error::Forked`] in a fork()ed child with an exact region (the region is the
+    /// [`Error::Verbs`] if the device refused to deallocate the window or to deregister the
+    /// exact region (the buffer is leaked); [`Error::Forked`] in a fork()ed child with an exact region (the region is the
     /// parent's; the child's copy of the buffer is leaked too).
     pub(crate) fn into_buf(mut self) -> Result<B> {
         let buf = self.buf.take().expect("a Keyed holds its buffer");
         let Key { windows, window, exact } = self.key.take().expect("a Keyed holds its key");
         // The window first: a region with a window bound cannot be deregistered (rxe refuses).
-        drop(windows.take(window));
+        // A window the device would not deallocate may still be bound: keep everything.
+        if let Some(Err(e)) = windows.take(window).map(Mw::deallocate) {
+            std::mem::forget(exact);
+            let why = format_args!("deallocating a grant's memory window: {e}; its buffer is leaked");
+            crate::verbs::keep_for_good(buf, why);
+            return Err(e);
+        }
         match exact {
             None => {}
             Some(mr) if !mr.pd().context().owned_here() => {

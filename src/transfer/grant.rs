@@ -63,8 +63,8 @@ impl<B: IoBufMut> Grant<'_, B> {
     ///   Once it is flushed, the buffer comes back in `buf` with the error; if the flush does
     ///   not come within the close's wait, `buf` is `None` and the connection keeps the buffer
     ///   until it is dropped. With [`Error::FlushLost`] (`buf` `None`) it is leaked.
-    /// - An exact registration's removal fails ([`Error::Verbs`], `buf` `None`): the buffer is
-    ///   leaked.
+    /// - The window's deallocation or an exact registration's removal fails ([`Error::Verbs`],
+    ///   `buf` `None`): the buffer is leaked.
     ///
     /// In a fork()ed child (the grant is the parent's): [`Error::Forked`], with the child's
     /// copy of the buffer.

@@ -50,15 +50,37 @@ impl Mw {
     pub fn as_raw(&self) -> *mut ffi::ibv_mw {
         self.mw
     }
+
+    /// Deallocates the window now, reporting a refusal (dropping it only logs one).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_dealloc_mw` fails: the window may still be bound, so whatever
+    /// it lies over must be kept for good.
+    pub fn deallocate(self) -> Result<()> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped: its PD handle is moved out once, here.
+        let pd = unsafe { std::ptr::read(&this._pd) };
+        let rc = dealloc(this.mw, &pd);
+        if rc != 0 {
+            return Err(Error::verbs("ibv_dealloc_mw", rc));
+        }
+        Ok(())
+    }
+}
+
+/// `ibv_dealloc_mw` of `mw` (of `pd`); 0, or the verbs error (nothing done in a fork()ed child,
+/// where the window is the parent's).
+fn dealloc(mw: *mut ffi::ibv_mw, pd: &Pd) -> i32 {
+    if !pd.context().owned_here() {
+        return 0; // the parent's (a fork()ed child's copy)
+    }
+    // SAFETY: allocated by ibv_alloc_mw, deallocated once (by `deallocate` or the drop).
+    unsafe { ffi::ibv_dealloc_mw(mw) }
 }
 
 impl Drop for Mw {
     fn drop(&mut self) {
-        if !self._pd.context().owned_here() {
-            return; // the parent's (a fork()ed child's copy)
-        }
-        // SAFETY: allocated by ibv_alloc_mw, deallocated once.
-        let rc = unsafe { ffi::ibv_dealloc_mw(self.mw) };
+        let rc = dealloc(self.mw, &self._pd);
         if rc != 0 {
             tracing::warn!(rc, "ibv_dealloc_mw failed");
         }
