@@ -95,17 +95,22 @@ fn post_revocation<K>(conn: &Connection, held: &Keyed<K>) -> Result<Ticket> {
     r
 }
 
-/// A key whose window may be bound, held across a call that may unwind (a panicking log
-/// subscriber): unwinding leaks it (and what it keeps) instead of releasing it under a window
-/// that may still serve the peer.
-struct Bound<K>(Option<Keyed<K>>);
+/// A key whose window may be bound, held until it is taken to be revoked or released: dropped
+/// before that (unwinding from a panicking log subscriber, say) it leaks the key and what it
+/// keeps instead of releasing them under a window that may still serve the peer.
+pub(crate) struct Bound<K>(Option<Keyed<K>>);
 
 impl<K> Bound<K> {
-    fn get(&self) -> &Keyed<K> {
+    pub(crate) fn new(held: Keyed<K>) -> Bound<K> {
+        Bound(Some(held))
+    }
+
+    pub(crate) fn get(&self) -> &Keyed<K> {
         self.0.as_ref().expect("a Bound holds its key until taken")
     }
 
-    fn take(mut self) -> Keyed<K> {
+    /// The key, once: a second take panics.
+    pub(crate) fn take(&mut self) -> Keyed<K> {
         self.0.take().expect("a Bound holds its key until taken")
     }
 }
@@ -139,7 +144,7 @@ pub(crate) fn bind<K: Send + 'static>(
     held: Keyed<K>,
     bind: SendOp,
 ) -> std::result::Result<Keyed<K>, BindFailed<K>> {
-    let held = Bound(Some(held));
+    let mut held = Bound::new(held);
     let lived = conn.error().is_none();
     // SAFETY: binding touches no local memory; the window covers what `held` keeps, which it
     // (or the connection, or a leak) keeps until the window is invalidated or the QP flushed.
@@ -170,7 +175,7 @@ pub(crate) fn revoke<K: Send + 'static>(conn: &Connection, held: Keyed<K>) -> st
         // its own.
         return Err(Rejected { error: Error::Forked("this grant"), buf: Some(held.into_forked_copy()) });
     }
-    let held = Bound(Some(held));
+    let mut held = Bound::new(held);
     let r = post_revocation(conn, held.get()).and_then(|id| conn.wait(id).map(|_| ()));
     match r {
         Ok(()) => held.take().into_buf().map_err(|error| Rejected { error, buf: None }),
@@ -197,7 +202,7 @@ pub(crate) fn release<K: Send + 'static>(conn: &Connection, held: Keyed<K>) {
         std::mem::forget(held); // a fork()ed child's copy: the parent's, for good
         return;
     }
-    let held = Bound(Some(held));
+    let mut held = Bound::new(held);
     let posted = post_revocation(conn, held.get());
     let held = Box::new(held.take());
     match posted {

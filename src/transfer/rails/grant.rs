@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use crate::error::Error;
 use crate::remote_desc::{DeviceKey, RemoteDesc};
 use crate::transfer::exact::Keyed;
-use crate::transfer::grant::{bind, release, revoke, BindFailed};
+use crate::transfer::grant::{bind, release, revoke, BindFailed, Bound};
 use crate::transfer::rails::{Rail, Rails};
 use crate::transfer::request::iobuf::{IoBufMut, Rejected};
 #[cfg(doc)]
@@ -77,12 +77,12 @@ pub struct RailsGrant<B: IoBufMut> {
 
 /// One rail's key of a rails grant. The key is taken out to be revoked or released; one
 /// dropped with the key still in (unwinding from a panic) leaks it, and so the buffer: its
-/// window may still be bound.
+/// window may still be bound (see [`Bound`]).
 struct RailKey<B> {
     /// Its index in the group.
     at: usize,
     rail: Arc<Rail>,
-    keyed: Option<Keyed<Share<B>>>,
+    keyed: Bound<Share<B>>,
     /// As the descriptor names it.
     key: DeviceKey,
 }
@@ -91,15 +91,7 @@ impl<B> RailKey<B> {
     /// The key, to revoke or release through `self.rail`: the rail counts it gone.
     fn take(&mut self) -> Keyed<Share<B>> {
         self.rail.count_grant_key(false);
-        self.keyed.take().expect("a rail key is taken once")
-    }
-}
-
-impl<B> Drop for RailKey<B> {
-    fn drop(&mut self) {
-        if let Some(k) = self.keyed.take() {
-            std::mem::forget(k);
-        }
+        self.keyed.take()
     }
 }
 
@@ -255,7 +247,7 @@ impl Rails {
                 Ok(keyed) => {
                     let key = DeviceKey { gid, rkey: keyed.remote().rkey };
                     rail.count_grant_key(true);
-                    keys.push(RailKey { at: i, rail: Arc::clone(rail), keyed: Some(keyed), key });
+                    keys.push(RailKey { at: i, rail: Arc::clone(rail), keyed: Bound::new(keyed), key });
                 }
                 // The rail failed under the bind (by something else), and the share is back (the
                 // window unbound or its queue pair flushed): the peer cannot use that rail either.

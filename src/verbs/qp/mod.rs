@@ -327,12 +327,8 @@ impl Qp {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_query_qp` fails.
     pub(crate) fn remote_gid(&self) -> Result<Option<Gid>> {
-        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_AV)?;
-        if attr.ah_attr.is_global == 0 {
-            return Ok(None);
-        }
         // SAFETY: every bit pattern of the union is a valid [u8; 16].
-        Ok(Some(Gid::from_bytes(unsafe { attr.ah_attr.grh.dgid.raw })))
+        Ok(self.global_route()?.map(|grh| Gid::from_bytes(unsafe { grh.dgid.raw })))
     }
 
     /// The GID the QP sends from (its address vector's source GID index, looked up in the port's
@@ -342,11 +338,16 @@ impl Qp {
     /// # Errors
     /// [`Error::Verbs`] if `ibv_query_qp` or the GID lookup fails.
     pub(crate) fn local_gid(&self) -> Result<Gid> {
-        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_AV)?;
-        if attr.ah_attr.is_global == 0 {
-            return Ok(self.endpoint().gid);
+        match self.global_route()? {
+            Some(grh) => self.pd.context().gid(self.port(), u32::from(grh.sgid_index)),
+            None => Ok(self.endpoint().gid),
         }
-        self.pd.context().gid(self.port(), u32::from(attr.ah_attr.grh.sgid_index))
+    }
+
+    /// The global route header of the QP's address vector, if it has one.
+    fn global_route(&self) -> Result<Option<ffi::ibv_global_route>> {
+        let attr = self.query(ffi::ibv_qp_attr_mask::IBV_QP_AV)?;
+        Ok((attr.ah_attr.is_global != 0).then_some(attr.ah_attr.grh))
     }
 
     /// `ibv_query_qp` of the attributes `mask` names.
