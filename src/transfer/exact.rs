@@ -219,12 +219,6 @@ impl<B> Keyed<B> {
         self.remote
     }
 
-    /// The buffer.
-    #[cfg(feature = "tokio")]
-    pub(crate) fn buf(&self) -> &B {
-        self.buf.as_ref().expect("a Keyed holds its buffer")
-    }
-
     /// Whether the window lies over the heap chunk's region (else over an exact registration).
     #[cfg(test)]
     pub(crate) fn over_chunk(&self) -> bool {

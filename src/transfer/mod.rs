@@ -66,7 +66,9 @@ pub use engine::poller::Poller;
 pub use engine::stats::ConnectionStats;
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
-pub use front::aio::{AsyncCmListener, AsyncConnection, AsyncListener, RemoteLimits, RemoteMemory, RemoteMemoryStats};
+pub use front::aio::{
+    AsyncCmListener, AsyncConnection, AsyncListener, RailsRemoteMemory, RemoteLimits, RemoteMemory, RemoteMemoryStats,
+};
 pub use front::batch::Batch;
 pub use front::pending::Pending;
 pub use grant::Grant;

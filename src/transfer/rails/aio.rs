@@ -8,20 +8,26 @@ use std::future::Future;
 use std::net::SocketAddr;
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::net::ToSocketAddrs;
 
 use crate::error::{Error, Result};
 use crate::remote_desc::RemoteDesc;
+use crate::transfer::front::aio::RailsLending;
 use crate::transfer::rails::setup::{hello, join, joins, next_answer, parse_answer, pds_fit, rails_wanted, HELLO};
 use crate::transfer::rails::{check_options, Finished, Link, RailInfo, RailOptions, Rails, Striped};
 use crate::transfer::request::iobuf::{IoBuf, IoTarget};
 use crate::transfer::{AsyncConnection, AsyncListener};
 use crate::verbs::Pd;
 
-/// A rail group of async connections ([`Rails`]' transfers as futures).
+mod lending;
+
+/// A rail group of async connections: [`Rails`]' transfers as futures, and remote memory lent
+/// through every rail at once ([`AsyncRails::request_remote`], [`AsyncRails::push`]).
 pub struct AsyncRails {
     rails: Rails,
+    lending: Arc<RailsLending>,
 }
 
 impl std::fmt::Debug for AsyncRails {
@@ -107,7 +113,8 @@ impl AsyncRails {
     /// # Errors
     /// As [`Rails::new`].
     pub fn new(conns: Vec<AsyncConnection>, opts: RailOptions) -> Result<AsyncRails> {
-        Ok(AsyncRails { rails: Rails::from_links(conns.into_iter().map(Link::Async).collect(), opts)? })
+        let lending = RailsLending::new(&conns);
+        Ok(AsyncRails { rails: Rails::from_links(conns.into_iter().map(Link::Async).collect(), opts)?, lending })
     }
 
     /// [`Rails::connect`], async: to a [`crate::transfer::RailsListener`] or an
@@ -195,12 +202,18 @@ impl AsyncRails {
         Ok(self.rail(i))
     }
 
-    /// [`Rails::restore`] for an async group.
+    /// [`Rails::restore`] for an async group. As a live grant's key does, a live
+    /// [`RailsRemoteMemory`](crate::transfer::RailsRemoteMemory) of this side with a key on rail
+    /// `i` keeps it from being restored (the peer's key would be used on the new connection).
     ///
     /// # Errors
-    /// As [`Rails::restore`].
+    /// As [`Rails::restore`]; [`Error::InvalidArgument`] while a handle of remote memory over
+    /// the group has a key on rail `i` (`conn` is dropped).
     pub fn restore(&mut self, i: usize, conn: AsyncConnection) -> Result<()> {
-        self.rails.restore_link(i, Link::Async(conn))
+        self.lending.check_restore(i)?;
+        self.rails.restore_link(i, Link::Async(conn.clone()))?;
+        self.lending.replace(i, &conn);
+        Ok(())
     }
 
     /// [`Rails::post_write`] as a future. A refusal (as `post_write`'s) resolves at once, the

@@ -19,14 +19,11 @@ use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, RemoteRefusal, Result};
 use crate::heap::Buffer;
-use crate::remote::RemoteBuf;
 use crate::transfer::connection::FLUSH_WAIT;
 use crate::transfer::engine::completion::Failure;
-use crate::transfer::exact::Keyed;
-use crate::transfer::front::aio::lending::{access_of, Held, Lending, Lent, RemoteMemory};
-use crate::transfer::front::aio::op::{NoBytes, Op};
+use crate::transfer::front::aio::lending::{access_of, lend, unlend, Held, Kept, Lending, Lent, RemoteMemory};
 use crate::transfer::front::aio::scratch::{Word, Words};
-use crate::transfer::front::aio::wire::{Msg, FRAME};
+use crate::transfer::front::aio::wire::{Msg, RailKeys, FRAME};
 use crate::transfer::front::aio::{AsyncConnection, Shared};
 use crate::transfer::setup::control::DEPTH;
 use crate::transfer::{Received, Rejected};
@@ -42,8 +39,31 @@ pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The owner's answer to a request: the memory granted (built by the receive task, so a
 /// cancelled request's grant is released by the handle's drop), or why not and its limit.
 pub(crate) type Answer = std::result::Result<RemoteMemory, (RemoteRefusal, u64)>;
+/// Memory granted over a rail group: address, length, a key per rail.
+pub(crate) type RailsGrant = (u64, u64, RailKeys);
+/// Takes the answer to a request for memory over a rail group (the group makes the handle).
+pub(crate) type RailsReply = Box<dyn FnOnce(Result<RailsGrant>) + Send>;
+/// Who waits for an answer: a request for this connection's memory, or a rail group's.
+enum Reply {
+    One(oneshot::Sender<Answer>),
+    Rails(RailsReply),
+}
+
+/// What a rail group (`rails_lending`) does with the rails messages its rails' control channels
+/// receive.
+pub(crate) trait Group: Send + Sync {
+    /// The owner's answer to the peer's request for `len` bytes with `access` over the group.
+    fn serve(&self, seq: u64, len: u64, access: Access) -> Pin<Box<dyn Future<Output = Msg> + Send + '_>>;
+    /// Memory the peer pushed over the group.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for memory the group cannot take (the keys are given back).
+    fn pushed(&self, tag: u64, grant: RailsGrant, access: Access) -> Result<()>;
+    /// Gives back memory granted over the group that nobody waits for.
+    fn give_back(&self, grant: RailsGrant);
+}
 /// A request waiting for its answer: who waits, the rights and bytes asked for.
-type Waiting = (oneshot::Sender<Answer>, Access, u64);
+type Waiting = (Reply, Access, u64);
 /// Bound on pushed grants the application has not taken yet: a peer beyond it breaks the
 /// protocol (the connection is failed).
 const PUSHED_INBOX: usize = 1024;
@@ -66,6 +86,8 @@ pub(crate) struct ControlShared {
     timers: bool,
     pub(crate) pushed: tokio::sync::Mutex<Receiver<(u64, RemoteMemory)>>,
     pub(crate) handed: tokio::sync::Mutex<UnboundedReceiver<(u64, Buffer)>>,
+    /// The rail group this connection is a rail of, if any (its remote memory spans them all).
+    group: Mutex<Option<Arc<dyn Group>>>,
 }
 
 /// What only the tasks hold: dropping them (the tasks end) closes `pushed` and `handed`.
@@ -99,6 +121,7 @@ pub(crate) fn new(ctl: AsyncConnection) -> (Arc<ControlShared>, Parts) {
         timers,
         pushed: tokio::sync::Mutex::new(pushed_rx),
         handed: tokio::sync::Mutex::new(handed_rx),
+        group: Mutex::new(None),
     });
     (cs, Parts { out_rx, inboxes: Inboxes { pushed: pushed_tx, handed: handed_tx } })
 }
@@ -164,10 +187,13 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
         }
         Msg::Granted { seq, handle, remote } => {
             let waiting = cs.requests.lock().remove(&seq);
-            let Some((tx, access, len)) = waiting else {
+            let Some((Reply::One(tx), access, len)) = waiting else {
                 // Nobody asked (or the answer came after the peer was declared gone): give it back.
                 let _ = cs.out.send(Msg::Release { handle });
-                return Ok(());
+                return match waiting {
+                    None => Ok(()),
+                    Some(_) => Err(Error::Protocol("control channel: a rails request answered with one key".into())),
+                };
             };
             if remote.len != len {
                 let _ = cs.out.send(Msg::Release { handle });
@@ -176,14 +202,17 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
             // If nobody waits any more (a cancelled request), the handle's drop gives it back.
             let _ = tx.send(Ok(RemoteMemory::new(remote, handle, access, cs.out.clone(), cs.held.clone())));
         }
-        Msg::Refused { seq, code, limit } => {
-            if let Some((tx, _, _)) = cs.requests.lock().remove(&seq) {
-                let _ = tx.send(Err((code, limit)));
+        Msg::Refused { seq, code, limit } => match cs.requests.lock().remove(&seq) {
+            Some((Reply::One(tx), _, _)) => drop(tx.send(Err((code, limit)))),
+            Some((Reply::Rails(reply), _, requested)) => {
+                reply(Err(Error::RemoteRefused { requested, reason: code, limit }))
             }
-        }
-        Msg::Release { handle } => drop(unlend(cs, sh, handle).await),
+            None => {}
+        },
+        Msg::Release { handle } => drop(unlend(&cs.lending, sh, handle, true).await),
         Msg::HandOver { handle, tag } => {
-            if let Some(buf) = unlend(cs, sh, handle).await {
+            // A share of memory lent over rails is released: only all of a buffer is handed.
+            if let Some(buf) = unlend(&cs.lending, sh, handle, true).await.and_then(Kept::into_own) {
                 let mut l = cs.lending.lock();
                 l.handed.0 += 1;
                 l.handed.1 += buf.len() as u64;
@@ -199,9 +228,54 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
                 )));
             }
         }
+        Msg::RailsRequest { seq, len, access } => {
+            let group = cs.group.lock().clone();
+            let answer = match group {
+                Some(g) => g.serve(seq, len, access_of(access)).await,
+                None => Msg::Refused { seq, code: RemoteRefusal::NotServing, limit: 0 },
+            };
+            let _ = cs.out.send(answer);
+        }
+        Msg::RailsGranted { seq, addr, len: got, keys } => {
+            let waiting = cs.requests.lock().remove(&seq);
+            let group = cs.group.lock().clone();
+            let Some(group) = group else {
+                release_own(cs, sh, &keys);
+                return Err(Error::Protocol("control channel: memory over rails granted to no rail group".into()));
+            };
+            match waiting {
+                Some((Reply::Rails(reply), _, len)) if got == len => reply(Ok((addr, got, keys))),
+                // Nobody asked (or the answer came after the peer was declared gone): give it back.
+                None => group.give_back((addr, got, keys)),
+                Some((_, _, len)) => {
+                    group.give_back((addr, got, keys));
+                    return Err(Error::Protocol(format!(
+                        "control channel: {len} bytes asked for (or one key), {got} granted over rails"
+                    )));
+                }
+            }
+        }
+        Msg::RailsPush { addr, len, access, tag, keys } => {
+            let group = cs.group.lock().clone();
+            let Some(group) = group else {
+                release_own(cs, sh, &keys);
+                return Err(Error::Protocol("control channel: memory over rails pushed to no rail group".into()));
+            };
+            group.pushed(tag, (addr, len, keys), access_of(access))?;
+        }
         Msg::Ping | Msg::Bye => {}
     }
     Ok(())
+}
+
+/// Gives back the key of `keys` that is this connection's own (a rails message for a
+/// connection that is no rail: the other keys' rails are unknown here, and their owner frees
+/// them when those connections go).
+fn release_own(cs: &ControlShared, sh: &Shared, keys: &RailKeys) {
+    let peer = sh.conn().peer().gid;
+    if let Some(k) = keys.as_slice().iter().find(|k| k.gid == peer) {
+        let _ = cs.out.send(Msg::Release { handle: k.handle });
+    }
 }
 
 /// The answer to a request for `len` bytes with `access`.
@@ -225,72 +299,13 @@ async fn serve(cs: &Arc<ControlShared>, sh: &Arc<Shared>, seq: u64, len: u64, ac
     else {
         return refuse(RemoteRefusal::OutOfMemory, 0);
     };
-    match lend(cs, sh, buf, access).await {
+    match lend(&cs.lending, sh, Kept::Own(buf), access).await {
         Ok((handle, remote)) => {
             cs.lending.lock().announce(handle);
             Msg::Granted { seq, handle, remote }
         }
         Err(_) => refuse(RemoteRefusal::Unavailable, 0),
     }
-}
-
-/// Makes a key for exactly `buf` with `access` (see `transfer::exact`: a window bound through
-/// this connection) and registers the entry. The entry is in the registry before the bind is
-/// posted, so a cancelled bind leaves it there (released with the connection). On failure the
-/// buffer comes back unless the bind's flush was lost.
-pub(crate) async fn lend(
-    cs: &ControlShared,
-    sh: &Arc<Shared>,
-    buf: Buffer,
-    access: Access,
-) -> std::result::Result<(u64, RemoteBuf), Rejected<Buffer>> {
-    let ctx = sh.conn().pd().context();
-    if ctx.confinement_settled().is_none() {
-        // The device's first grant probes it (milliseconds of verbs calls): not on this thread.
-        let (ctx, qp) = (ctx.clone(), sh.conn().qp());
-        let at = Some((qp.port(), qp.gid_index()));
-        let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
-    }
-    let (bind, handle, remote) = start_lend(cs, sh, buf, access)?;
-    match bind.await {
-        Ok(_) => Ok((handle, remote)),
-        // Refused, or failed and flushed: the window is not bound, the memory is ours again
-        // (unless the connection's failure path already took it).
-        Err(Rejected { error, buf: Some(_) }) => {
-            let lent = cs.lending.lock().remove(handle);
-            Err(Rejected { error, buf: lent.and_then(|l| l.keyed.into_buf().ok()) })
-        }
-        // The flush never came: the entry stays (parked with the connection, never freed early).
-        Err(Rejected { error, buf: None }) => Err(Rejected { error, buf: None }),
-    }
-}
-
-/// Makes the key, registers the entry, and posts the window's bind (no await: the verbs
-/// handles stay out of the future's state). Returns the bind in flight, the entry's handle and
-/// what the peer needs.
-fn start_lend(
-    cs: &ControlShared,
-    sh: &Arc<Shared>,
-    buf: Buffer,
-    access: Access,
-) -> std::result::Result<(Op<NoBytes>, u64, RemoteBuf), Rejected<Buffer>> {
-    let (keyed, bind) = Keyed::prepare(sh.conn(), buf, access)?;
-    let remote = keyed.remote();
-    let handle = cs.lending.lock().insert(Lent { keyed, announced: false });
-    let op = Op::control(sh.clone(), bind);
-    Ok((op, handle, remote))
-}
-
-/// Kills the key of `handle` (the window's invalidation) and takes its buffer out of the
-/// registry. `None` if the handle is unknown, not announced yet (its bind is in flight: a peer
-/// that names it breaks nothing), or the key could not be killed (a failed invalidation fails
-/// the connection, whose failure path frees the entry once the queue pair is flushed), or an
-/// exact registration the device refused to remove (the buffer is leaked).
-async fn unlend(cs: &ControlShared, sh: &Arc<Shared>, handle: u64) -> Option<Buffer> {
-    let revocation = cs.lending.lock().lent.get(&handle).filter(|l| l.announced).map(|l| l.keyed.revocation())?;
-    Op::control(sh.clone(), revocation).await.ok()?;
-    let lent = cs.lending.lock().remove(handle)?;
-    lent.keyed.into_buf().ok()
 }
 
 async fn send(
@@ -405,6 +420,19 @@ async fn peer_gone(cs: &ControlShared, weak: &Weak<Shared>, why: Error) {
 impl ControlShared {
     /// Starts a request for `len` bytes with `access`; the answer arrives on the receiver.
     pub(crate) fn request(&self, len: u64, access: Access) -> Result<oneshot::Receiver<Answer>> {
+        let (tx, rx) = oneshot::channel();
+        self.ask(len, access, Reply::One(tx), |seq, len, access| Msg::Request { seq, len, access })?;
+        Ok(rx)
+    }
+
+    /// Starts a request for `len` bytes with `access` through every rail of this connection's
+    /// group; `reply` takes the answer (dropped untaken if the peer goes first).
+    pub(crate) fn request_rails(&self, len: u64, access: Access, reply: RailsReply) -> Result<()> {
+        self.ask(len, access, Reply::Rails(reply), |seq, len, access| Msg::RailsRequest { seq, len, access })
+    }
+
+    /// Registers a request's waiter and sends the request `msg` makes.
+    fn ask(&self, len: u64, access: Access, reply: Reply, msg: fn(u64, u64, u8) -> Msg) -> Result<()> {
         let bits = crate::transfer::front::aio::lending::access_bits(access).ok_or_else(|| {
             Error::InvalidArgument("remote memory is granted with remote read and/or write rights".into())
         })?;
@@ -412,13 +440,37 @@ impl ControlShared {
             return Err(Error::InvalidArgument("remote memory of 0 bytes".into()));
         }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        self.requests.lock().insert(seq, (tx, access, len));
-        if self.dead.load(Ordering::Acquire) || self.out.send(Msg::Request { seq, len, access: bits }).is_err() {
+        self.requests.lock().insert(seq, (reply, access, len));
+        if self.dead.load(Ordering::Acquire) || self.out.send(msg(seq, len, bits)).is_err() {
             self.requests.lock().remove(&seq);
             return Err(Error::Closed);
         }
-        Ok(rx)
+        Ok(())
+    }
+
+    /// What this side lends through the connection.
+    pub(crate) fn lending(&self) -> &Mutex<Lending> {
+        &self.lending
+    }
+
+    /// Makes this connection a rail of `group`.
+    pub(crate) fn set_group(&self, group: Arc<dyn Group>) {
+        *self.group.lock() = Some(group);
+    }
+
+    /// Whether the peer is gone.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Whether lending `len` more bytes stays within `limits` (see [`Lending::room`]).
+    pub(crate) fn room(&self, len: u64, limits: &crate::transfer::RemoteLimits) -> std::result::Result<(), u64> {
+        self.lending.lock().room(len, limits)
+    }
+
+    /// Marks entry `handle` as told to the peer (see [`Lending::announce`]).
+    pub(crate) fn announce(&self, handle: u64) {
+        self.lending.lock().announce(handle);
     }
 
     /// Frees everything lent, for a connection that is gone: parked until its QP is destroyed.

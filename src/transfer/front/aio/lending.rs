@@ -5,13 +5,18 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::{Error, Result};
 use crate::heap::{Buffer, Heap};
 use crate::remote::RemoteBuf;
 use crate::transfer::exact::{grant_rights, Keyed};
+use crate::transfer::front::aio::op::{NoBytes, Op};
 use crate::transfer::front::aio::wire::{Msg, READ, WRITE};
+use crate::transfer::front::aio::Shared;
+use crate::transfer::request::iobuf::{IoBuf, IoBufMut};
+use crate::transfer::Rejected;
 use crate::verbs::{Access, Pd};
 
 /// How much memory an [`crate::transfer::AsyncConnection`] lends its peer
@@ -55,10 +60,40 @@ pub struct RemoteMemoryStats {
 /// it deallocates the window and deregisters an exact registration before the buffer is freed
 /// (or leaks the buffer).
 pub(crate) struct Lent {
-    pub(crate) keyed: Keyed<Buffer>,
+    pub(crate) keyed: Keyed<Kept>,
     /// Whether the peer was told the handle (its bind completed): only then may the peer's
     /// messages release it. Before, the entry belongs to the bind in flight.
     pub(crate) announced: bool,
+}
+
+/// What keeps lent memory: the buffer, or (memory lent over a rail group, a key per rail) a
+/// share of it — freed when the last rail's key is released. (The mutex only makes the share
+/// `Send`: it is locked to take the buffer's address before any key exists, and the buffer is
+/// unwrapped only once every share came back.)
+pub(crate) enum Kept {
+    Own(Buffer),
+    Shared(Arc<Mutex<Buffer>>),
+}
+
+impl Kept {
+    /// The buffer's address and length.
+    pub(crate) fn range(&mut self) -> (*mut u8, usize) {
+        match self {
+            Kept::Own(b) => (b.stable_mut_ptr(), b.bytes_len()),
+            Kept::Shared(s) => {
+                let mut b = s.lock();
+                (b.stable_mut_ptr(), b.bytes_len())
+            }
+        }
+    }
+
+    /// The buffer if this is all of it (a share of memory lent over rails is not).
+    pub(crate) fn into_own(self) -> Option<Buffer> {
+        match self {
+            Kept::Own(b) => Some(b),
+            Kept::Shared(_) => None,
+        }
+    }
 }
 
 /// The owner side's state for one connection.
@@ -78,7 +113,7 @@ impl Lending {
     /// Registers `lent` under a fresh handle.
     pub(crate) fn insert(&mut self, lent: Lent) -> u64 {
         self.next_handle += 1;
-        self.bytes += lent.keyed.buf().size() as u64;
+        self.bytes += lent.keyed.remote().len;
         self.lent.insert(self.next_handle, lent);
         self.next_handle
     }
@@ -103,7 +138,7 @@ impl Lending {
     /// Takes the entry `handle` out of the registry (`None`: unknown or already released).
     pub(crate) fn remove(&mut self, handle: u64) -> Option<Lent> {
         let lent = self.lent.remove(&handle)?;
-        self.bytes -= lent.keyed.buf().size() as u64;
+        self.bytes -= lent.keyed.remote().len;
         Some(lent)
     }
 
@@ -112,6 +147,73 @@ impl Lending {
         self.bytes = 0;
         std::mem::take(&mut self.lent)
     }
+}
+
+/// Makes a key for exactly the buffer `kept` keeps with `access` (see `transfer::exact`: a
+/// window bound through this connection) and registers the entry. The entry is in the registry
+/// before the bind is posted, so a cancelled bind leaves it there (released with the
+/// connection). On failure `kept` comes back unless the bind's flush was lost. The entry is
+/// not announced: the peer cannot release it until [`Lending::announce`].
+pub(crate) async fn lend(
+    lending: &Mutex<Lending>,
+    sh: &Arc<Shared>,
+    kept: Kept,
+    access: Access,
+) -> std::result::Result<(u64, RemoteBuf), Rejected<Kept>> {
+    let ctx = sh.conn().pd().context();
+    if ctx.confinement_settled().is_none() {
+        // The device's first grant probes it (milliseconds of verbs calls): not on this thread.
+        let (ctx, qp) = (ctx.clone(), sh.conn().qp());
+        let at = Some((qp.port(), qp.gid_index()));
+        let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
+    }
+    let (bind, handle, remote) = start_lend(lending, sh, kept, access)?;
+    match bind.await {
+        Ok(_) => Ok((handle, remote)),
+        // Refused, or failed and flushed: the window is not bound, the memory is ours again
+        // (unless the connection's failure path already took it).
+        Err(Rejected { error, buf: Some(_) }) => {
+            let lent = lending.lock().remove(handle);
+            Err(Rejected { error, buf: lent.and_then(|l| l.keyed.into_buf().ok()) })
+        }
+        // The flush never came: the entry stays (parked with the connection, never freed early).
+        Err(Rejected { error, buf: None }) => Err(Rejected { error, buf: None }),
+    }
+}
+
+/// Makes the key, registers the entry, and posts the window's bind (no await: the verbs
+/// handles stay out of the future's state). Returns the bind in flight, the entry's handle and
+/// what the peer needs.
+fn start_lend(
+    lending: &Mutex<Lending>,
+    sh: &Arc<Shared>,
+    mut kept: Kept,
+    access: Access,
+) -> std::result::Result<(Op<NoBytes>, u64, RemoteBuf), Rejected<Kept>> {
+    let (ptr, len) = kept.range();
+    // SAFETY: `kept` owns `[ptr, ptr + len)` (the buffer, or a share of it that keeps it
+    // allocated) and moves into the Keyed with its key, which drops it only once the key is dead
+    // and released, or never; nothing references the bytes meanwhile (a Keyed gives no access
+    // to them, and a share's buffer is unwrapped only once every share came back).
+    let (keyed, bind) = unsafe { Keyed::prepare_over(sh.conn(), ptr, len, kept, access)? };
+    let remote = keyed.remote();
+    let handle = lending.lock().insert(Lent { keyed, announced: false });
+    let op = Op::control(sh.clone(), bind);
+    Ok((op, handle, remote))
+}
+
+/// Kills the key of `handle` (the window's invalidation) and takes what it keeps out of the
+/// registry. `None` if the handle is unknown, not announced yet while `announced` is asked
+/// (its bind is in flight: a peer that names it breaks nothing), or the key could not be
+/// killed (a failed invalidation fails the connection, whose failure path frees the entry
+/// once the queue pair is flushed), or an exact registration the device refused to remove (the
+/// buffer is leaked).
+pub(crate) async fn unlend(lending: &Mutex<Lending>, sh: &Arc<Shared>, handle: u64, announced: bool) -> Option<Kept> {
+    let revocation =
+        lending.lock().lent.get(&handle).filter(|l| l.announced || !announced).map(|l| l.keyed.revocation())?;
+    Op::control(sh.clone(), revocation).await.ok()?;
+    let lent = lending.lock().remove(handle)?;
+    lent.keyed.into_buf().ok()
 }
 
 /// Checks that `heap` can lend through connections in `pd`: built with memory-window binding,

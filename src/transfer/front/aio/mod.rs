@@ -11,6 +11,7 @@ mod driver;
 mod lending;
 mod listener;
 mod op;
+mod rails_lending;
 mod reactor;
 mod remote;
 mod scratch;
@@ -30,6 +31,8 @@ pub use cm_listener::AsyncCmListener;
 pub use connection::AsyncConnection;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
+pub(crate) use rails_lending::RailsLending;
+pub use rails_lending::RailsRemoteMemory;
 
 /// What every handle and in-flight operation of one async connection shares.
 pub(crate) struct Shared {

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::heap::{Buffer, Heap};
-use crate::transfer::front::aio::control::{lend, ControlShared};
+use crate::transfer::front::aio::control::ControlShared;
 use crate::transfer::front::aio::lending::{
-    access_bits, check_lending_heap, RemoteLimits, RemoteMemory, RemoteMemoryStats,
+    access_bits, check_lending_heap, lend, Kept, RemoteLimits, RemoteMemory, RemoteMemoryStats,
 };
 use crate::transfer::front::aio::wire::Msg;
 use crate::transfer::front::aio::AsyncConnection;
@@ -165,7 +165,9 @@ impl AsyncConnection {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        let (handle, remote) = lend(&cs, &self.shared, buf, access).await?;
+        let (handle, remote) = lend(&cs.lending, &self.shared, Kept::Own(buf), access)
+            .await
+            .map_err(|r| Rejected { error: r.error, buf: r.buf.and_then(Kept::into_own) })?;
         cs.lending.lock().announce(handle);
         // If the channel is gone, the entry is freed with the connection.
         let _ = cs.out.send(Msg::Push { handle, remote, access: bits, tag });
