@@ -102,7 +102,9 @@
 //!   (`_rjem_malloc_conf`, with `oversize_threshold:0,disable_large_size_classes:false`), which
 //!   Global needs; without this feature mralloc defines no such symbol, so a program may define
 //!   its own (see [`heap::RECOMMENDED_MALLOC_CONF`]).
-//! - `tokio`: `transfer::AsyncConnection` and friends, RDMA operations as futures.
+//! - `tokio`: `transfer::AsyncConnection` and friends, RDMA operations as futures; remote memory
+//!   lent on request (`AsyncConnection::request_remote`); rail groups as futures (`AsyncRails`,
+//!   with remote memory over every rail: `AsyncRails::request_remote`).
 //! - `bytes`: [`heap::Buffer`] into `bytes::Bytes`.
 //!
 //! ## NUMA

@@ -50,8 +50,10 @@ pub struct DeviceKey {
 /// allocates.
 ///
 /// Made by [`crate::heap::Exposed::desc`] and [`crate::Buffer::remote_desc`] from any bound
-/// heap (one key per bound PD: one key for a heap bound to one device); used through
-/// [`RemoteDesc::for_peer`] (or `Connection::remote_of`).
+/// heap (one key per bound PD: one key for a heap bound to one device), and by grants and lent
+/// memory over a rail group (a key per rail: `transfer::RailsGrant::desc`,
+/// `transfer::RailsRemoteMemory::desc`); used through [`RemoteDesc::for_peer`] (or
+/// `Connection::remote_of`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RemoteDesc {
     addr: u64,

@@ -111,14 +111,39 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
         assert!(matches!(r, Err(ref e) if matches!(e.error, Error::Operation { .. })), "rail {i}: {r:?}");
     }
 
-    // A cancelled request: the grant that arrives afterwards is given back at once.
+    // A cancelled request: the grant that arrives afterwards is given back at once. The owner
+    // answers in order, so once a later request is answered the cancelled one's 3 MiB grant
+    // has arrived too: only the later one's 1 MiB may stay lent.
     let (borrower, owner) = t.groups();
     owner.serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
-    let r = tokio::time::timeout(Duration::ZERO, borrower.request_remote(1 << 20, RW)).await;
+    let r = tokio::time::timeout(Duration::ZERO, borrower.request_remote(3 << 20, RW)).await;
     assert!(r.is_err(), "not answered at the first poll");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    until("a cancelled request's grant is given back", || lent(&owner) == [0, 0]).await;
-    until("and freed", || lender.stats().live_bytes == baseline).await;
+    let later = borrower.request_remote(1 << 20, RW).await.unwrap();
+    until("only the later grant stays lent", || {
+        (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_bytes == 1 << 20)
+    })
+    .await;
+    let stats = borrower.remote_memory_stats();
+    assert_eq!((stats.held_buffers, stats.held_bytes), (1, 1 << 20), "the borrower holds the later one only");
+    assert_eq!(owner.remote_memory_stats().lent_buffers, 2, "one key on each rail");
+    drop(later);
+    until("and both freed", || lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline).await;
+
+    // A listener that serves from the start: a request right after the group is set up is
+    // answered (the group's rails may get it before their side has made the group).
+    let mut listener =
+        mralloc::transfer::AsyncRailsListener::bind("127.0.0.1:0", &t.pds, t.opts.clone()).await.unwrap();
+    listener.serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
+    assert!(matches!(listener.serve_remote_memory(&local, RemoteLimits::default()), Err(Error::InvalidArgument(_))));
+    let addr = listener.local_addr().unwrap();
+    let (served, client) = tokio::join!(listener.accept(), AsyncRails::connect(addr, &t.pds, t.opts.clone()));
+    let (served, client) = (served.unwrap(), client.unwrap());
+    let mem = client.request_remote(4096, RW).await.unwrap();
+    assert_eq!(mem.rails().collect::<Vec<_>>(), [0, 1]);
+    let done = client.write(local.alloc(4096).unwrap(), &mem.desc(), 0).await;
+    assert!(done.is_ok(), "{done:?}");
+    drop(mem);
+    until("released", || served.remote_memory_stats().lent_buffers == 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

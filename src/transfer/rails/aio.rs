@@ -13,11 +13,13 @@ use std::task::{Context, Poll};
 use tokio::net::ToSocketAddrs;
 
 use crate::error::{Error, Result};
+use crate::heap::Heap;
 use crate::remote_desc::RemoteDesc;
 use crate::transfer::front::aio::RailsLending;
 use crate::transfer::rails::setup::{hello, join, joins, next_answer, parse_answer, pds_fit, rails_wanted, HELLO};
 use crate::transfer::rails::{check_options, Finished, Link, RailInfo, RailOptions, Rails, Striped};
 use crate::transfer::request::iobuf::{IoBuf, IoTarget};
+use crate::transfer::RemoteLimits;
 use crate::transfer::{AsyncConnection, AsyncListener};
 use crate::verbs::Pd;
 
@@ -113,8 +115,17 @@ impl AsyncRails {
     /// # Errors
     /// As [`Rails::new`].
     pub fn new(conns: Vec<AsyncConnection>, opts: RailOptions) -> Result<AsyncRails> {
-        let lending = RailsLending::new(&conns);
-        Ok(AsyncRails { rails: Rails::from_links(conns.into_iter().map(Link::Async).collect(), opts)?, lending })
+        AsyncRails::new_serving(conns, opts, None)
+    }
+
+    /// As `new`, lending from `serving` from the start.
+    fn new_serving(
+        conns: Vec<AsyncConnection>,
+        opts: RailOptions,
+        serving: Option<(Heap, RemoteLimits)>,
+    ) -> Result<AsyncRails> {
+        let rails = Rails::from_links(conns.iter().cloned().map(Link::Async).collect(), opts)?;
+        Ok(AsyncRails { rails, lending: RailsLending::new(&conns, serving) })
     }
 
     /// [`Rails::connect`], async: to a [`crate::transfer::RailsListener`] or an
@@ -207,13 +218,12 @@ impl AsyncRails {
     /// `i` keeps it from being restored (the peer's key would be used on the new connection).
     ///
     /// # Errors
-    /// As [`Rails::restore`]; [`Error::InvalidArgument`] while a handle of remote memory over
-    /// the group has a key on rail `i` (`conn` is dropped).
+    /// As [`Rails::restore`]; [`Error::InvalidArgument`] (`conn` is dropped) while a handle of
+    /// remote memory over the group has a key on rail `i`, or if the heap the group lends from
+    /// ([`AsyncRails::serve_remote_memory`]) is not bound to `conn`'s PD.
     pub fn restore(&mut self, i: usize, conn: AsyncConnection) -> Result<()> {
-        self.lending.check_restore(i)?;
-        self.rails.restore_link(i, Link::Async(conn.clone()))?;
-        self.lending.replace(i, &conn);
-        Ok(())
+        let rails = &mut self.rails;
+        self.lending.restore(i, &conn, || rails.restore_link(i, Link::Async(conn.clone())))
     }
 
     /// [`Rails::post_write`] as a future. A refusal (as `post_write`'s) resolves at once, the
@@ -241,7 +251,9 @@ impl AsyncRails {
 /// [`crate::transfer::RailsListener`], async.
 pub struct AsyncRailsListener {
     listeners: Vec<AsyncListener>,
+    pds: Vec<Pd>,
     opts: RailOptions,
+    serving: Option<(Heap, RemoteLimits)>,
     one: tokio::sync::Mutex<()>,
 }
 
@@ -265,7 +277,23 @@ impl AsyncRailsListener {
         for pd in &pds[1..] {
             listeners.push(AsyncListener::bind((ip, 0), pd, opts.conn.clone()).await?);
         }
-        Ok(AsyncRailsListener { listeners, opts, one: tokio::sync::Mutex::new(()) })
+        Ok(AsyncRailsListener { listeners, pds: pds.to_vec(), opts, serving: None, one: tokio::sync::Mutex::new(()) })
+    }
+
+    /// Makes every group accepted from now on lend the peer memory of `heap` from the peer's
+    /// first message on (as [`AsyncRails::serve_remote_memory`] on each group, without the race
+    /// between the group's setup and that call).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] if `heap` was not built with
+    /// [`crate::verbs::Access::MW_BIND`] or is not bound to every device's PD; as
+    /// [`Heap::alloc`] if the one-byte allocation that checks the binding fails.
+    pub fn serve_remote_memory(&mut self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
+        for pd in &self.pds {
+            crate::transfer::front::aio::check_lending_heap(heap, pd)?;
+        }
+        self.serving = Some((heap.clone(), limits));
+        Ok(())
     }
 
     /// The address rail 0 listens on.
@@ -300,7 +328,7 @@ impl AsyncRailsListener {
             };
             match tokio::time::timeout(limit, self.take_rails(first, count, token)).await {
                 Ok(Ok(conns)) => {
-                    let mut rails = AsyncRails::new(conns, self.opts.clone())?;
+                    let mut rails = AsyncRails::new_serving(conns, self.opts.clone(), self.serving.clone())?;
                     rails.rails.set_blob_at(HELLO);
                     return Ok(rails);
                 }

@@ -1,4 +1,4 @@
-//! The out-of-band connection message exchanged over TCP (protocol version 4).
+//! The out-of-band connection message exchanged over TCP (protocol version 5).
 //!
 //! ```text
 //! "mRdx" | version u16 | kind u8 | code u8 | rights u8 | endpoint (32 bytes)
@@ -37,8 +37,8 @@ use crate::verbs::{Access, Endpoint};
 /// Magic bytes of a connection message.
 pub const MAGIC: [u8; 4] = *b"mRdx";
 /// Protocol version this build speaks (2: nonces, MACs and the authentication kinds; 3: the
-/// control endpoint; 4: the rights byte).
-pub const VERSION: u16 = 4;
+/// control endpoint; 4: the rights byte; 5: control channels speak control version 2).
+pub const VERSION: u16 = 5;
 /// Largest application blob a TCP setup carries with an endpoint (`Listener::accept_with`,
 /// `Connection::connect_with`).
 pub const MAX_BLOB: usize = 64 << 10;

@@ -52,8 +52,9 @@ enum Reply {
 /// What a rail group (`rails_lending`) does with the rails messages its rails' control channels
 /// receive.
 pub(crate) trait Group: Send + Sync {
-    /// The owner's answer to the peer's request for `len` bytes with `access` over the group.
-    fn serve(&self, seq: u64, len: u64, access: Access) -> Pin<Box<dyn Future<Output = Msg> + Send + '_>>;
+    /// Answers the peer's request for `len` bytes with `access` over the group, on `on` (the
+    /// control channel it came on), without holding up the caller.
+    fn serve(self: Arc<Self>, seq: u64, len: u64, access: Access, on: Arc<ControlShared>);
     /// Memory the peer pushed over the group.
     ///
     /// # Errors
@@ -87,7 +88,7 @@ pub(crate) struct ControlShared {
     pub(crate) pushed: tokio::sync::Mutex<Receiver<(u64, RemoteMemory)>>,
     pub(crate) handed: tokio::sync::Mutex<UnboundedReceiver<(u64, Buffer)>>,
     /// The rail group this connection is a rail of, if any (its remote memory spans them all).
-    group: Mutex<Option<Arc<dyn Group>>>,
+    group: watch::Sender<Option<Arc<dyn Group>>>,
 }
 
 /// What only the tasks hold: dropping them (the tasks end) closes `pushed` and `handed`.
@@ -121,7 +122,7 @@ pub(crate) fn new(ctl: AsyncConnection) -> (Arc<ControlShared>, Parts) {
         timers,
         pushed: tokio::sync::Mutex::new(pushed_rx),
         handed: tokio::sync::Mutex::new(handed_rx),
-        group: Mutex::new(None),
+        group: watch::channel(None).0,
     });
     (cs, Parts { out_rx, inboxes: Inboxes { pushed: pushed_tx, handed: handed_tx } })
 }
@@ -228,17 +229,13 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
                 )));
             }
         }
-        Msg::RailsRequest { seq, len, access } => {
-            let group = cs.group.lock().clone();
-            let answer = match group {
-                Some(g) => g.serve(seq, len, access_of(access)).await,
-                None => Msg::Refused { seq, code: RemoteRefusal::NotServing, limit: 0 },
-            };
-            let _ = cs.out.send(answer);
-        }
+        Msg::RailsRequest { seq, len, access } => match cs.group().await {
+            Some(g) => g.serve(seq, len, access_of(access), cs.clone()),
+            None => drop(cs.out.send(Msg::Refused { seq, code: RemoteRefusal::NotServing, limit: 0 })),
+        },
         Msg::RailsGranted { seq, addr, len: got, keys } => {
             let waiting = cs.requests.lock().remove(&seq);
-            let group = cs.group.lock().clone();
+            let group = cs.group().await;
             let Some(group) = group else {
                 release_own(cs, sh, &keys);
                 return Err(Error::Protocol("control channel: memory over rails granted to no rail group".into()));
@@ -256,7 +253,7 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
             }
         }
         Msg::RailsPush { addr, len, access, tag, keys } => {
-            let group = cs.group.lock().clone();
+            let group = cs.group().await;
             let Some(group) = group else {
                 release_own(cs, sh, &keys);
                 return Err(Error::Protocol("control channel: memory over rails pushed to no rail group".into()));
@@ -455,7 +452,31 @@ impl ControlShared {
 
     /// Makes this connection a rail of `group`.
     pub(crate) fn set_group(&self, group: Arc<dyn Group>) {
-        *self.group.lock() = Some(group);
+        self.group.send_replace(Some(group));
+    }
+
+    /// The rail group this connection is a rail of. A rail's messages may arrive before its
+    /// side has made the group (the peer's group was ready first): they wait for it, up to
+    /// [`PEER_TIMEOUT`] (not at all without timers).
+    async fn group(&self) -> Option<Arc<dyn Group>> {
+        let mut rx = self.group.subscribe();
+        if let Some(g) = rx.borrow_and_update().clone() {
+            return Some(g);
+        }
+        if !self.timers {
+            return None;
+        }
+        let got = match tokio::time::timeout(PEER_TIMEOUT, rx.wait_for(Option::is_some)).await {
+            Ok(Ok(g)) => g.clone(),
+            _ => None,
+        };
+        got
+    }
+
+    /// Buffers and bytes lent through the connection now.
+    pub(crate) fn lent(&self) -> (usize, u64) {
+        let l = self.lending.lock();
+        (l.lent.len(), l.bytes)
     }
 
     /// Whether the peer is gone.

@@ -21,10 +21,13 @@ use crate::verbs::{Access, Pd};
 
 /// How much memory an [`crate::transfer::AsyncConnection`] lends its peer
 /// ([`crate::transfer::AsyncConnection::serve_remote_memory`]); a request beyond them is refused
-/// with [`crate::Error::RemoteRefused`] at the peer.
+/// with [`crate::Error::RemoteRefused`] at the peer. A rail group
+/// ([`crate::transfer::AsyncRails::serve_remote_memory`]) applies them to each rail: memory lent
+/// over the group counts its whole length on every rail that has a key to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteLimits {
-    /// Largest single request, in bytes (default 64 MiB).
+    /// Largest single request, in bytes (default 64 MiB; a request of exactly this many is
+    /// granted).
     pub max_request: u64,
     /// Most bytes lent at once through the connection (default 256 MiB).
     pub max_bytes: u64,
@@ -160,13 +163,7 @@ pub(crate) async fn lend(
     kept: Kept,
     access: Access,
 ) -> std::result::Result<(u64, RemoteBuf), Rejected<Kept>> {
-    let ctx = sh.conn().pd().context();
-    if ctx.confinement_settled().is_none() {
-        // The device's first grant probes it (milliseconds of verbs calls): not on this thread.
-        let (ctx, qp) = (ctx.clone(), sh.conn().qp());
-        let at = Some((qp.port(), qp.gid_index()));
-        let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
-    }
+    probe_windows(sh).await;
     let (bind, handle, remote) = start_lend(lending, sh, kept, access)?;
     match bind.await {
         Ok(_) => Ok((handle, remote)),
@@ -178,6 +175,17 @@ pub(crate) async fn lend(
         }
         // The flush never came: the entry stays (parked with the connection, never freed early).
         Err(Rejected { error, buf: None }) => Err(Rejected { error, buf: None }),
+    }
+}
+
+/// Probes `sh`'s device for how it confines memory windows, if no grant did yet (milliseconds
+/// of verbs calls, on the blocking pool; see `transfer::exact`).
+pub(crate) async fn probe_windows(sh: &Arc<Shared>) {
+    let ctx = sh.conn().pd().context();
+    if ctx.confinement_settled().is_none() {
+        let (ctx, qp) = (ctx.clone(), sh.conn().qp());
+        let at = Some((qp.port(), qp.gid_index()));
+        let _ = tokio::task::spawn_blocking(move || ctx.confines_windows_on(at)).await;
     }
 }
 

@@ -12,6 +12,7 @@ mod lending;
 mod listener;
 mod op;
 mod rails_lending;
+mod rails_memory;
 mod reactor;
 mod remote;
 mod scratch;
@@ -29,10 +30,11 @@ use crate::transfer::Connection;
 
 pub use cm_listener::AsyncCmListener;
 pub use connection::AsyncConnection;
+pub(crate) use lending::check_lending_heap;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
 pub(crate) use rails_lending::RailsLending;
-pub use rails_lending::RailsRemoteMemory;
+pub use rails_memory::RailsRemoteMemory;
 
 /// What every handle and in-flight operation of one async connection shares.
 pub(crate) struct Shared {

@@ -1,28 +1,31 @@
 //! Remote memory over a rail group ([`crate::transfer::AsyncRails`]): one buffer lent through
-//! every rail at once, and the borrower's handle, [`RailsRemoteMemory`].
+//! every rail at once.
 //!
 //! The lender binds a key per live rail — a window through that rail's connection, over the
 //! one buffer — and keeps each in that rail's own registry ([`super::lending::Lending`]) with a
 //! share of the buffer ([`Kept::Shared`]): a rail that fails frees its key's share once its queue
 //! pair is flushed, as a single connection frees what it lent, while the other rails' keys keep
-//! working; the buffer is freed with the last share. The borrower's handle gathers the keys in
-//! one [`RemoteDesc`] (each under the GID of the lender's end of its rail, which the borrower's
-//! end of that rail addresses) and gives each back on its own rail when dropped.
+//! working; the buffer is freed with the last share. The borrower's handle
+//! ([`RailsRemoteMemory`]) gathers the keys in one [`RemoteDesc`] — each matched to the rail
+//! whose connection it names (the lender's end's GID and queue pair number) — and gives each back
+//! on its own rail when dropped.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use tokio::sync::mpsc::{channel, Receiver, Sender, UnboundedSender};
+use tokio::sync::mpsc::{channel, Receiver, Sender};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, RemoteRefusal, Result};
 use crate::heap::{Buffer, Heap};
 use crate::remote_desc::{DeviceKey, RemoteDesc};
 use crate::transfer::front::aio::control::{ControlShared, Group, RailsGrant, KEEPALIVE};
-use crate::transfer::front::aio::lending::{check_lending_heap, lend, unlend, Held, Kept, RemoteLimits};
+use crate::transfer::front::aio::lending::{
+    check_lending_heap, lend, probe_windows, unlend, Held, Kept, RemoteLimits, RemoteMemoryStats,
+};
+use crate::transfer::front::aio::rails_memory::{HeldKey, RailsRemoteMemory};
 use crate::transfer::front::aio::wire::{Msg, RailKey, RailKeys, MAX_KEYS};
 use crate::transfer::front::aio::{AsyncConnection, Shared};
 use crate::transfer::Rejected;
@@ -31,12 +34,18 @@ use crate::verbs::{Access, WcStatus};
 /// Bound on pushed memory the application has not taken yet: a peer beyond it breaks the
 /// protocol (the rail it pushed on is failed).
 const PUSHED_INBOX: usize = 1024;
+/// Most of the peer's requests being served or waiting to be at once; more are refused.
+const MAX_SERVING: usize = 64;
 
 /// A rail group's remote memory: its rails, what it lends from, what the peer pushed. Each
 /// rail's control channel holds it ([`ControlShared::set_group`]); the group's handle too.
 pub(crate) struct RailsLending {
     ends: Mutex<Vec<End>>,
     serving: Mutex<Option<(Heap, RemoteLimits)>>,
+    /// One request served at a time (each checks the limits before it lends).
+    gate: tokio::sync::Semaphore,
+    /// Requests being served or waiting for the gate.
+    requests: AtomicUsize,
     pushed_tx: Sender<(u64, RailsRemoteMemory)>,
     pushed_rx: tokio::sync::Mutex<Receiver<(u64, RailsRemoteMemory)>>,
     held: Arc<Held>,
@@ -58,13 +67,15 @@ struct Live {
 }
 
 impl RailsLending {
-    /// The group of `conns`, rail `i` being `conns[i]`; set on each one's control channel.
-    pub(crate) fn new(conns: &[AsyncConnection]) -> Arc<RailsLending> {
+    /// The group of `conns`, rail `i` being `conns[i]`, lending from `serving` from the start
+    /// (checked by the caller); set on each one's control channel.
+    pub(crate) fn new(conns: &[AsyncConnection], serving: Option<(Heap, RemoteLimits)>) -> Arc<RailsLending> {
         let (pushed_tx, pushed_rx) = channel(PUSHED_INBOX);
-        let ends = conns.iter().map(End::of).collect();
         let group = Arc::new(RailsLending {
-            ends: Mutex::new(ends),
-            serving: Mutex::new(None),
+            ends: Mutex::new(conns.iter().map(End::of).collect()),
+            serving: Mutex::new(serving),
+            gate: tokio::sync::Semaphore::new(1),
+            requests: AtomicUsize::new(0),
             pushed_tx,
             pushed_rx: tokio::sync::Mutex::new(pushed_rx),
             held: Arc::new(Held::default()),
@@ -81,25 +92,35 @@ impl RailsLending {
         }
     }
 
-    /// Whether rail `i` may be replaced: no handle of this side holds a key on it.
+    /// Puts `conn` in rail `i`'s place if `replace` (the group's own restore) succeeds, and
+    /// nothing refuses it first.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming how many do.
-    pub(crate) fn check_restore(&self, i: usize) -> Result<()> {
-        match self.ends.lock().get(i).map(|e| e.keys.load(Ordering::Relaxed)) {
-            Some(n @ 1..) => Err(Error::InvalidArgument(format!(
+    /// [`Error::InvalidArgument`] while a handle of this side holds a key on rail `i`, or if
+    /// the heap lent from is not bound to `conn`'s PD; `replace`'s.
+    pub(crate) fn restore(
+        self: &Arc<Self>,
+        i: usize,
+        conn: &AsyncConnection,
+        replace: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        // Held across: a handle made meanwhile counts its keys under this lock.
+        let mut ends = self.ends.lock();
+        if let Some(n @ 1..) = ends.get(i).map(|e| e.keys.load(Ordering::Relaxed)) {
+            return Err(Error::InvalidArgument(format!(
                 "rail {i} carries keys of {n} live RailsRemoteMemory handles: drop them first"
-            ))),
-            _ => Ok(()),
+            )));
         }
-    }
-
-    /// Puts `conn` in rail `i`'s place (after [`RailsLending::check_restore`]).
-    pub(crate) fn replace(self: &Arc<Self>, i: usize, conn: &AsyncConnection) {
-        if let Some(e) = self.ends.lock().get_mut(i) {
+        if let Some((heap, _)) = &*self.serving.lock() {
+            check_lending_heap(heap, conn.pd())?;
+        }
+        replace()?;
+        if let Some(e) = ends.get_mut(i) {
             *e = End::of(conn);
         }
+        drop(ends);
         self.install(conn);
+        Ok(())
     }
 
     /// Lends from `heap` within `limits` (per rail) from now on.
@@ -138,10 +159,24 @@ impl RailsLending {
         (live, down)
     }
 
-    /// The rail requests go on: the first that lives.
+    /// The rail requests and pushes go on: the first that lives.
     fn messages(&self) -> Result<Live> {
         let (live, failures) = self.live();
         live.into_iter().next().ok_or(Error::RailsDown { failures })
+    }
+
+    /// What this side lends (every rail's registry: a buffer lent over `n` rails counts `n`
+    /// times) and holds over the group.
+    pub(crate) fn stats(&self) -> RemoteMemoryStats {
+        let mut s = RemoteMemoryStats::default();
+        for l in self.live().0 {
+            let (buffers, bytes) = l.cs.lent();
+            s.lent_buffers += buffers;
+            s.lent_bytes += bytes;
+        }
+        s.held_buffers = self.held.buffers.load(Ordering::Relaxed);
+        s.held_bytes = self.held.bytes.load(Ordering::Relaxed);
+        s
     }
 
     /// The owner's answer to a request for `len` bytes with `access` over the group.
@@ -178,33 +213,28 @@ impl RailsLending {
 
     /// Lends `buf` with `access` through every live rail: a key per rail, each in its rail's
     /// registry and announced (the peer may release it from now on). Returns the buffer's
-    /// address and length and the keys. A rail that failed under its bind (by something else:
-    /// its bind was flushed) gets no key; any other failure withdraws the keys made.
+    /// address and length and the keys. A rail that dies before its bind, or fails under it
+    /// by something else (its bind flushed, the connection closed), gets no key; any other
+    /// failure withdraws the keys made.
     ///
     /// # Errors
-    /// With the buffer back (`None` if a withdrawn key could not be shown dead: that rail's
-    /// connection keeps its share until it goes, or it is leaked): [`Error::RailsDown`] if no
-    /// rail lives; [`Error::InvalidArgument`] for rights a live rail's queue pair does not
-    /// admit, two rails whose ends present one GID, or as a single connection's lending; a
-    /// bind's failure, as `AsyncConnection::push`.
-    pub(crate) async fn lend(
-        &self,
-        buf: Buffer,
-        access: Access,
-    ) -> std::result::Result<(u64, u64, RailKeys), Rejected<Buffer>> {
+    /// With the buffer back (`None` if a key could not be shown dead: its rail's connection
+    /// keeps its share until it goes, or it is leaked): [`Error::RailsDown`] if no rail lives;
+    /// [`Error::InvalidArgument`] for rights a live rail's queue pair does not admit, two rails
+    /// whose ends present one GID, a zero GID, or as a single connection's lending; a bind's
+    /// failure, as `AsyncConnection::push`.
+    async fn lend(&self, buf: Buffer, access: Access) -> std::result::Result<(u64, u64, RailKeys), Rejected<Buffer>> {
         let (live, mut down) = self.live();
-        let mut failed = None;
-        if live.len() > MAX_KEYS {
-            failed = Some(Error::InvalidArgument(format!(
-                "{} live rails, a descriptor carries {MAX_KEYS} keys",
-                live.len()
-            )));
-        } else if let Some(l) = live.iter().find(|l| !l.sh.conn().options().qp.remote_access.contains(access)) {
-            failed = Some(Error::InvalidArgument(format!(
-                "rail {}'s QpOptions::remote_access does not admit the rights lent",
-                l.at
-            )));
-        }
+        let mut failed = if live.len() > MAX_KEYS {
+            Some(Error::InvalidArgument(format!("{} live rails, a descriptor carries {MAX_KEYS} keys", live.len())))
+        } else {
+            live.iter().find(|l| !l.sh.conn().options().qp.remote_access.contains(access)).map(|l| {
+                Error::InvalidArgument(format!(
+                    "rail {}'s QpOptions::remote_access does not admit the rights lent",
+                    l.at
+                ))
+            })
+        };
         let share = Arc::new(Mutex::new(buf));
         let (addr, len) = Kept::Shared(share.clone()).range();
         let (addr, len) = (addr as u64, len as u64);
@@ -215,6 +245,10 @@ impl RailsLending {
             }
             // The GID the peer's end addresses this one by (an RDMA CM connection's from its route).
             let gid = match l.sh.conn().qp().local_gid() {
+                Ok(gid) if gid.is_zero() => Err(Error::InvalidArgument(format!("rail {} has no GID to key by", l.at))),
+                r => r,
+            };
+            let gid = match gid {
                 Ok(gid) => gid,
                 Err(e) => {
                     failed = Some(e);
@@ -227,12 +261,14 @@ impl RailsLending {
                 failed = Some(Error::InvalidArgument(why));
                 break;
             }
+            probe_windows(&l.sh).await;
             let lived = l.sh.conn().error().is_none();
+            let qpn = l.sh.conn().qp().qpn();
             match lend(l.cs.lending(), &l.sh, Kept::Shared(share.clone()), access).await {
-                Ok((handle, remote)) => made.push((l, RailKey { gid, rkey: remote.rkey, handle })),
-                // The rail failed under the bind by something else (it was flushed, or refused
-                // with that failure), and the share is back: the peer cannot use that rail either.
-                Err(Rejected { error, buf: Some(_) }) if l.sh.conn().error().is_some() && !own(&error, lived) => {
+                Ok((handle, remote)) => made.push((l, RailKey { gid, qpn, rkey: remote.rkey, handle })),
+                // The rail died before the bind, or failed under it by something else: the peer
+                // cannot use it either. Its share, if it kept one, goes with its flush.
+                Err(Rejected { error, .. }) if l.sh.conn().error().is_some() && (!lived || rails_fault(&error)) => {
                     down.push(format!("rail {}: {error}", l.at));
                 }
                 Err(Rejected { error, .. }) => failed = Some(error),
@@ -253,49 +289,79 @@ impl RailsLending {
                     // Dropped: a share that came back; one that did not stays with its rail.
                     drop(unlend(l.cs.lending(), &l.sh, k.handle, false).await);
                 }
-                let error = failed.unwrap_or_else(|| Error::Protocol("rail keys without a key".into()));
+                let error = failed.unwrap_or_else(|| Error::InvalidArgument("no key to lend by".into()));
                 let buf = Arc::try_unwrap(share).ok().map(Mutex::into_inner);
                 Err(Rejected { error, buf })
             }
         }
     }
 
-    /// The borrower's handle on memory the peer lent over the group: `keys` matched to the
-    /// rails whose peer end presents their GIDs (a key for no rail of the group is left to its
-    /// owner, who frees it when that connection goes).
-    ///
-    /// # Errors
-    /// [`Error::Protocol`] if no key is for a rail of the group (the others are given back).
-    pub(crate) fn held(&self, addr: u64, len: u64, access: Access, keys: &RailKeys) -> Result<RailsRemoteMemory> {
-        let ends: Vec<(Weak<Shared>, Arc<AtomicUsize>)> =
-            self.ends.lock().iter().map(|e| (e.data.clone(), e.keys.clone())).collect();
-        let mut mem = RailsRemoteMemory { desc: None, access, keys: Vec::new(), held: None, len };
-        let mut found = Vec::new();
-        for k in keys.as_slice() {
-            let rail = ends.iter().enumerate().find_map(|(i, (data, count))| {
-                let sh = data.upgrade()?;
-                let out = sh.control.as_ref()?.out.clone();
-                (sh.conn().peer().gid == k.gid).then(|| (i, out, count.clone()))
-            });
-            match rail {
-                Some((rail, out, count)) => {
-                    count.fetch_add(1, Ordering::Relaxed);
-                    mem.keys.push(HeldKey { rail, out, handle: k.handle, count });
-                    found.push(DeviceKey { gid: k.gid, rkey: k.rkey });
-                }
-                None => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
+    /// Withdraws `keys` (lent and announced, but the peer was never told): each on its rail;
+    /// the buffer back if every share came home.
+    async fn withdraw(&self, keys: &RailKeys) -> Option<Buffer> {
+        let mut share = None;
+        for l in self.live().0 {
+            let Some(k) = keys.as_slice().iter().find(|k| k.qpn == l.sh.conn().qp().qpn()) else { continue };
+            if let Some(Kept::Shared(s)) = unlend(l.cs.lending(), &l.sh, k.handle, true).await {
+                share = Some(s);
             }
         }
-        if found.is_empty() {
-            return Err(Error::Protocol(
-                "control channel: memory over rails with a key for no rail of this group".into(),
-            ));
+        share.and_then(|s| Arc::try_unwrap(s).ok()).map(Mutex::into_inner)
+    }
+
+    /// The borrower's handle on memory the peer lent over the group: each key matched to the
+    /// rail whose connection it names (the peer end's GID and queue pair number). A key that
+    /// names a rail's queue pair under another GID is given back at once and left out; one
+    /// that names no rail (a connection since replaced) is left to its owner, who frees it when
+    /// that connection goes.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] if no key is for a rail of the group.
+    pub(crate) fn held(&self, addr: u64, len: u64, access: Access, keys: &RailKeys) -> Result<RailsRemoteMemory> {
+        // Under the lock: a restore does not replace a rail between its match and its count.
+        let ends = self.ends.lock();
+        let mut held = Vec::new();
+        let mut found = Vec::new();
+        for k in keys.as_slice() {
+            let rails: Vec<(usize, Arc<Shared>, &End)> = ends
+                .iter()
+                .enumerate()
+                .filter_map(|(i, e)| Some((i, e.data.upgrade()?, e)))
+                .filter(|(_, sh, _)| sh.conn().peer().qpn == k.qpn)
+                .collect();
+            let exact = rails.iter().find(|(_, sh, _)| sh.conn().peer().gid == k.gid);
+            match (exact, &rails[..]) {
+                (Some((rail, sh, end)), _) => {
+                    let Some(cs) = &sh.control else { continue };
+                    end.keys.fetch_add(1, Ordering::Relaxed);
+                    held.push(HeldKey { rail: *rail, out: cs.out.clone(), handle: k.handle, count: end.keys.clone() });
+                    found.push(DeviceKey { gid: k.gid, rkey: k.rkey });
+                }
+                (None, [(rail, sh, _)]) => {
+                    tracing::debug!("remote memory over rails: rail {rail}'s key under GID {}, not its peer's", k.gid);
+                    if let Some(cs) = &sh.control {
+                        let _ = cs.out.send(Msg::Release { handle: k.handle });
+                    }
+                }
+                _ => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
+            }
         }
-        mem.desc = Some(RemoteDesc::new(addr, len, &found)?);
-        self.held.buffers.fetch_add(1, Ordering::Relaxed);
-        self.held.bytes.fetch_add(len, Ordering::Relaxed);
-        mem.held = Some(self.held.clone());
-        Ok(mem)
+        drop(ends);
+        let desc = if found.is_empty() {
+            Err(Error::Protocol("control channel: memory over rails with a key for no rail of this group".into()))
+        } else {
+            RemoteDesc::new(addr, len, &found)
+        };
+        match desc {
+            Ok(desc) => Ok(RailsRemoteMemory::new(desc, access, held, self.held.clone())),
+            Err(e) => {
+                for k in held {
+                    k.count.fetch_sub(1, Ordering::Relaxed);
+                    let _ = k.out.send(Msg::Release { handle: k.handle });
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The next memory the peer pushed over the group, with its tag.
@@ -350,9 +416,11 @@ impl RailsLending {
         }
     }
 
-    /// Lends `buf` over the group unasked, and tells the peer on the first live rail.
+    /// Lends `buf` over the group unasked and tells the peer on the first live rail, in a task
+    /// of its own: a cancelled caller does not cut it short (what was lent is announced to the
+    /// peer, or withdrawn).
     pub(crate) async fn push(
-        &self,
+        self: &Arc<Self>,
         buf: Buffer,
         access: Access,
         tag: u64,
@@ -361,29 +429,46 @@ impl RailsLending {
             let error = Error::InvalidArgument("a push grants remote read and/or write rights".into());
             return Err(Rejected { error, buf: Some(buf) });
         };
-        let (addr, len, keys) = self.lend(buf, access).await?;
-        let sent = self.messages().and_then(|l| {
-            l.cs.out.send(Msg::RailsPush { addr, len, access: bits, tag, keys }).map_err(|_| Error::Closed)
-        });
-        let Err(error) = sent else { return Ok(()) };
-        // Nobody was told: every key is withdrawn (those on rails that went are freed with them).
-        let (live, _) = self.live();
-        let mut share = None;
-        for l in &live {
-            let Ok(gid) = l.sh.conn().qp().local_gid() else { continue };
-            let Some(k) = keys.as_slice().iter().find(|k| k.gid == gid) else { continue };
-            if let Some(Kept::Shared(s)) = unlend(l.cs.lending(), &l.sh, k.handle, true).await {
-                share = Some(s);
+        let group = self.clone();
+        let task = tokio::spawn(async move {
+            let (addr, len, keys) = group.lend(buf, access).await?;
+            let sent = group.messages().and_then(|l| {
+                l.cs.out.send(Msg::RailsPush { addr, len, access: bits, tag, keys }).map_err(|_| Error::Closed)
+            });
+            match sent {
+                Ok(()) => Ok(()),
+                // Nobody was told: every key is withdrawn (those on rails that went are freed with them).
+                Err(error) => Err(Rejected { error, buf: group.withdraw(&keys).await }),
             }
-        }
-        let buf = share.and_then(|s| Arc::try_unwrap(s).ok()).map(Mutex::into_inner);
-        Err(Rejected { error, buf })
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(Rejected { error: Error::Protocol(format!("a push over rails did not finish: {e}")), buf: None })
+        })
     }
 }
 
 impl Group for RailsLending {
-    fn serve(&self, seq: u64, len: u64, access: Access) -> Pin<Box<dyn Future<Output = Msg> + Send + '_>> {
-        Box::pin(self.answer(seq, len, access))
+    fn serve(self: Arc<Self>, seq: u64, len: u64, access: Access, on: Arc<ControlShared>) {
+        if self.requests.fetch_add(1, Ordering::AcqRel) >= MAX_SERVING {
+            self.requests.fetch_sub(1, Ordering::AcqRel);
+            let _ = on.out.send(Msg::Refused { seq, code: RemoteRefusal::LimitReached, limit: 0 });
+            return;
+        }
+        // A task of its own: its binds wait on the other rails, whose slowness must not stall
+        // the control channel the request came on.
+        tokio::spawn(async move {
+            let answer = match self.gate.acquire().await {
+                Ok(_one) => self.answer(seq, len, access).await,
+                Err(_) => Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 },
+            };
+            self.requests.fetch_sub(1, Ordering::AcqRel);
+            if let Err(unsent) = on.out.send(answer) {
+                // The request's rail is gone before the answer left: nobody will release it.
+                if let Msg::RailsGranted { keys, .. } = unsent.0 {
+                    drop(self.withdraw(&keys).await);
+                }
+            }
+        });
     }
 
     fn pushed(&self, tag: u64, (addr, len, keys): RailsGrant, access: Access) -> Result<()> {
@@ -408,93 +493,12 @@ impl End {
     }
 }
 
-/// Whether a bind's failure is its own — refused when posted on a connection that lived, or
-/// completed with an error that is no flush or timeout — rather than its connection's.
-fn own(error: &Error, lived: bool) -> bool {
+/// Whether `error`, from a bind on a rail that failed, is the rail's failure rather than the
+/// bind's own: the connection closed or timed out, or the bind was flushed.
+fn rails_fault(error: &Error) -> bool {
     match error {
-        Error::Operation { status, .. } => !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr),
-        Error::Timeout(..) | Error::FlushLost { .. } => false,
-        _ => lived,
-    }
-}
-
-/// Memory of the peer's heap reachable through every rail of an
-/// [`AsyncRails`](crate::transfer::AsyncRails) group, until the handle is dropped: requested
-/// with [`AsyncRails::request_remote`](crate::transfer::AsyncRails::request_remote) or pushed
-/// by the peer ([`AsyncRails::pushed`](crate::transfer::AsyncRails::pushed)). Its
-/// [`RemoteDesc`] carries a key per rail (each working through that rail's connection only,
-/// on exactly this memory): striped WRITEs and READs
-/// ([`AsyncRails::write`](crate::transfer::AsyncRails::write)) use them all.
-///
-/// Dropping the handle tells the peer on every rail, which revokes each key and frees the
-/// memory with the last. A rail that fails takes its key with it (the peer frees that key once
-/// the rail's queue pair is flushed); the others keep working. While the handle lives, the
-/// rails it has keys on are not [restored](crate::transfer::AsyncRails::restore): the peer's
-/// new connection would be handed the old key.
-pub struct RailsRemoteMemory {
-    /// `None` only while being made.
-    desc: Option<RemoteDesc>,
-    len: u64,
-    access: Access,
-    keys: Vec<HeldKey>,
-    held: Option<Arc<Held>>,
-}
-
-/// One rail's key of a handle: where to give it back.
-struct HeldKey {
-    rail: usize,
-    out: UnboundedSender<Msg>,
-    handle: u64,
-    count: Arc<AtomicUsize>,
-}
-
-impl std::fmt::Debug for RailsRemoteMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RailsRemoteMemory")
-            .field("desc", &self.desc)
-            .field("access", &self.access)
-            .field("rails", &self.rails().collect::<Vec<_>>())
-            .finish()
-    }
-}
-
-impl RailsRemoteMemory {
-    /// Address, length and a key per rail, for the group's transfers.
-    pub fn desc(&self) -> RemoteDesc {
-        self.desc.expect("a handle has its descriptor once made")
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Never true: remote memory is at least one byte.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The rights granted (remote read and/or write).
-    pub fn access(&self) -> Access {
-        self.access
-    }
-
-    /// The rails (the group's indexes) the memory has a key on.
-    pub fn rails(&self) -> impl Iterator<Item = usize> + '_ {
-        self.keys.iter().map(|k| k.rail)
-    }
-}
-
-impl Drop for RailsRemoteMemory {
-    fn drop(&mut self) {
-        for k in self.keys.drain(..) {
-            k.count.fetch_sub(1, Ordering::Relaxed);
-            // A rail that is gone: the peer freed that key when it noticed.
-            let _ = k.out.send(Msg::Release { handle: k.handle });
-        }
-        if let Some(held) = self.held.take() {
-            held.buffers.fetch_sub(1, Ordering::Relaxed);
-            held.bytes.fetch_sub(self.len, Ordering::Relaxed);
-        }
+        Error::Operation { status, .. } => matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr),
+        Error::Closed | Error::Timeout(..) | Error::FlushLost { .. } | Error::DeviceRemoved { .. } => true,
+        _ => false,
     }
 }

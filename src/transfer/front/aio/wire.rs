@@ -3,8 +3,8 @@
 //! ```text
 //! "mRcc" | version u8 | kind u8 | code u8 | access u8 | seq u64 | handle u64 | addr u64
 //!        | len u64 | rkey u32 | tag u64 | keys u8 | 11 zero bytes
-//!        | 4 x key slot (gid [16] | rkey u32 | handle u64), the unused ones zero
-//!        | 80 zero bytes
+//!        | 4 x key slot (gid [16] | qpn u32 | rkey u32 | handle u64), the unused ones zero
+//!        | 64 zero bytes
 //! ```
 //!
 //! A field a kind does not use is zero. Remote memory is requested with `Request` (seq, len,
@@ -17,8 +17,11 @@
 //! Rail groups (version 2): `RailsRequest` (seq, len, access) asks for memory reachable through
 //! every rail of the group, answered with `RailsGranted` (seq, addr, len, keys) or `Refused`;
 //! `RailsPush` (addr, len, access, tag, keys) grants such memory unasked. Each key slot names
-//! one rail's key: the GID of the owner's end of that rail, the rkey, and the handle under
-//! which that rail's control channel knows it (released there with `Release`).
+//! one rail's key: the GID and queue pair number of the owner's end of that rail (the rail's
+//! connection, as the borrower's end addresses it), the rkey, and the handle under which that
+//! rail's control channel knows it (released there with `Release`). The exchange that sets up
+//! a connection carries the protocol version its control channel speaks: peers of another
+//! version are refused there.
 
 use crate::error::{Error, RemoteRefusal as RefusalCode, Result};
 use crate::remote::RemoteBuf;
@@ -30,7 +33,7 @@ pub(crate) const MAX_KEYS: usize = RemoteDesc::MAX_DEVICES;
 /// Bytes of the fixed part of a frame.
 const HEAD: usize = 64;
 /// Bytes of a key slot.
-const SLOT: usize = 16 + 4 + 8;
+const SLOT: usize = 16 + 4 + 4 + 8;
 /// Bytes of the key slots' end.
 const SLOTS_END: usize = HEAD + MAX_KEYS * SLOT;
 /// Bytes of a frame (a power of two: the size of the scratch words frames travel in).
@@ -49,6 +52,8 @@ pub(crate) const WRITE: u8 = 2;
 pub(crate) struct RailKey {
     /// The GID of the owner's end of the rail (what the borrower's end addresses).
     pub(crate) gid: Gid,
+    /// The queue pair number of the owner's end of the rail: names the connection.
+    pub(crate) qpn: u32,
     pub(crate) rkey: u32,
     /// The entry's name on that rail's control channel.
     pub(crate) handle: u64,
@@ -177,8 +182,9 @@ impl Msg {
             b[KEYS] = keys.n;
             for (k, slot) in keys.as_slice().iter().zip(b[HEAD..].chunks_exact_mut(SLOT)) {
                 slot[..16].copy_from_slice(k.gid.as_bytes());
-                slot[16..20].copy_from_slice(&k.rkey.to_be_bytes());
-                slot[20..28].copy_from_slice(&k.handle.to_be_bytes());
+                slot[16..20].copy_from_slice(&k.qpn.to_be_bytes());
+                slot[20..24].copy_from_slice(&k.rkey.to_be_bytes());
+                slot[24..32].copy_from_slice(&k.handle.to_be_bytes());
             }
         }
         b
@@ -192,14 +198,15 @@ impl Msg {
     /// is empty or wraps around, a rails message whose keys are none, too many, or name a GID
     /// twice or a zero GID.
     pub(crate) fn decode(b: &[u8]) -> Result<Msg> {
-        let b: &[u8; FRAME] =
-            b.try_into().map_err(|_| bad(format!("a {}-byte message (frames are {FRAME})", b.len())))?;
-        if b[..4] != MAGIC {
-            return Err(bad(format!("bad magic {:02x?}", &b[..4])));
+        // Magic and version first: another version's frame may have another size.
+        if b.len() < 5 || b[..4] != MAGIC {
+            return Err(bad(format!("bad magic {:02x?}", &b[..b.len().min(4)])));
         }
         if b[4] != VERSION {
             return Err(bad(format!("peer speaks control version {}, this build speaks {VERSION}", b[4])));
         }
+        let b: &[u8; FRAME] =
+            b.try_into().map_err(|_| bad(format!("a {}-byte message (frames are {FRAME})", b.len())))?;
         if b[END..HEAD].iter().chain(&b[SLOTS_END..]).any(|&x| x != 0) {
             return Err(bad("reserved bytes set".into()));
         }
@@ -231,7 +238,7 @@ impl Msg {
             let mut keys = [RailKey::default(); MAX_KEYS];
             for (k, slot) in keys.iter_mut().zip(b[HEAD..].chunks_exact(SLOT)).take(n) {
                 let gid = Gid::from_bytes(slot[..16].try_into().expect("16 bytes"));
-                *k = RailKey { gid, rkey: u32_at(slot, 16), handle: u64_at(slot, 20) };
+                *k = RailKey { gid, qpn: u32_at(slot, 16), rkey: u32_at(slot, 20), handle: u64_at(slot, 24) };
             }
             range()?;
             RailKeys::new(&keys[..n]).ok_or_else(|| bad(format!("rail keys {:?}", &keys[..n])))
@@ -277,7 +284,12 @@ mod tests {
     }
 
     fn keys() -> RailKeys {
-        let k = |i: u8| RailKey { gid: gid(i), rkey: 0x100 + u32::from(i), handle: u64::from(i) * 7 };
+        let k = |i: u8| RailKey {
+            gid: gid(i),
+            qpn: 0x11 * u32::from(i),
+            rkey: 0x100 + u32::from(i),
+            handle: u64::from(i) * 7,
+        };
         RailKeys::new(&[k(1), k(2)]).unwrap()
     }
 
@@ -309,10 +321,10 @@ mod tests {
     fn rejects_bad_frames() {
         let good = Msg::Release { handle: 1 }.encode();
         assert!(Msg::decode(&good[..63]).is_err());
-        assert!(Msg::decode(&good[..64]).is_err(), "a version-1 frame's size");
-        let mut b = good;
-        b[4] = 1;
-        assert!(Msg::decode(&b).unwrap_err().to_string().contains("this build speaks 2"));
+        assert!(Msg::decode(&good[..3]).is_err());
+        let mut v1 = good[..64].to_vec();
+        v1[4] = 1; // a version-1 peer's frame (64 bytes) is refused by its version
+        assert!(Msg::decode(&v1).unwrap_err().to_string().contains("version 1, this build speaks 2"));
         let mut b = good;
         b[KIND] = 99;
         assert!(Msg::decode(&b).unwrap_err().to_string().contains("kind 99"));
