@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use mralloc::heap::{chunk_of, Buffer, Exposed, Heap, HeapStats};
-use mralloc::verbs::{Access, SendOp, SendWr};
+use mralloc::verbs::{Access, Pd, SendOp, SendWr};
 use mralloc::Error;
 
 const MIB: usize = 1 << 20;
@@ -143,13 +143,47 @@ fn through(lb: &Loopback, buf: &mut Buffer, dst: &Exposed, seed: u64, what: &str
     assert_bytes_eq(buf, &want, &format!("{what}: RDMA READ"));
 }
 
-/// Registered bytes are exactly the chunks that are not idle (one PD).
+/// Registered bytes are exactly the chunks that are not idle, in each of the first `pds` PDs.
+fn registered_are_true_in(st: &HeapStats, pds: usize, what: &str) {
+    for slot in 0..pds {
+        assert_eq!(
+            st.registered_bytes[slot] + st.idle_bytes,
+            st.mapped_bytes,
+            "{what}: registered bytes (PD {slot}) are not true: {st:?}"
+        );
+    }
+}
+
 fn registered_are_true(st: &HeapStats, what: &str) {
-    assert_eq!(
-        st.registered_bytes[0] + st.idle_bytes,
-        st.mapped_bytes,
-        "{what}: registered bytes are not true: {st:?}"
-    );
+    registered_are_true_in(st, 1, what);
+}
+
+/// A bound heap that releases chunks after 500 ms, without a thread cache.
+fn idle_heap(pds: &[&Pd], max_chunk: usize) -> Heap {
+    let b = pds.iter().fold(Heap::builder(), |b, pd| b.bind(pd));
+    b.max_chunk(max_chunk).thread_cache(0).idle_release(Some(Duration::from_millis(500))).build().unwrap()
+}
+
+/// A burst of `n` 1 MiB buffers, freed; returns their chunks once every data chunk is idle.
+fn burst_then_idle(heap: &Heap, n: usize) -> std::collections::HashSet<(usize, usize)> {
+    let burst: Vec<Buffer> = (0..n)
+        .map(|_| {
+            let mut b = heap.alloc(MIB).unwrap();
+            b.fill(0xA5);
+            b
+        })
+        .collect();
+    let chunks = burst.iter().map(|b| chunk_of(b.as_ptr()).unwrap()).collect();
+    println!("busy {:?}", heap.stats());
+    drop(burst);
+    // Every data chunk idle: jemalloc has nothing committed left but its metadata.
+    wait_for("every data chunk released", Duration::from_secs(60), || {
+        heap.decay().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let st = heap.stats();
+        st.idle_bytes + st.metadata_bytes == st.mapped_bytes
+    });
+    chunks
 }
 
 /// The real chain when an idle chunk's registration is refused (issue 35): the kernel refuses to
@@ -176,34 +210,11 @@ fn device_an_idle_chunk_whose_registration_is_refused_is_never_handed_out() {
     // The far side: exposed (registered) before any limit, never idle.
     let far = Heap::builder().bind(&lb.pd).access(Access::ALL_REMOTE).idle_release(None).build().unwrap();
     let dst = far.alloc(MIB).unwrap().expose().unwrap();
-    let heap = Heap::builder()
-        .bind(&lb.pd)
-        .max_chunk(8 * MIB)
-        .thread_cache(0)
-        .idle_release(Some(Duration::from_millis(500)))
-        .build()
-        .unwrap();
-    let burst: Vec<Buffer> = (0..24)
-        .map(|_| {
-            let mut b = heap.alloc(MIB).unwrap();
-            b.fill(0xA5);
-            b
-        })
-        .collect();
-    let burst_chunks: std::collections::HashSet<(usize, usize)> =
-        burst.iter().map(|b| chunk_of(b.as_ptr()).unwrap()).collect();
+    let heap = idle_heap(&[&lb.pd], 8 * MIB);
+    let burst_chunks = burst_then_idle(&heap, 24);
     let smallest = burst_chunks.iter().map(|c| c.1).min().unwrap();
-    let busy = heap.stats();
-    drop(burst);
-    // Every data chunk idle: jemalloc has nothing committed left but its metadata.
-    wait_for("every data chunk released", Duration::from_secs(60), || {
-        heap.decay().unwrap();
-        std::thread::sleep(Duration::from_millis(100));
-        let st = heap.stats();
-        st.idle_bytes + st.metadata_bytes == st.mapped_bytes
-    });
     let idle = heap.stats();
-    println!("busy {busy:?}\nidle {idle:?}\nburst chunks {burst_chunks:?}");
+    println!("idle {idle:?}\nburst chunks {burst_chunks:?}");
     assert_eq!(idle.idle_chunks as usize, burst_chunks.len());
     registered_are_true(&idle, "idle");
 
@@ -270,4 +281,69 @@ fn device_an_idle_chunk_whose_registration_is_refused_is_never_handed_out() {
         through(&lb, b, &dst, 100 + i as u64, &format!("reused #{i}"));
     }
     println!("idle refused child: OK");
+}
+
+/// Two PDs, and the refusal comes at the second PD's registration of an idle chunk, after the
+/// first PD's succeeded: the commit hook must take that one back (`withdraw`) — else the chunk
+/// stays registered and pinned in one PD while jemalloc keeps it decommitted, and its next
+/// commit registers it once more. Every chunk is 2 MiB (`max_chunk`); the room (3 MiB) fits one
+/// PD's registration of one, not both, and fits the exact-size chunk of a 1 MiB request in both
+/// (1 MiB and a page, twice). Checked against the kernel: its MRs in our PDs and our pinned
+/// pages grow by exactly the served chunk's two registrations.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_second_pd_refusing_an_idle_chunk_takes_the_first_registration_back() {
+    const NAME: &str = "device_a_second_pd_refusing_an_idle_chunk_takes_the_first_registration_back";
+    if std::env::var("MRALLOC_IDLE_WITHDRAW_CHILD").is_err() {
+        run_in_child(NAME, "MRALLOC_IDLE_WITHDRAW_CHILD", &[], "idle withdraw");
+        return;
+    }
+    drop_ipc_lock(); // before the device is opened (see tests/common/memlock.rs)
+    let saved = memlock();
+    let lb = loopback();
+    let pd2 = Pd::new(&lb.ctx).unwrap();
+    let far = Heap::builder().bind(&lb.pd).access(Access::ALL_REMOTE).idle_release(None).build().unwrap();
+    let dst = far.alloc(MIB).unwrap().expose().unwrap();
+    let heap = idle_heap(&[&lb.pd, &pd2], 2 * MIB);
+    let burst_chunks = burst_then_idle(&heap, 12);
+    let idle = heap.stats();
+    println!("idle {idle:?}");
+    assert!(burst_chunks.iter().all(|c| c.1 == 2 * MIB), "{burst_chunks:?}");
+    assert_eq!(idle.idle_chunks as usize, burst_chunks.len());
+    registered_are_true_in(&idle, 2, "idle");
+
+    let pdns = our_pdns();
+    let (mrs, pinned) = (resources("mr", &pdns), vm_pinned_kib());
+    set_memlock_soft((pinned << 10) + 3 * MIB as u64);
+    let mut served = heap.alloc(MIB).expect("jemalloc falls back on a chunk that fits");
+    let st = heap.stats();
+    let chunk = chunk_of(served.as_ptr()).unwrap();
+    println!("fell back {st:?}\nchunk {chunk:?}");
+    assert!(!burst_chunks.contains(&chunk) && chunk.1 < 2 * MIB, "served from a refused chunk: {chunk:?}");
+    assert!(served.keys().is_some() && served.keys_for(&pd2).is_some(), "not registered in both PDs");
+    assert_eq!(st.idle_chunks, idle.idle_chunks, "an idle chunk left its state");
+    registered_are_true_in(&st, 2, "fell back");
+    // Refused: the idle chunk's second registration, then the growth's (a 2 MiB chunk).
+    assert!(st.registration_failures >= idle.registration_failures + 2, "{st:?}");
+    // The kernel holds the served chunk's two registrations and nothing else new: the first
+    // PD's registrations of the refused idle chunk and of the refused growth were taken back.
+    assert_eq!(resources("mr", &pdns), mrs + 2, "registrations of refused chunks left in the kernel");
+    assert_eq!(vm_pinned_kib(), pinned + 2 * (chunk.1 as u64 >> 10), "pages of refused chunks left pinned");
+    through(&lb, &mut served, &dst, 9, "served under the limit");
+
+    // The limit restored: the idle chunks serve again, registered once in each PD.
+    set_memlock_soft(saved.rlim_cur);
+    let mut again: Vec<Buffer> = (0..burst_chunks.len()).map(|_| heap.alloc(MIB).unwrap()).collect();
+    let used = heap.stats();
+    println!("used again {used:?}");
+    assert_eq!((used.chunks, used.idle_chunks), (st.chunks, 0), "an idle chunk was lost");
+    assert_eq!(used.reg_mr_calls - st.reg_mr_calls, 2 * idle.idle_chunks);
+    assert_eq!(resources("mr", &pdns), mrs + 2 + 2 * burst_chunks.len());
+    registered_are_true_in(&used, 2, "used again");
+    for (i, b) in again.iter_mut().enumerate() {
+        assert!(burst_chunks.contains(&chunk_of(b.as_ptr()).unwrap()));
+        assert!(b.keys_for(&pd2).is_some());
+        through(&lb, b, &dst, 200 + i as u64, &format!("reused #{i}"));
+    }
+    println!("idle withdraw child: OK");
 }
