@@ -138,7 +138,8 @@ spread() {
 # The commit whose code a benchmark measures (src/, benches/, Cargo files), or "dirty" when they
 # differ from HEAD. The benchmark scripts record it next to their results (target/bench-*.rev),
 # and `scripts/bench --report` only writes a report from results of the code HEAD has.
-MEASURED_PATHS=(src benches Cargo.toml Cargo.lock)
+# (tests/first_use_device.rs: its device_first_use_cost is scripts/bench-transfer's first-use part.)
+MEASURED_PATHS=(src benches tests/first_use_device.rs Cargo.toml Cargo.lock)
 measured_rev() {
   if git diff --quiet HEAD -- "${MEASURED_PATHS[@]}"; then git rev-parse HEAD; else echo dirty; fi
 }

@@ -185,6 +185,15 @@ fn device_idle_release_deregisters_first_use_registrations() {
 /// The cost both ways (printed; run with --nocapture): map + register `CHUNKS` 2 MiB chunks
 /// with two PDs, eager vs on first use, and the first use of a chunk through the second PD (a
 /// key lookup that registers it) vs a later lookup. Asserts only what the mode promises.
+///
+/// One line per round and mode (`FIRST_USE_ROUNDS` rounds, default 3), read by
+/// scripts/bench-transfer — anywhere in a line: with --nocapture libtest's `test ... ` may
+/// precede the first one:
+///
+/// `FIRST_USE round=<r> mode=<eager|first_use> chunks=<data chunks> buffers=<n>
+/// reg_mr_calls=<n> map_register_ms=<all chunks mapped and registered> in_reg_mr_ms=<of which in
+/// ibv_reg_mr> first_use_us_median=<…> first_use_us_min=<…> first_use_us_max=<…>
+/// later_lookup_us_median=<…>` (the first-use fields `-` for eager).
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_first_use_cost() {
@@ -228,20 +237,25 @@ fn device_first_use_cost() {
             }
             first.sort();
             later.sort();
-            let med = |v: &[Duration]| v.get(v.len() / 2).copied().unwrap_or_default();
+            let med = |v: &[Duration]| v.get(v.len() / 2).copied();
+            let us = |d: Option<Duration>| d.map_or("-".to_string(), |d| format!("{:.2}", d.as_secs_f64() * 1e6));
+            if round == 0 && !first_use {
+                println!(); // off libtest's `test ... ` line
+            }
             println!(
-                "round {round} {}: {} data chunks ({} buffers) mapped+registered in {:?} ({} reg_mr calls, {:?} in reg_mr); \
-                 first use per chunk median {:?} [min {:?}, max {:?}], later lookup median {:?}",
-                if first_use { "first-use" } else { "eager" },
+                "FIRST_USE round={round} mode={} chunks={} buffers={} reg_mr_calls={} map_register_ms={:.3} \
+                 in_reg_mr_ms={:.3} first_use_us_median={} first_use_us_min={} first_use_us_max={} \
+                 later_lookup_us_median={}",
+                if first_use { "first_use" } else { "eager" },
                 data_chunks(&st),
                 bufs.len(),
-                fill,
                 st.reg_mr_calls,
-                st.reg_mr_time,
-                med(&first),
-                first.first().copied().unwrap_or_default(),
-                first.last().copied().unwrap_or_default(),
-                med(&later),
+                fill.as_secs_f64() * 1e3,
+                st.reg_mr_time.as_secs_f64() * 1e3,
+                us(med(&first)),
+                us(first.first().copied()),
+                us(first.last().copied()),
+                us(med(&later)),
             );
             if first_use {
                 let used: std::collections::HashSet<_> = bufs.iter().filter_map(|b| chunk_of(b.as_ptr())).collect();

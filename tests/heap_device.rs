@@ -586,54 +586,12 @@ fn device_heaps_do_not_claim_each_others_memory() {
     assert!(a.keys(y.as_ptr()).is_none() && b.keys(y.as_ptr()).is_some());
 }
 
-/// Drops CAP_IPC_LOCK from this process (root ignores RLIMIT_MEMLOCK otherwise).
-fn drop_ipc_lock() {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: i32,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const CAP_IPC_LOCK: u32 = 14;
-    let mut hdr = Header { version: 0x2008_0522, pid: 0 };
-    let mut data = [Data::default(); 2];
-    // SAFETY: capget/capset with a v3 header and two data words, as the ABI requires.
-    unsafe {
-        assert_eq!(libc::syscall(libc::SYS_capget, &mut hdr as *mut Header, data.as_mut_ptr()), 0);
-        data[0].effective &= !(1 << CAP_IPC_LOCK);
-        data[0].permitted &= !(1 << CAP_IPC_LOCK);
-        assert_eq!(libc::syscall(libc::SYS_capset, &mut hdr as *mut Header, data.as_ptr()), 0);
-    }
-}
-
-fn vm_pinned_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmPin:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-/// Runs test `name` of this binary in a child process with `marker=1` (and `env`) set, echoes
-/// its output prefixed (so its own libtest summary is not counted as a result) and requires it
-/// to succeed and to print "`what` child: OK".
-fn in_child(name: &str, marker: &str, env: &[(&str, &str)], what: &str) {
-    let mut all = vec![(marker, "1")];
-    all.extend_from_slice(env);
-    let text = finish_child(spawn_test(name, true, &all), &format!("{what} child"));
-    assert!(text.contains(&format!("{what} child: OK")), "child did not run its body");
-}
-
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test"]
 fn device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives() {
     if std::env::var("MRALLOC_MEMLOCK_CHILD").is_err() {
         // Run the body in a child process: it lowers its own memlock limit.
-        in_child(
+        run_in_child(
             "device_memlock_exhaustion_is_a_typed_error_and_the_heap_survives",
             "MRALLOC_MEMLOCK_CHILD",
             &[],
@@ -710,7 +668,7 @@ fn device_two_mib_aligned_allocation_after_a_refused_grow_is_registered() {
 fn device_purged_memory_stays_the_nics_even_with_process_madvise() {
     if std::env::var("MRALLOC_PURGE_CHILD").is_err() {
         let conf = [("_RJEM_MALLOC_CONF", "process_madvise_max_batch:64")];
-        in_child(
+        run_in_child(
             "device_purged_memory_stays_the_nics_even_with_process_madvise",
             "MRALLOC_PURGE_CHILD",
             &conf,

@@ -6,12 +6,15 @@
 #![allow(dead_code)]
 
 pub mod hosts;
+pub mod memlock;
 pub mod model;
 pub mod rails;
 pub mod rdma_res;
 
 #[allow(unused_imports)]
 pub use hosts::{links, netdev_of, Link};
+#[allow(unused_imports)]
+pub use memlock::{drop_ipc_lock, memlock, run_in_child, set_memlock_soft, vm_pinned_kib};
 #[allow(unused_imports)]
 pub use rdma_res::{our_pdns, rdma_res, resources};
 
