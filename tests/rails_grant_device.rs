@@ -7,36 +7,19 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use common::rails::{ExtraDevice, EXTRA, RW};
+use common::rails::{two, ExtraDevice, Two, LENDER};
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{Connection, IoBuf, IoBufMut, RailOptions, Rails};
-use mralloc::verbs::{Access, Context, Pd};
+use mralloc::transfer::{Connection, IoBuf, IoBufMut, Rails};
+use mralloc::verbs::Access;
 use mralloc::{Buffer, Error};
 
-/// The rights a granting heap needs: windows carry the remote ones.
-const LENDER: Access = Access::LOCAL_WRITE.union(Access::MW_BIND);
-
-struct Two {
-    pds: [Pd; 2],
-    opts: RailOptions,
-    /// Last: the device goes once nothing of it is left (`rdma link delete` waits for that).
-    _extra: ExtraDevice,
+/// The group pairs of these tests.
+trait Groups {
+    fn groups(&self) -> (Rails, Rails);
 }
 
-fn two() -> Two {
-    let extra = ExtraDevice::add();
-    let pds = [Pd::new(&open()).unwrap(), Pd::new(&Context::open(EXTRA).unwrap()).unwrap()];
-    let opts = RailOptions { conn: rights(RW), slice: 64 << 10, ..RailOptions::default() };
-    Two { pds, opts, _extra: extra }
-}
-
-impl Two {
-    /// A heap bound to both devices.
-    fn heap(&self, access: Access) -> Heap {
-        Heap::builder().bind(&self.pds[0]).bind(&self.pds[1]).access(access).build().unwrap()
-    }
-
+impl Groups for Two {
     /// Two groups joined rail for rail: rail `i` a loopback pair on device `i`.
     fn groups(&self) -> (Rails, Rails) {
         let (mut a, mut b) = (Vec::new(), Vec::new());

@@ -8,36 +8,20 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::rails::{ExtraDevice, EXTRA, RW};
+use common::rails::{two, Two, LENDER, RW};
 use common::*;
 use mralloc::heap::Heap;
-use mralloc::transfer::{AsyncConnection, AsyncRails, RailOptions, RemoteLimits};
-use mralloc::verbs::{Access, Context, Pd};
+use mralloc::transfer::{AsyncConnection, AsyncRails, RemoteLimits};
+use mralloc::verbs::Access;
 use mralloc::{Error, RemoteRefusal};
 
-/// The rights a lending heap needs: windows carry the remote ones.
-const LENDER: Access = Access::LOCAL_WRITE.union(Access::MW_BIND);
-
-struct Two {
-    pds: [Pd; 2],
-    opts: RailOptions,
-    /// Last: the device goes once nothing of it is left (`rdma link delete` waits for that).
-    _extra: ExtraDevice,
+/// The group pairs of these tests.
+trait Groups {
+    fn pair(&self, i: usize) -> (AsyncConnection, AsyncConnection);
+    fn groups(&self) -> (AsyncRails, AsyncRails);
 }
 
-fn two() -> Two {
-    let extra = ExtraDevice::add();
-    let pds = [Pd::new(&open()).unwrap(), Pd::new(&Context::open(EXTRA).unwrap()).unwrap()];
-    let opts = RailOptions { conn: rights(RW), slice: 64 << 10, ..RailOptions::default() };
-    Two { pds, opts, _extra: extra }
-}
-
-impl Two {
-    /// A heap bound to both devices.
-    fn heap(&self, access: Access) -> Heap {
-        Heap::builder().bind(&self.pds[0]).bind(&self.pds[1]).access(access).build().unwrap()
-    }
-
+impl Groups for Two {
     /// A new connection for rail `i`: the borrower's end and the owner's.
     fn pair(&self, i: usize) -> (AsyncConnection, AsyncConnection) {
         AsyncConnection::pair(&self.pds[i], &self.opts.conn).unwrap()

@@ -2,7 +2,7 @@
 
 use mralloc::heap::{Exposed, Heap};
 use mralloc::transfer::{Connection, RailOptions, Rails};
-use mralloc::verbs::{Access, Pd};
+use mralloc::verbs::{Access, Context, Pd};
 use mralloc::RemoteDesc;
 
 use super::{open, rights};
@@ -84,5 +84,31 @@ impl Drop for ExtraDevice {
         }
         let _ = std::process::Command::new("rdma").args(["link", "delete", EXTRA]).status();
         let _ = std::process::Command::new("ip").args(["link", "del", "mrrveth0"]).status();
+    }
+}
+
+/// The rights a lending or granting heap needs: windows carry the remote ones.
+pub const LENDER: Access = Access::LOCAL_WRITE.union(Access::MW_BIND);
+
+/// Two devices (the test device and the extra one), a PD on each, and rail options whose QPs
+/// grant WRITE and READ, with 64 KiB slices.
+pub struct Two {
+    pub pds: [Pd; 2],
+    pub opts: RailOptions,
+    /// Last: the device goes once nothing of it is left (`rdma link delete` waits for that).
+    _extra: ExtraDevice,
+}
+
+pub fn two() -> Two {
+    let extra = ExtraDevice::add();
+    let pds = [Pd::new(&open()).unwrap(), Pd::new(&Context::open(EXTRA).unwrap()).unwrap()];
+    let opts = RailOptions { conn: rights(RW), slice: 64 << 10, ..RailOptions::default() };
+    Two { pds, opts, _extra: extra }
+}
+
+impl Two {
+    /// A heap bound to both devices.
+    pub fn heap(&self, access: Access) -> Heap {
+        Heap::builder().bind(&self.pds[0]).bind(&self.pds[1]).access(access).build().unwrap()
     }
 }
