@@ -46,7 +46,9 @@ pub struct RailOptions {
     pub window: usize,
     /// Whether a buffer prefers the rails whose device is on its NUMA node (default `true`):
     /// the other rails take its slices only while no local rail lives. Devices and pages of
-    /// unknown node count as local everywhere.
+    /// unknown node count as local everywhere. With one NIC per socket, a buffer then goes over
+    /// its socket's NIC only (no cross-socket DMA); set `false` to stripe every buffer over
+    /// every rail.
     pub prefer_local: bool,
 }
 
