@@ -95,14 +95,15 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
         assert!(matches!(r, Err(ref e) if matches!(e.error, Error::Operation { .. })), "rail {i}: {r:?}");
     }
 
-    // A cancelled request: the grant that arrives afterwards is given back at once. The owner
-    // answers in order, so once a later request is answered the cancelled one's 3 MiB grant
-    // has arrived too: only the later one's 1 MiB may stay lent.
+    // A cancelled request: the grant that arrives afterwards is given back at once. Once both
+    // requests were granted (the owner counts what it told the peer), only the later one's
+    // 1 MiB stays lent.
     let (borrower, owner) = t.groups();
     owner.serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
     let r = tokio::time::timeout(Duration::ZERO, borrower.request_remote(3 << 20, RW)).await;
     assert!(r.is_err(), "not answered at the first poll");
     let later = borrower.request_remote(1 << 20, RW).await.unwrap();
+    until("both granted", || (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_total == 2)).await;
     until("only the later grant stays lent", || {
         (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_bytes == 1 << 20)
     })
@@ -182,6 +183,21 @@ async fn device_memory_pushed_over_rails_carries_its_contents_and_refusals_say_w
     let r = owner.push(lender.alloc(64).unwrap(), Access::REMOTE_ATOMIC, 1).await.unwrap_err();
     assert!(matches!(r.error, Error::InvalidArgument(_)) && r.buf.is_some(), "{:?}", r.error);
     assert!(owner.info().iter().all(|r| r.alive), "refusals break no rail");
+
+    // Pushed as soon as the owner's group is made, before the borrower has made its own: the
+    // push waits on the borrower's rails until their group exists, then is delivered.
+    let (a, b): (Vec<_>, Vec<_>) = (0..2).map(|i| t.pair(i)).unzip();
+    let owner = AsyncRails::new(b, t.opts.clone()).unwrap();
+    let mut buf = lender.alloc(4096).unwrap();
+    buf.copy_from_slice(&pattern(43, 4096));
+    owner.push(buf, Access::REMOTE_READ, 7).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let borrower = AsyncRails::new(a, t.opts.clone()).unwrap();
+    let (tag, mem) = tokio::time::timeout(Duration::from_secs(10), borrower.pushed()).await.unwrap().unwrap();
+    assert_eq!((tag, mem.rails().collect::<Vec<_>>()), (7, vec![0, 1]));
+    let (mut back, _) = borrower.read(local.alloc_uninit(4096).unwrap(), &mem.desc(), 0).await.into_result().unwrap();
+    assert_bytes_eq(&back.pop().unwrap().into_init(), &pattern(43, 4096), "a push that waited for the group");
+    assert!(owner.info().iter().all(|r| r.alive) && borrower.info().iter().all(|r| r.alive));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,6 +35,9 @@ pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// dead peer's queue pair may never make the device give up (Soft-RoCE retries a destroyed
 /// peer's QP without end), so this side decides.
 pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a rails message waits for its side to make the rail group (a peer's group may be
+/// ready a moment before this side's).
+const GROUP_WAIT: Duration = Duration::from_secs(1);
 
 /// The owner's answer to a request: the memory granted (built by the receive task, so a
 /// cancelled request's grant is released by the handle's drop), or why not and its limit.
@@ -457,7 +460,7 @@ impl ControlShared {
 
     /// The rail group this connection is a rail of. A rail's messages may arrive before its
     /// side has made the group (the peer's group was ready first): they wait for it, up to
-    /// [`PEER_TIMEOUT`] (not at all without timers).
+    /// [`GROUP_WAIT`] (not at all without timers), or until the peer is gone.
     async fn group(&self) -> Option<Arc<dyn Group>> {
         let mut rx = self.group.subscribe();
         if let Some(g) = rx.borrow_and_update().clone() {
@@ -466,17 +469,22 @@ impl ControlShared {
         if !self.timers {
             return None;
         }
-        let got = match tokio::time::timeout(PEER_TIMEOUT, rx.wait_for(Option::is_some)).await {
-            Ok(Ok(g)) => g.clone(),
-            _ => None,
+        let mut gone = self.gone.subscribe();
+        let wait = tokio::time::timeout(GROUP_WAIT, rx.wait_for(Option::is_some));
+        let got = tokio::select! {
+            _ = gone.wait_for(|g| *g) => None,
+            got = wait => match got {
+                Ok(Ok(g)) => g.clone(),
+                _ => None,
+            },
         };
         got
     }
 
-    /// Buffers and bytes lent through the connection now.
-    pub(crate) fn lent(&self) -> (usize, u64) {
-        let l = self.lending.lock();
-        (l.lent.len(), l.bytes)
+    /// Buffers and bytes lent through the connection now, and how many were told to the peer
+    /// so far.
+    pub(crate) fn lent(&self) -> (usize, u64, u64) {
+        self.lending.lock().counts()
     }
 
     /// Whether the peer is gone.

@@ -55,6 +55,9 @@ pub struct RemoteMemoryStats {
     pub held_buffers: u64,
     /// Their bytes.
     pub held_bytes: u64,
+    /// Buffers lent to the peer since the connection was made (each grant and push it was
+    /// told of).
+    pub lent_total: u64,
 }
 
 /// Memory lent to the peer: the buffer and its key (a window bound through the connection,
@@ -109,23 +112,34 @@ pub(crate) struct Lending {
     /// Buffers the peer handed over that the application has not taken yet (counted against
     /// the limits, so a peer cannot grow them without bound).
     pub(crate) handed: (usize, u64),
-    next_handle: u64,
+    /// Grants and pushes told to the peer so far.
+    announced: u64,
 }
+
+/// Entries' handles come from one counter for the whole process: a handle meant for one
+/// connection's registry names nothing in another's.
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
 
 impl Lending {
     /// Registers `lent` under a fresh handle.
     pub(crate) fn insert(&mut self, lent: Lent) -> u64 {
-        self.next_handle += 1;
+        let handle = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
         self.bytes += lent.keyed.remote().len;
-        self.lent.insert(self.next_handle, lent);
-        self.next_handle
+        self.lent.insert(handle, lent);
+        handle
     }
 
     /// Marks `handle` as told to the peer.
     pub(crate) fn announce(&mut self, handle: u64) {
-        if let Some(l) = self.lent.get_mut(&handle) {
+        if let Some(l) = self.lent.get_mut(&handle).filter(|l| !l.announced) {
             l.announced = true;
+            self.announced += 1;
         }
+    }
+
+    /// Entries lent now, their bytes, and how many were told to the peer so far.
+    pub(crate) fn counts(&self) -> (usize, u64, u64) {
+        (self.lent.len(), self.bytes, self.announced)
     }
 
     /// Whether lending `len` more bytes stays within `limits`; `Err` carries the bytes left.

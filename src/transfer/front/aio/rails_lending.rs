@@ -21,7 +21,8 @@ use tokio::sync::oneshot;
 use crate::error::{Error, RemoteRefusal, Result};
 use crate::heap::{Buffer, Heap};
 use crate::remote_desc::{DeviceKey, RemoteDesc};
-use crate::transfer::front::aio::control::{ControlShared, Group, RailsGrant, KEEPALIVE};
+use crate::transfer::engine::completion::Failure;
+use crate::transfer::front::aio::control::{ControlShared, Group, RailsGrant, KEEPALIVE, PEER_TIMEOUT};
 use crate::transfer::front::aio::lending::{
     check_lending_heap, lend, probe_windows, unlend, Held, Kept, RemoteLimits, RemoteMemoryStats,
 };
@@ -49,6 +50,8 @@ pub(crate) struct RailsLending {
     pushed_tx: Sender<(u64, RailsRemoteMemory)>,
     pushed_rx: tokio::sync::Mutex<Receiver<(u64, RailsRemoteMemory)>>,
     held: Arc<Held>,
+    /// Whether the runtime has timers (a bind's deadline).
+    timers: bool,
 }
 
 /// One rail, weakly (the control channel that holds the group belongs to it).
@@ -58,6 +61,9 @@ struct End {
     /// used on a new connection put in its place, so the rail is not restored while any live.
     keys: Arc<AtomicUsize>,
 }
+
+/// Where a key lent over the group is: its rail's connection and its handle there.
+type Placed = (Weak<Shared>, u64);
 
 /// A rail that lives, with its control channel.
 struct Live {
@@ -79,6 +85,7 @@ impl RailsLending {
             pushed_tx,
             pushed_rx: tokio::sync::Mutex::new(pushed_rx),
             held: Arc::new(Held::default()),
+            timers: super::reactor::has_timers(),
         });
         for c in conns {
             group.install(c);
@@ -170,18 +177,20 @@ impl RailsLending {
     pub(crate) fn stats(&self) -> RemoteMemoryStats {
         let mut s = RemoteMemoryStats::default();
         for l in self.live().0 {
-            let (buffers, bytes) = l.cs.lent();
+            let (buffers, bytes, total) = l.cs.lent();
             s.lent_buffers += buffers;
             s.lent_bytes += bytes;
+            s.lent_total += total;
         }
         s.held_buffers = self.held.buffers.load(Ordering::Relaxed);
         s.held_bytes = self.held.bytes.load(Ordering::Relaxed);
         s
     }
 
-    /// The owner's answer to a request for `len` bytes with `access` over the group.
-    async fn answer(&self, seq: u64, len: u64, access: Access) -> Msg {
-        let refuse = |code, limit| Msg::Refused { seq, code, limit };
+    /// The owner's answer to a request for `len` bytes with `access` over the group, and where
+    /// the keys it grants are.
+    async fn answer(&self, seq: u64, len: u64, access: Access) -> (Msg, Vec<Placed>) {
+        let refuse = |code, limit| (Msg::Refused { seq, code, limit }, Vec::new());
         let Some((heap, limits)) = self.serving.lock().clone() else {
             return refuse(RemoteRefusal::NotServing, 0);
         };
@@ -206,16 +215,18 @@ impl RailsLending {
             return refuse(RemoteRefusal::OutOfMemory, 0);
         };
         match self.lend(buf, access).await {
-            Ok((addr, len, keys)) => Msg::RailsGranted { seq, addr, len, keys },
+            Ok((addr, len, keys, placed)) => (Msg::RailsGranted { seq, addr, len, keys }, placed),
             Err(_) => refuse(RemoteRefusal::Unavailable, 0),
         }
     }
 
     /// Lends `buf` with `access` through every live rail: a key per rail, each in its rail's
     /// registry and announced (the peer may release it from now on). Returns the buffer's
-    /// address and length and the keys. A rail that dies before its bind, or fails under it
-    /// by something else (its bind flushed, the connection closed), gets no key; any other
-    /// failure withdraws the keys made.
+    /// address and length, the keys, and where each is. A rail that dies before its bind, or
+    /// fails under it by something else (its bind flushed, the connection closed), gets no
+    /// key; so does one whose bind does not complete within [`PEER_TIMEOUT`] (a send queue
+    /// stuck behind a SEND the peer never receives): that rail is failed. Any other failure
+    /// withdraws the keys made.
     ///
     /// # Errors
     /// With the buffer back (`None` if a key could not be shown dead: its rail's connection
@@ -223,7 +234,11 @@ impl RailsLending {
     /// [`Error::InvalidArgument`] for rights a live rail's queue pair does not admit, two rails
     /// whose ends present one GID, a zero GID, or as a single connection's lending; a bind's
     /// failure, as `AsyncConnection::push`.
-    async fn lend(&self, buf: Buffer, access: Access) -> std::result::Result<(u64, u64, RailKeys), Rejected<Buffer>> {
+    async fn lend(
+        &self,
+        buf: Buffer,
+        access: Access,
+    ) -> std::result::Result<(u64, u64, RailKeys, Vec<Placed>), Rejected<Buffer>> {
         let (live, mut down) = self.live();
         let mut failed = if live.len() > MAX_KEYS {
             Some(Error::InvalidArgument(format!("{} live rails, a descriptor carries {MAX_KEYS} keys", live.len())))
@@ -264,7 +279,19 @@ impl RailsLending {
             probe_windows(&l.sh).await;
             let lived = l.sh.conn().error().is_none();
             let qpn = l.sh.conn().qp().qpn();
-            match lend(l.cs.lending(), &l.sh, Kept::Shared(share.clone()), access).await {
+            let bound = lend(l.cs.lending(), &l.sh, Kept::Shared(share.clone()), access);
+            let bound = if self.timers {
+                tokio::time::timeout(PEER_TIMEOUT, bound).await.unwrap_or_else(|_| {
+                    // Failed: its flush ends the bind, and the connection's failure path frees the
+                    // entry the dropped bind left (its share with it).
+                    let error = Error::Timeout(PEER_TIMEOUT, "a memory window's bind");
+                    l.sh.conn().fail(Failure::local(&error));
+                    Err(Rejected { error, buf: None })
+                })
+            } else {
+                bound.await
+            };
+            match bound {
                 Ok((handle, remote)) => made.push((l, RailKey { gid, qpn, rkey: remote.rkey, handle })),
                 // The rail died before the bind, or failed under it by something else: the peer
                 // cannot use it either. Its share, if it kept one, goes with its flush.
@@ -282,7 +309,8 @@ impl RailsLending {
                 for (l, k) in &made {
                     l.cs.announce(k.handle);
                 }
-                Ok((addr, len, keys))
+                let placed = made.iter().map(|(l, k)| (Arc::downgrade(&l.sh), k.handle)).collect();
+                Ok((addr, len, keys, placed))
             }
             (failed, _) => {
                 for (l, k) in made {
@@ -296,13 +324,14 @@ impl RailsLending {
         }
     }
 
-    /// Withdraws `keys` (lent and announced, but the peer was never told): each on its rail;
-    /// the buffer back if every share came home.
-    async fn withdraw(&self, keys: &RailKeys) -> Option<Buffer> {
+    /// Withdraws the keys `placed` (lent and announced, but the peer was never told), each on
+    /// its rail; the buffer back if every share came home.
+    async fn withdraw(placed: Vec<Placed>) -> Option<Buffer> {
         let mut share = None;
-        for l in self.live().0 {
-            let Some(k) = keys.as_slice().iter().find(|k| k.qpn == l.sh.conn().qp().qpn()) else { continue };
-            if let Some(Kept::Shared(s)) = unlend(l.cs.lending(), &l.sh, k.handle, true).await {
+        for (data, handle) in placed {
+            let Some(sh) = data.upgrade() else { continue };
+            let Some(cs) = sh.control.clone() else { continue };
+            if let Some(Kept::Shared(s)) = unlend(cs.lending(), &sh, handle, true).await {
                 share = Some(s);
             }
         }
@@ -311,9 +340,9 @@ impl RailsLending {
 
     /// The borrower's handle on memory the peer lent over the group: each key matched to the
     /// rail whose connection it names (the peer end's GID and queue pair number). A key that
-    /// names a rail's queue pair under another GID is given back at once and left out; one
-    /// that names no rail (a connection since replaced) is left to its owner, who frees it when
-    /// that connection goes.
+    /// names no rail (a connection since replaced, or one whose ends see other GIDs) is left
+    /// out, and to its owner, who frees it when that connection goes: its handle means
+    /// something only on its own connection.
     ///
     /// # Errors
     /// [`Error::Protocol`] if no key is for a rail of the group.
@@ -323,27 +352,19 @@ impl RailsLending {
         let mut held = Vec::new();
         let mut found = Vec::new();
         for k in keys.as_slice() {
-            let rails: Vec<(usize, Arc<Shared>, &End)> = ends
-                .iter()
-                .enumerate()
-                .filter_map(|(i, e)| Some((i, e.data.upgrade()?, e)))
-                .filter(|(_, sh, _)| sh.conn().peer().qpn == k.qpn)
-                .collect();
-            let exact = rails.iter().find(|(_, sh, _)| sh.conn().peer().gid == k.gid);
-            match (exact, &rails[..]) {
-                (Some((rail, sh, end)), _) => {
-                    let Some(cs) = &sh.control else { continue };
+            let rail = ends.iter().enumerate().find_map(|(i, e)| {
+                let sh = e.data.upgrade()?;
+                let peer = sh.conn().peer();
+                let out = sh.control.as_ref()?.out.clone();
+                (peer.qpn == k.qpn && peer.gid == k.gid).then_some((i, out, e))
+            });
+            match rail {
+                Some((rail, out, end)) => {
                     end.keys.fetch_add(1, Ordering::Relaxed);
-                    held.push(HeldKey { rail: *rail, out: cs.out.clone(), handle: k.handle, count: end.keys.clone() });
+                    held.push(HeldKey { rail, out, handle: k.handle, count: end.keys.clone() });
                     found.push(DeviceKey { gid: k.gid, rkey: k.rkey });
                 }
-                (None, [(rail, sh, _)]) => {
-                    tracing::debug!("remote memory over rails: rail {rail}'s key under GID {}, not its peer's", k.gid);
-                    if let Some(cs) = &sh.control {
-                        let _ = cs.out.send(Msg::Release { handle: k.handle });
-                    }
-                }
-                _ => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
+                None => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
             }
         }
         drop(ends);
@@ -429,21 +450,31 @@ impl RailsLending {
             let error = Error::InvalidArgument("a push grants remote read and/or write rights".into());
             return Err(Rejected { error, buf: Some(buf) });
         };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let error = Error::Io {
+                what: "pushing memory over rails".into(),
+                source: std::io::Error::other("not inside a tokio runtime"),
+            };
+            return Err(Rejected { error, buf: Some(buf) });
+        };
         let group = self.clone();
-        let task = tokio::spawn(async move {
-            let (addr, len, keys) = group.lend(buf, access).await?;
+        let task = runtime.spawn(async move {
+            let (addr, len, keys, placed) = group.lend(buf, access).await?;
             let sent = group.messages().and_then(|l| {
                 l.cs.out.send(Msg::RailsPush { addr, len, access: bits, tag, keys }).map_err(|_| Error::Closed)
             });
             match sent {
                 Ok(()) => Ok(()),
                 // Nobody was told: every key is withdrawn (those on rails that went are freed with them).
-                Err(error) => Err(Rejected { error, buf: group.withdraw(&keys).await }),
+                Err(error) => Err(Rejected { error, buf: RailsLending::withdraw(placed).await }),
             }
         });
-        task.await.unwrap_or_else(|e| {
-            Err(Rejected { error: Error::Protocol(format!("a push over rails did not finish: {e}")), buf: None })
-        })
+        match task.await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime shut down under it: what it lent goes with the connections.
+            Err(_) => Err(Rejected { error: Error::Closed, buf: None }),
+        }
     }
 }
 
@@ -451,22 +482,20 @@ impl Group for RailsLending {
     fn serve(self: Arc<Self>, seq: u64, len: u64, access: Access, on: Arc<ControlShared>) {
         if self.requests.fetch_add(1, Ordering::AcqRel) >= MAX_SERVING {
             self.requests.fetch_sub(1, Ordering::AcqRel);
-            let _ = on.out.send(Msg::Refused { seq, code: RemoteRefusal::LimitReached, limit: 0 });
+            let _ = on.out.send(Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 });
             return;
         }
         // A task of its own: its binds wait on the other rails, whose slowness must not stall
         // the control channel the request came on.
         tokio::spawn(async move {
-            let answer = match self.gate.acquire().await {
+            let (answer, placed) = match self.gate.acquire().await {
                 Ok(_one) => self.answer(seq, len, access).await,
-                Err(_) => Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 },
+                Err(_) => (Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 }, Vec::new()),
             };
             self.requests.fetch_sub(1, Ordering::AcqRel);
-            if let Err(unsent) = on.out.send(answer) {
+            if on.out.send(answer).is_err() {
                 // The request's rail is gone before the answer left: nobody will release it.
-                if let Msg::RailsGranted { keys, .. } = unsent.0 {
-                    drop(self.withdraw(&keys).await);
-                }
+                drop(RailsLending::withdraw(placed).await);
             }
         });
     }

@@ -187,12 +187,13 @@ impl AsyncConnection {
     /// What this side lends the peer and holds of it now (all zero without a control channel).
     pub fn remote_memory_stats(&self) -> RemoteMemoryStats {
         let Ok(cs) = self.control() else { return RemoteMemoryStats::default() };
-        let l = cs.lending.lock();
+        let (lent_buffers, lent_bytes, lent_total) = cs.lending.lock().counts();
         RemoteMemoryStats {
-            lent_buffers: l.lent.len(),
-            lent_bytes: l.bytes,
+            lent_buffers,
+            lent_bytes,
             held_buffers: cs.held.buffers.load(Ordering::Relaxed),
             held_bytes: cs.held.bytes.load(Ordering::Relaxed),
+            lent_total,
         }
     }
 }

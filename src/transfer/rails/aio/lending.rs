@@ -92,6 +92,9 @@ impl AsyncRails {
     /// of its own: cancelling the future does not cut it short (the peer still gets the memory,
     /// or a failure frees the buffer).
     ///
+    /// # Panics
+    /// If the push's task panicked (the panic is passed on).
+    ///
     /// # Errors
     /// With the buffer back in [`Rejected`] (every key made is withdrawn first):
     /// - [`Error::RailsDown`] if no rail lives with a control channel (or every one failed
@@ -102,7 +105,9 @@ impl AsyncRails {
     ///   without [`Access::MW_BIND`]; [`Error::NotRegistered`] (not memory of a heap bound to a
     ///   rail's PD); [`Error::Verbs`] (allocating a window, or an exact registration);
     /// - a window bind's failure, as [`AsyncConnection::write`] (it fails that rail);
-    /// - [`Error::Closed`] if the peer could not be told.
+    /// - [`Error::Closed`] if the peer could not be told; [`Error::Io`] outside a tokio runtime;
+    /// - [`Error::Closed`] with `buf` `None` if the runtime shut down under the push (what it
+    ///   lent is freed with the connections).
     ///
     /// `buf` is `None` if a key could not be shown dead (its rail's connection keeps the
     /// buffer until it goes), or with [`Error::FlushLost`] (kept until that connection is
