@@ -12,7 +12,6 @@ mod lending;
 mod listener;
 mod op;
 mod rails_lending;
-mod rails_memory;
 mod reactor;
 mod remote;
 mod scratch;
@@ -34,7 +33,7 @@ pub(crate) use lending::check_lending_heap;
 pub use lending::{RemoteLimits, RemoteMemory, RemoteMemoryStats};
 pub use listener::AsyncListener;
 pub(crate) use rails_lending::RailsLending;
-pub use rails_memory::RailsRemoteMemory;
+pub use rails_lending::RailsRemoteMemory;
 
 /// What every handle and in-flight operation of one async connection shares.
 pub(crate) struct Shared {

@@ -8,25 +8,25 @@
 //! working; the buffer is freed with the last share. The borrower's handle
 //! ([`RailsRemoteMemory`]) gathers the keys in one [`RemoteDesc`] — each matched to the rail
 //! whose connection it names (the lender's end's GID and queue pair number) — and gives each back
-//! on its own rail when dropped.
+//! on its own rail when dropped (`borrow`).
 
-use std::future::Future;
+mod borrow;
+
+pub use borrow::RailsRemoteMemory;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 use tokio::sync::mpsc::{channel, Receiver, Sender};
-use tokio::sync::oneshot;
 
 use crate::error::{Error, RemoteRefusal, Result};
 use crate::heap::{Buffer, Heap};
-use crate::remote_desc::{DeviceKey, RemoteDesc};
 use crate::transfer::engine::completion::Failure;
-use crate::transfer::front::aio::control::{ControlShared, Group, RailsGrant, KEEPALIVE, PEER_TIMEOUT};
+use crate::transfer::front::aio::control::{ControlShared, Group, RailsGrant, PEER_TIMEOUT};
 use crate::transfer::front::aio::lending::{
     check_lending_heap, lend, probe_windows, unlend, Held, Kept, RemoteLimits, RemoteMemoryStats,
 };
-use crate::transfer::front::aio::rails_memory::{HeldKey, RailsRemoteMemory};
 use crate::transfer::front::aio::wire::{Msg, RailKey, RailKeys, MAX_KEYS};
 use crate::transfer::front::aio::{AsyncConnection, Shared};
 use crate::transfer::Rejected;
@@ -85,7 +85,7 @@ impl RailsLending {
             pushed_tx,
             pushed_rx: tokio::sync::Mutex::new(pushed_rx),
             held: Arc::new(Held::default()),
-            timers: super::reactor::has_timers(),
+            timers: crate::transfer::front::aio::reactor::has_timers(),
         });
         for c in conns {
             group.install(c);
@@ -336,105 +336,6 @@ impl RailsLending {
             }
         }
         share.and_then(|s| Arc::try_unwrap(s).ok()).map(Mutex::into_inner)
-    }
-
-    /// The borrower's handle on memory the peer lent over the group: each key matched to the
-    /// rail whose connection it names (the peer end's GID and queue pair number). A key that
-    /// names no rail (a connection since replaced, or one whose ends see other GIDs) is left
-    /// out, and to its owner, who frees it when that connection goes: its handle means
-    /// something only on its own connection.
-    ///
-    /// # Errors
-    /// [`Error::Protocol`] if no key is for a rail of the group.
-    pub(crate) fn held(&self, addr: u64, len: u64, access: Access, keys: &RailKeys) -> Result<RailsRemoteMemory> {
-        // Under the lock: a restore does not replace a rail between its match and its count.
-        let ends = self.ends.lock();
-        let mut held = Vec::new();
-        let mut found = Vec::new();
-        for k in keys.as_slice() {
-            let rail = ends.iter().enumerate().find_map(|(i, e)| {
-                let sh = e.data.upgrade()?;
-                let peer = sh.conn().peer();
-                let out = sh.control.as_ref()?.out.clone();
-                (peer.qpn == k.qpn && peer.gid == k.gid).then_some((i, out, e))
-            });
-            match rail {
-                Some((rail, out, end)) => {
-                    end.keys.fetch_add(1, Ordering::Relaxed);
-                    held.push(HeldKey { rail, out, handle: k.handle, count: end.keys.clone() });
-                    found.push(DeviceKey { gid: k.gid, rkey: k.rkey });
-                }
-                None => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
-            }
-        }
-        drop(ends);
-        let desc = if found.is_empty() {
-            Err(Error::Protocol("control channel: memory over rails with a key for no rail of this group".into()))
-        } else {
-            RemoteDesc::new(addr, len, &found)
-        };
-        match desc {
-            Ok(desc) => Ok(RailsRemoteMemory::new(desc, access, held, self.held.clone())),
-            Err(e) => {
-                for k in held {
-                    k.count.fetch_sub(1, Ordering::Relaxed);
-                    let _ = k.out.send(Msg::Release { handle: k.handle });
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// The next memory the peer pushed over the group, with its tag.
-    ///
-    /// # Errors
-    /// [`Error::RailsDown`] once no rail lives and nothing is queued.
-    pub(crate) async fn pushed(&self) -> Result<(u64, RailsRemoteMemory)> {
-        let mut rx = self.pushed_rx.lock().await;
-        let timers = super::reactor::has_timers();
-        loop {
-            if let Ok(got) = rx.try_recv() {
-                return Ok(got);
-            }
-            let (live, failures) = self.live();
-            if live.is_empty() {
-                return Err(Error::RailsDown { failures });
-            }
-            drop(live);
-            if !timers {
-                return rx.recv().await.ok_or(Error::Closed);
-            }
-            // Checked again at every keepalive: the rails may all die meanwhile.
-            if let Ok(got) = tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-                return got.ok_or(Error::Closed);
-            }
-        }
-    }
-
-    /// Asks the peer for `len` bytes with `access` over the group, on the first live rail.
-    pub(crate) fn request(
-        self: &Arc<Self>,
-        len: u64,
-        access: Access,
-    ) -> impl Future<Output = Result<RailsRemoteMemory>> + Send + 'static {
-        let (tx, rx) = oneshot::channel();
-        let group = self.clone();
-        // Run by the request rail's control task: a handle nobody takes any more (a cancelled
-        // request) is dropped, so given back.
-        let reply = Box::new(move |answer: Result<RailsGrant>| {
-            let _ = tx.send(answer.and_then(|(addr, len, keys)| group.held(addr, len, access, &keys)));
-        });
-        let started = self.messages().and_then(|l| {
-            l.cs.request_rails(len, access, reply)?;
-            Ok((l.sh.clone(), rx))
-        });
-        async move {
-            let (sh, rx) = started?;
-            match rx.await {
-                Ok(answer) => answer,
-                Err(_) => Err(sh.conn().error().unwrap_or(Error::Closed)),
-            }
-        }
     }
 
     /// Lends `buf` over the group unasked and tells the peer on the first live rail, in a task
