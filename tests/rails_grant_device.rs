@@ -209,3 +209,41 @@ fn device_a_dropped_rails_grant_kills_every_key_and_frees_the_buffer_only_after(
     assert_eq!(done.rails().iter().filter(|r| r.bytes > 0).count(), 1, "4 KiB: one slice, one rail");
     assert!(!dropped.load(Ordering::SeqCst), "a forgotten grant's buffer was freed");
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test"]
+fn device_a_rail_on_another_gid_index_is_keyed_by_the_gid_its_ends_present() {
+    let t = two();
+    let ctx = t.pds[0].context();
+    let port = ctx.first_active_port().unwrap();
+    let default = ctx.default_gid().unwrap();
+    // Another RoCE v2 GID of the test device (the veth's IPv6 link-local address).
+    let table = ctx.gid_table(port).unwrap();
+    let other = table
+        .iter()
+        .find(|e| e.gid != default && !e.gid.is_zero() && e.kind.as_deref() == Some("RoCE v2"))
+        .unwrap_or_else(|| panic!("a second RoCE v2 GID on {}: {table:?}", ctx.name()));
+    let mut conn0 = t.opts.conn.clone();
+    conn0.device.gid_index = Some(other.index);
+    let (x0, y0) = Connection::pair(&t.pds[0], &conn0).unwrap();
+    let (x1, y1) = Connection::pair(&t.pds[1], &t.opts.conn).unwrap();
+    let ours = Rails::new(vec![x0, x1], t.opts.clone()).unwrap();
+    let theirs = Rails::new(vec![y0, y1], t.opts.clone()).unwrap();
+
+    let lender = t.heap(LENDER);
+    let peer_heap = t.heap(Access::LOCAL_WRITE);
+    let len = 2 << 20;
+    let grant = ours.grant(lender.alloc(len).unwrap(), Access::REMOTE_WRITE).map_err(|r| r.error).unwrap();
+    let desc = grant.desc();
+    // Rail 0's key sits under the GID its ends present, not the device's default GID (which a
+    // descriptor made from the device alone would name, and the peer's rail 0 would not match).
+    assert_eq!(desc.keys()[0].gid, other.gid);
+    assert_ne!(desc.keys()[0].gid, default);
+    assert_eq!(theirs.rail(0).peer().gid, other.gid, "what the peer's end of rail 0 addresses");
+    let mut src = peer_heap.alloc(len).unwrap();
+    src.copy_from_slice(&pattern(9, len));
+    let done = theirs.post_write(src, &desc, 0).map_err(|r| r.error).unwrap().wait();
+    assert!(done.is_ok() && done.rails().iter().all(|r| r.bytes > 0), "both rails carried the write: {done:?}");
+    let buf = grant.revoke().map_err(|r| r.error).unwrap();
+    assert_bytes_eq(&buf, &pattern(9, len), "written over a rail on another GID index");
+}
