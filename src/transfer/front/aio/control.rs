@@ -74,22 +74,22 @@ const PUSHED_INBOX: usize = 1024;
 
 /// What the control tasks and the connection's handles share.
 pub(crate) struct ControlShared {
-    pub(crate) ctl: AsyncConnection,
+    ctl: AsyncConnection,
     frames: Arc<Words>,
-    pub(crate) out: UnboundedSender<Msg>,
-    pub(crate) lending: Mutex<Lending>,
+    out: UnboundedSender<Msg>,
+    lending: Mutex<Lending>,
     /// Requests waiting for an answer: who waits, the rights and bytes asked for.
     requests: Mutex<HashMap<u64, Waiting>>,
     next_seq: AtomicU64,
-    pub(crate) held: Arc<Held>,
+    held: Arc<Held>,
     /// Set once the peer is gone: requests fail at once.
-    pub(crate) dead: AtomicBool,
+    dead: AtomicBool,
     /// Turns true once the peer is gone: ends both tasks.
     gone: watch::Sender<bool>,
     /// Whether the runtime has timers (keepalives, deadlines).
     timers: bool,
-    pub(crate) pushed: tokio::sync::Mutex<Receiver<(u64, RemoteMemory)>>,
-    pub(crate) handed: tokio::sync::Mutex<UnboundedReceiver<(u64, Buffer)>>,
+    pushed: tokio::sync::Mutex<Receiver<(u64, RemoteMemory)>>,
+    handed: tokio::sync::Mutex<UnboundedReceiver<(u64, Buffer)>>,
     /// The rail group this connection is a rail of, if any (its remote memory spans them all).
     group: watch::Sender<Option<Arc<dyn Group>>>,
 }
@@ -217,10 +217,7 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
         Msg::HandOver { handle, tag } => {
             // A share of memory lent over rails is released: only all of a buffer is handed.
             if let Some(buf) = unlend(&cs.lending, sh, handle, true).await.and_then(Kept::into_own) {
-                let mut l = cs.lending.lock();
-                l.handed.0 += 1;
-                l.handed.1 += buf.len() as u64;
-                drop(l);
+                cs.lending.lock().handed(buf.len() as u64, true);
                 let _ = inboxes.handed.send((tag, buf));
             }
         }
@@ -273,15 +270,15 @@ async fn handle(cs: &Arc<ControlShared>, sh: &Arc<Shared>, msg: Msg, inboxes: &I
 /// them when those connections go).
 fn release_own(cs: &ControlShared, sh: &Shared, keys: &RailKeys) {
     let peer = sh.conn().peer().gid;
-    if let Some(k) = keys.as_slice().iter().find(|k| k.gid == peer) {
-        let _ = cs.out.send(Msg::Release { handle: k.handle });
+    if let Some(k) = keys.as_slice().iter().find(|k| k.gid() == peer) {
+        let _ = cs.out.send(Msg::Release { handle: k.handle() });
     }
 }
 
 /// The answer to a request for `len` bytes with `access`.
 async fn serve(cs: &Arc<ControlShared>, sh: &Arc<Shared>, seq: u64, len: u64, access: Access) -> Msg {
     let refuse = |code, limit| Msg::Refused { seq, code, limit };
-    let Some((heap, limits)) = cs.lending.lock().serving.clone() else {
+    let Some((heap, limits)) = cs.lending.lock().serving() else {
         return refuse(RemoteRefusal::NotServing, 0);
     };
     if len > limits.max_request {
@@ -446,6 +443,39 @@ impl ControlShared {
             return Err(Error::Closed);
         }
         Ok(())
+    }
+
+    /// Queues `msg` for the peer.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] if the channel is gone (its tasks ended).
+    pub(crate) fn tell(&self, msg: Msg) -> Result<()> {
+        self.out.send(msg).map_err(|_| Error::Closed)
+    }
+
+    /// A sender of messages to the peer, for a handle that tells it when it goes.
+    pub(crate) fn sender(&self) -> UnboundedSender<Msg> {
+        self.out.clone()
+    }
+
+    /// Whether `out` sends on this channel.
+    pub(crate) fn sends_with(&self, out: &UnboundedSender<Msg>) -> bool {
+        out.same_channel(&self.out)
+    }
+
+    /// This side's handles on the peer's memory.
+    pub(crate) fn held(&self) -> &Held {
+        &self.held
+    }
+
+    /// The next memory the peer pushed (`None` once the channel is gone).
+    pub(crate) async fn next_pushed(&self) -> Option<(u64, RemoteMemory)> {
+        self.pushed.lock().await.recv().await
+    }
+
+    /// The next buffer the peer handed over (`None` once the channel is gone).
+    pub(crate) async fn next_handed(&self) -> Option<(u64, Buffer)> {
+        self.handed.lock().await.recv().await
     }
 
     /// What this side lends through the connection.

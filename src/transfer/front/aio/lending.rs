@@ -66,10 +66,10 @@ pub struct RemoteMemoryStats {
 /// it deallocates the window and deregisters an exact registration before the buffer is freed
 /// (or leaks the buffer).
 pub(crate) struct Lent {
-    pub(crate) keyed: Keyed<Kept>,
+    keyed: Keyed<Kept>,
     /// Whether the peer was told the handle (its bind completed): only then may the peer's
     /// messages release it. Before, the entry belongs to the bind in flight.
-    pub(crate) announced: bool,
+    announced: bool,
 }
 
 /// What keeps lent memory: the buffer, or (memory lent over a rail group, a key per rail) a
@@ -106,12 +106,12 @@ impl Kept {
 #[derive(Default)]
 pub(crate) struct Lending {
     /// The heap requests are served from, and the limits; `None`: requests are refused.
-    pub(crate) serving: Option<(Heap, RemoteLimits)>,
-    pub(crate) lent: HashMap<u64, Lent>,
-    pub(crate) bytes: u64,
+    serving: Option<(Heap, RemoteLimits)>,
+    lent: HashMap<u64, Lent>,
+    bytes: u64,
     /// Buffers the peer handed over that the application has not taken yet (counted against
     /// the limits, so a peer cannot grow them without bound).
-    pub(crate) handed: (usize, u64),
+    handed: (usize, u64),
     /// Grants and pushes told to the peer so far.
     announced: u64,
 }
@@ -127,6 +127,28 @@ impl Lending {
         self.bytes += lent.keyed.remote().len;
         self.lent.insert(handle, lent);
         handle
+    }
+
+    /// The heap requests are served from, and the limits (`None`: requests are refused).
+    pub(crate) fn serving(&self) -> Option<(Heap, RemoteLimits)> {
+        self.serving.clone()
+    }
+
+    /// Serves requests from `serving` from now on (`None`: refuses them).
+    pub(crate) fn set_serving(&mut self, serving: Option<(Heap, RemoteLimits)>) {
+        self.serving = serving;
+    }
+
+    /// Counts a buffer of `bytes` the peer handed over (`true`) or the application took
+    /// (`false`).
+    pub(crate) fn handed(&mut self, bytes: u64, arrived: bool) {
+        if arrived {
+            self.handed.0 += 1;
+            self.handed.1 += bytes;
+        } else {
+            self.handed.0 -= 1;
+            self.handed.1 -= bytes;
+        }
     }
 
     /// Marks `handle` as told to the peer.
@@ -280,8 +302,27 @@ pub(crate) fn access_of(bits: u8) -> Access {
 /// Counts of live [`RemoteMemory`] handles.
 #[derive(Default)]
 pub(crate) struct Held {
-    pub(crate) buffers: AtomicU64,
-    pub(crate) bytes: AtomicU64,
+    buffers: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Held {
+    /// Counts a handle of `bytes`.
+    pub(crate) fn count(&self, bytes: u64) {
+        self.buffers.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Stops counting a handle of `bytes`.
+    pub(crate) fn uncount(&self, bytes: u64) {
+        self.buffers.fetch_sub(1, Ordering::Relaxed);
+        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Handles counted now, and their bytes.
+    pub(crate) fn now(&self) -> (u64, u64) {
+        (self.buffers.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed))
+    }
 }
 
 /// Memory of the peer's heap that this side may access, until the handle is dropped: requested
@@ -325,8 +366,7 @@ impl RemoteMemory {
         out: UnboundedSender<Msg>,
         held: Arc<Held>,
     ) -> RemoteMemory {
-        held.buffers.fetch_add(1, Ordering::Relaxed);
-        held.bytes.fetch_add(remote.len, Ordering::Relaxed);
+        held.count(remote.len);
         RemoteMemory { remote, handle, access, link: Some(Link { out, held }) }
     }
 
@@ -363,8 +403,7 @@ impl RemoteMemory {
     /// Stops counting this handle as held; the sender to tell its connection, if still linked.
     fn unlink(&mut self) -> Option<UnboundedSender<Msg>> {
         let l = self.link.take()?;
-        l.held.buffers.fetch_sub(1, Ordering::Relaxed);
-        l.held.bytes.fetch_sub(self.remote.len, Ordering::Relaxed);
+        l.held.uncount(self.remote.len);
         Some(l.out)
     }
 }

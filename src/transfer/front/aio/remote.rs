@@ -2,7 +2,6 @@
 //! hand it over with its contents, push this side's memory to the peer.
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -52,7 +51,7 @@ impl AsyncConnection {
     pub fn serve_remote_memory(&self, heap: &Heap, limits: RemoteLimits) -> Result<()> {
         let cs = self.control()?;
         check_lending_heap(heap, self.pd())?;
-        cs.lending.lock().serving = Some((heap.clone(), limits));
+        cs.lending().lock().set_serving(Some((heap.clone(), limits)));
         Ok(())
     }
 
@@ -101,9 +100,7 @@ impl AsyncConnection {
         let cs = self.control()?;
         let (handle, out) = mem.detach();
         match out {
-            Some(out) if out.same_channel(&cs.out) => {
-                cs.out.send(Msg::HandOver { handle, tag }).map_err(|_| Error::Closed)
-            }
+            Some(out) if cs.sends_with(&out) => cs.tell(Msg::HandOver { handle, tag }),
             Some(out) => {
                 let _ = out.send(Msg::Release { handle });
                 Err(Error::InvalidArgument("the remote memory belongs to another connection".into()))
@@ -120,10 +117,8 @@ impl AsyncConnection {
     /// peer is gone.
     pub async fn handed_over(&self) -> Result<(u64, Buffer)> {
         let cs = self.control()?;
-        let (tag, buf) = cs.handed.lock().await.recv().await.ok_or_else(|| self.gone())?;
-        let mut l = cs.lending.lock();
-        l.handed.0 -= 1;
-        l.handed.1 -= buf.len() as u64;
+        let (tag, buf) = cs.next_handed().await.ok_or_else(|| self.gone())?;
+        cs.lending().lock().handed(buf.len() as u64, false);
         Ok((tag, buf))
     }
 
@@ -151,7 +146,7 @@ impl AsyncConnection {
         let checked = self.control().and_then(|cs| {
             let bits = access_bits(access)
                 .ok_or_else(|| Error::InvalidArgument("a push grants remote read and/or write rights".into()))?;
-            if cs.dead.load(Ordering::Acquire) {
+            if cs.is_dead() {
                 return Err(self.gone());
             }
             if !self.options().qp.remote_access.contains(access) {
@@ -165,12 +160,12 @@ impl AsyncConnection {
             Ok(x) => x,
             Err(error) => return Err(Rejected { error, buf: Some(buf) }),
         };
-        let (handle, remote) = lend(&cs.lending, &self.shared, Kept::Own(buf), access)
+        let (handle, remote) = lend(cs.lending(), &self.shared, Kept::Own(buf), access)
             .await
             .map_err(|r| Rejected { error: r.error, buf: r.buf.and_then(Kept::into_own) })?;
-        cs.lending.lock().announce(handle);
+        cs.announce(handle);
         // If the channel is gone, the entry is freed with the connection.
-        let _ = cs.out.send(Msg::Push { handle, remote, access: bits, tag });
+        let _ = cs.tell(Msg::Push { handle, remote, access: bits, tag });
         Ok(())
     }
 
@@ -181,19 +176,14 @@ impl AsyncConnection {
     /// peer is gone.
     pub async fn pushed(&self) -> Result<(u64, RemoteMemory)> {
         let cs = self.control()?;
-        cs.pushed.lock().await.recv().await.ok_or_else(|| self.gone())
+        cs.next_pushed().await.ok_or_else(|| self.gone())
     }
 
     /// What this side lends the peer and holds of it now (all zero without a control channel).
     pub fn remote_memory_stats(&self) -> RemoteMemoryStats {
         let Ok(cs) = self.control() else { return RemoteMemoryStats::default() };
-        let (lent_buffers, lent_bytes, lent_total) = cs.lending.lock().counts();
-        RemoteMemoryStats {
-            lent_buffers,
-            lent_bytes,
-            held_buffers: cs.held.buffers.load(Ordering::Relaxed),
-            held_bytes: cs.held.bytes.load(Ordering::Relaxed),
-            lent_total,
-        }
+        let (lent_buffers, lent_bytes, lent_total) = cs.lent();
+        let (held_buffers, held_bytes) = cs.held().now();
+        RemoteMemoryStats { lent_buffers, lent_bytes, held_buffers, held_bytes, lent_total }
     }
 }

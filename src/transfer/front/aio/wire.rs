@@ -51,12 +51,34 @@ pub(crate) const WRITE: u8 = 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct RailKey {
     /// The GID of the owner's end of the rail (what the borrower's end addresses).
-    pub(crate) gid: Gid,
+    gid: Gid,
     /// The queue pair number of the owner's end of the rail: names the connection.
-    pub(crate) qpn: u32,
-    pub(crate) rkey: u32,
+    qpn: u32,
+    rkey: u32,
     /// The entry's name on that rail's control channel.
-    pub(crate) handle: u64,
+    handle: u64,
+}
+
+impl RailKey {
+    pub(crate) fn new(gid: Gid, qpn: u32, rkey: u32, handle: u64) -> RailKey {
+        RailKey { gid, qpn, rkey, handle }
+    }
+
+    pub(crate) fn gid(&self) -> Gid {
+        self.gid
+    }
+
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    pub(crate) fn handle(&self) -> u64 {
+        self.handle
+    }
 }
 
 /// The keys of memory lent over a rail group: 1..=[`MAX_KEYS`], each GID once, none zero.

@@ -171,7 +171,7 @@ impl AsyncConnection {
         });
         driver::spawn(&shared, channel, stop)?;
         if let Some((cs, parts)) = control {
-            cs.lending.lock().serving = serving;
+            cs.lending().lock().set_serving(serving);
             control::spawn(&cs, &shared, parts, stop_control);
         }
         Ok(AsyncConnection { shared })

@@ -148,7 +148,7 @@ impl AsyncConnection {
         let conn = self.conn();
         if let Some(cs) = &self.shared.control {
             // The peer frees what it lent at once rather than at its next keepalive.
-            let _ = cs.out.send(Msg::Bye);
+            let _ = cs.tell(Msg::Bye);
         }
         conn.fail(Failure::Closed);
         conn.qp().set_error()?;

@@ -35,16 +35,18 @@ impl RailsLending {
             let rail = ends.iter().enumerate().find_map(|(i, e)| {
                 let sh = e.data.upgrade()?;
                 let peer = sh.conn().peer();
-                let out = sh.control.as_ref()?.out.clone();
-                (peer.qpn == k.qpn && peer.gid == k.gid).then_some((i, out, e))
+                let out = sh.control.as_ref()?.sender();
+                (peer.qpn == k.qpn() && peer.gid == k.gid()).then_some((i, out, e))
             });
             match rail {
                 Some((rail, out, end)) => {
                     end.keys.fetch_add(1, Ordering::Relaxed);
-                    held.push(HeldKey { rail, out, handle: k.handle, count: end.keys.clone() });
-                    found.push(DeviceKey { gid: k.gid, rkey: k.rkey });
+                    held.push(HeldKey { rail, out, handle: k.handle(), count: end.keys.clone() });
+                    found.push(DeviceKey { gid: k.gid(), rkey: k.rkey() });
                 }
-                None => tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid),
+                None => {
+                    tracing::debug!("remote memory over rails: a key for {} reaches no rail of this group", k.gid())
+                }
             }
         }
         drop(ends);
@@ -164,8 +166,7 @@ impl RailsRemoteMemory {
     /// The handle of `desc` (whose keys are `keys`', in order), counted in `held` and in each
     /// key's rail count. The caller has counted each key in its rail already.
     fn new(desc: RemoteDesc, access: Access, keys: Vec<HeldKey>, held: Arc<Held>) -> RailsRemoteMemory {
-        held.buffers.fetch_add(1, Ordering::Relaxed);
-        held.bytes.fetch_add(desc.len(), Ordering::Relaxed);
+        held.count(desc.len());
         RailsRemoteMemory { desc, access, keys, held }
     }
 
@@ -202,7 +203,6 @@ impl Drop for RailsRemoteMemory {
             // A rail that is gone: the peer freed that key when it noticed.
             let _ = k.out.send(Msg::Release { handle: k.handle });
         }
-        self.held.buffers.fetch_sub(1, Ordering::Relaxed);
-        self.held.bytes.fetch_sub(self.desc.len(), Ordering::Relaxed);
+        self.held.uncount(self.desc.len());
     }
 }

@@ -182,8 +182,7 @@ impl RailsLending {
             s.lent_bytes += bytes;
             s.lent_total += total;
         }
-        s.held_buffers = self.held.buffers.load(Ordering::Relaxed);
-        s.held_bytes = self.held.bytes.load(Ordering::Relaxed);
+        (s.held_buffers, s.held_bytes) = self.held.now();
         s
     }
 
@@ -270,7 +269,7 @@ impl RailsLending {
                     break;
                 }
             };
-            if let Some((other, _)) = made.iter().find(|(_, k)| k.gid == gid) {
+            if let Some((other, _)) = made.iter().find(|(_, k)| k.gid() == gid) {
                 let why =
                     format!("rails {} and {} present one GID ({gid}): lending needs a device per rail", other.at, l.at);
                 failed = Some(Error::InvalidArgument(why));
@@ -292,7 +291,7 @@ impl RailsLending {
                 bound.await
             };
             match bound {
-                Ok((handle, remote)) => made.push((l, RailKey { gid, qpn, rkey: remote.rkey, handle })),
+                Ok((handle, remote)) => made.push((l, RailKey::new(gid, qpn, remote.rkey, handle))),
                 // The rail died before the bind, or failed under it by something else: the peer
                 // cannot use it either. Its share, if it kept one, goes with its flush.
                 Err(Rejected { error, .. }) if l.sh.conn().error().is_some() && (!lived || rails_fault(&error)) => {
@@ -307,15 +306,15 @@ impl RailsLending {
         match (failed, RailKeys::new(&keys)) {
             (None, Some(keys)) => {
                 for (l, k) in &made {
-                    l.cs.announce(k.handle);
+                    l.cs.announce(k.handle());
                 }
-                let placed = made.iter().map(|(l, k)| (Arc::downgrade(&l.sh), k.handle)).collect();
+                let placed = made.iter().map(|(l, k)| (Arc::downgrade(&l.sh), k.handle())).collect();
                 Ok((addr, len, keys, placed))
             }
             (failed, _) => {
                 for (l, k) in made {
                     // Dropped: a share that came back; one that did not stays with its rail.
-                    drop(unlend(l.cs.lending(), &l.sh, k.handle, false).await);
+                    drop(unlend(l.cs.lending(), &l.sh, k.handle(), false).await);
                 }
                 let error = failed.unwrap_or_else(|| Error::InvalidArgument("no key to lend by".into()));
                 let buf = Arc::try_unwrap(share).ok().map(Mutex::into_inner);
@@ -361,9 +360,7 @@ impl RailsLending {
         let group = self.clone();
         let task = runtime.spawn(async move {
             let (addr, len, keys, placed) = group.lend(buf, access).await?;
-            let sent = group.messages().and_then(|l| {
-                l.cs.out.send(Msg::RailsPush { addr, len, access: bits, tag, keys }).map_err(|_| Error::Closed)
-            });
+            let sent = group.messages().and_then(|l| l.cs.tell(Msg::RailsPush { addr, len, access: bits, tag, keys }));
             match sent {
                 Ok(()) => Ok(()),
                 // Nobody was told: every key is withdrawn (those on rails that went are freed with them).
@@ -383,7 +380,7 @@ impl Group for RailsLending {
     fn serve(self: Arc<Self>, seq: u64, len: u64, access: Access, on: Arc<ControlShared>) {
         if self.requests.fetch_add(1, Ordering::AcqRel) >= MAX_SERVING {
             self.requests.fetch_sub(1, Ordering::AcqRel);
-            let _ = on.out.send(Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 });
+            let _ = on.tell(Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 });
             return;
         }
         // A task of its own: its binds wait on the other rails, whose slowness must not stall
@@ -394,7 +391,7 @@ impl Group for RailsLending {
                 Err(_) => (Msg::Refused { seq, code: RemoteRefusal::Unavailable, limit: 0 }, Vec::new()),
             };
             self.requests.fetch_sub(1, Ordering::AcqRel);
-            if on.out.send(answer).is_err() {
+            if on.tell(answer).is_err() {
                 // The request's rail is gone before the answer left: nobody will release it.
                 drop(RailsLending::withdraw(placed).await);
             }
