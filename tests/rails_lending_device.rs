@@ -100,8 +100,9 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
     // 1 MiB stays lent.
     let (borrower, owner) = t.groups();
     owner.serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
-    let r = tokio::time::timeout(Duration::ZERO, borrower.request_remote(3 << 20, RW)).await;
-    assert!(r.is_err(), "not answered at the first poll");
+    // The request leaves when it is made; the future is dropped before it could take the
+    // answer (polled once, it might already have it).
+    drop(borrower.request_remote(3 << 20, RW));
     let later = borrower.request_remote(1 << 20, RW).await.unwrap();
     until("both granted", || (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_total == 2)).await;
     until("only the later grant stays lent", || {
