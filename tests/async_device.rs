@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use mralloc::heap::Heap;
@@ -31,14 +31,8 @@ fn filled(heap: &Heap, want: &[u8]) -> Buffer {
     b
 }
 
-/// Waits (asynchronously, at most 10 s) until `done()` holds.
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(10), "{what}: not within 10 s");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
+/// How long a condition these tests wait for may take.
+const WITHIN: Duration = Duration::from_secs(10);
 
 const SIZES: [usize; 6] = [1, 63, 4096, 65536, 1 << 20, 16 << 20];
 
@@ -217,7 +211,7 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         let h2 = heap.clone();
         let task = tokio::spawn(async move { b2.recv(h2.alloc(4096).unwrap()).await.map(|(buf, _)| buf.addr()) });
         // Aborted once its receive is posted (the timed-out one above is the first).
-        until("the task's receive posted", || b.stats().recvs_in_flight == 2).await;
+        until(WITHIN, "the task's receive posted", || b.stats().recvs_in_flight == 2).await;
         task.abort();
         assert!(task.await.unwrap_err().is_cancelled());
 
@@ -231,7 +225,7 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         assert_eq!(got.len, 64);
         assert!(next[..64].iter().all(|&x| x == 3), "the live receive got the third message, not an earlier one");
         // Their completions released the parked buffers.
-        until("parked receives released", || heap.stats().live_bytes == live_before + 4096).await;
+        until(WITHIN, "parked receives released", || heap.stats().live_bytes == live_before + 4096).await;
         drop(next);
 
         // A SEND the peer has no receive for stays in flight (RNR retries forever): its future
@@ -256,9 +250,9 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         assert_eq!(got.len, 8192);
         assert_bytes_eq(&inbox, &pattern(5, 8192), "the cancelled SEND's data");
         drop(inbox);
-        until("the held WRITE landed", || target.to_vec() == pattern(6, 1 << 16)).await;
+        until(WITHIN, "the held WRITE landed", || target.to_vec() == pattern(6, 1 << 16)).await;
         drop(target);
-        until("in-flight SEND and WRITE released", || heap.stats().live_bytes == live_before).await;
+        until(WITHIN, "in-flight SEND and WRITE released", || heap.stats().live_bytes == live_before).await;
 
         // A 16 MiB WRITE whose future is dropped right after the post: the data still lands,
         // and the buffer is freed once the completion is reaped.
@@ -266,15 +260,15 @@ async fn device_async_cancelled_operations_free_nothing_early_and_leak_nothing()
         let want = pattern(3, 16 << 20);
         let fut = a.write(filled(&heap, &want), &dst.remote(), 0);
         drop(fut);
-        until("cancelled write released", || heap.stats().live_bytes == live_before + (16 << 20)).await;
+        until(WITHIN, "cancelled write released", || heap.stats().live_bytes == live_before + (16 << 20)).await;
         assert_bytes_eq(&dst.revoke().unwrap(), &want, "the cancelled write's data");
 
         // A receive left posted when the connection goes: freed by the close's flush.
         let r = tokio::time::timeout(Duration::from_millis(5), b.recv(heap.alloc(4096).unwrap())).await;
         assert!(r.is_err());
     }
-    until("connections closed", || heap.stats().live_bytes == live_before).await;
-    until("queue pairs destroyed", || resources("qp", &pdns) == qps_before).await;
+    until(WITHIN, "connections closed", || heap.stats().live_bytes == live_before).await;
+    until(WITHIN, "queue pairs destroyed", || resources("qp", &pdns) == qps_before).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

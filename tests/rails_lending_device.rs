@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::rails::{two, Two, LENDER, RW};
 use common::*;
@@ -39,14 +39,8 @@ fn lent(owner: &AsyncRails) -> Vec<usize> {
     (0..owner.len()).map(|i| owner.rail(i).remote_memory_stats().lent_buffers).collect()
 }
 
-/// Waits (asynchronously, at most 30 s) until `done()` holds.
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(30), "{what}: not within 30 s");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
+/// How long a condition these tests wait for may take.
+const WITHIN: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run scripts/test"]
@@ -84,7 +78,7 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
 
     // Dropped: every rail's key is revoked and the buffer freed.
     drop(mem);
-    until("the owner releases both keys and frees the buffer", || {
+    until(WITHIN, "the owner releases both keys and frees the buffer", || {
         lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline
     })
     .await;
@@ -104,8 +98,8 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
     // answer (polled once, it might already have it).
     drop(borrower.request_remote(3 << 20, RW));
     let later = borrower.request_remote(1 << 20, RW).await.unwrap();
-    until("both granted", || (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_total == 2)).await;
-    until("only the later grant stays lent", || {
+    until(WITHIN, "both granted", || (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_total == 2)).await;
+    until(WITHIN, "only the later grant stays lent", || {
         (0..2).all(|i| owner.rail(i).remote_memory_stats().lent_bytes == 1 << 20)
     })
     .await;
@@ -113,7 +107,7 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
     assert_eq!((stats.held_buffers, stats.held_bytes), (1, 1 << 20), "the borrower holds the later one only");
     assert_eq!(owner.remote_memory_stats().lent_buffers, 2, "one key on each rail");
     drop(later);
-    until("and both freed", || lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline).await;
+    until(WITHIN, "and both freed", || lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline).await;
 
     // A listener that serves from the start: a request right after the group is set up is
     // answered (the group's rails may get it before their side has made the group).
@@ -129,7 +123,7 @@ async fn device_memory_lent_over_rails_is_striped_over_and_freed_when_dropped() 
     let done = client.write(local.alloc(4096).unwrap(), &mem.desc(), 0).await;
     assert!(done.is_ok(), "{done:?}");
     drop(mem);
-    until("released", || served.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "released", || served.remote_memory_stats().lent_buffers == 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,7 +163,7 @@ async fn device_memory_pushed_over_rails_carries_its_contents_and_refusals_say_w
     let (mut back, _) = done.into_result().unwrap();
     assert_bytes_eq(&back.pop().unwrap().into_init(), &pattern(41, n), "pushed over rails");
     drop(mem);
-    until("a dropped pushed handle frees the buffer", || {
+    until(WITHIN, "a dropped pushed handle frees the buffer", || {
         lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline
     })
     .await;
@@ -216,7 +210,7 @@ async fn device_a_rail_that_fails_frees_its_key_while_the_other_keeps_working() 
     let desc = mem.desc();
     // Rail 0 goes (the borrower's end closed): the owner notices and frees that key alone.
     borrower.rail(0).close().await.unwrap();
-    until("the owner frees rail 0's key", || lent(&owner) == [0, 1]).await;
+    until(WITHIN, "the owner frees rail 0's key", || lent(&owner) == [0, 1]).await;
     assert!(lender.stats().live_bytes >= baseline + n as u64, "rail 1's key keeps the buffer");
     let mut src = local.alloc(n).unwrap();
     src.copy_from_slice(&pattern(51, n));
@@ -231,7 +225,7 @@ async fn device_a_rail_that_fails_frees_its_key_while_the_other_keeps_working() 
     let e = borrower.restore(0, x).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("RailsRemoteMemory")), "{e}");
     drop(mem);
-    until("the last key's release frees the buffer", || {
+    until(WITHIN, "the last key's release frees the buffer", || {
         lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline
     })
     .await;
@@ -246,5 +240,6 @@ async fn device_a_rail_that_fails_frees_its_key_while_the_other_keeps_working() 
     let done = borrower.write(local.alloc(n).unwrap(), &mem.desc(), 0).await;
     assert!(done.is_ok() && done.rails().iter().all(|r| r.bytes > 0), "both rails again: {done:?}");
     drop(mem);
-    until("released after the restore", || lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline).await;
+    until(WITHIN, "released after the restore", || lent(&owner) == [0, 0] && lender.stats().live_bytes == baseline)
+        .await;
 }

@@ -27,14 +27,8 @@ fn rw() -> Access {
     Access::REMOTE_READ | Access::REMOTE_WRITE
 }
 
-/// Waits (asynchronously, at most 20 s) until `done()` holds.
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(20), "{what}: not within 20 s");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
+/// How long a condition these tests wait for may take.
+const WITHIN: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run scripts/test"]
@@ -67,16 +61,16 @@ async fn device_remote_memory_requested_used_dropped_and_freed_on_the_peer() {
         assert!(matches!(past.unwrap_err().error, Error::OutOfBounds { .. }));
 
         drop(mem);
-        until("the owner frees dropped remote memory", || server.remote_memory_stats().lent_buffers == 0).await;
+        until(WITHIN, "the owner frees dropped remote memory", || server.remote_memory_stats().lent_buffers == 0).await;
         assert_eq!(client.remote_memory_stats().held_buffers, 0);
-        until("the owner's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
+        until(WITHIN, "the owner's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
     }
 
     // A revoked rkey no longer works: the write fails at the NIC (and fails the connection).
     let mem = client.request_remote(4096, rw()).await.unwrap();
     let stale = mem.remote();
     drop(mem);
-    until("released", || server.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "released", || server.remote_memory_stats().lent_buffers == 0).await;
     let r = client.write(heap.alloc(64).unwrap(), &stale, 0).await;
     assert!(matches!(r.unwrap_err().error, Error::Operation { .. }), "a released grant's rkey is dead");
 }
@@ -105,7 +99,7 @@ async fn device_remote_memory_refusals_are_typed() {
         (RemoteRefusal::LimitReached, 512 << 10)
     );
     drop(first);
-    until("released", || server.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "released", || server.remote_memory_stats().lent_buffers == 0).await;
     let again = client.request_remote(1 << 20, Access::REMOTE_READ).await.unwrap();
     drop(again);
 
@@ -164,14 +158,14 @@ async fn device_remote_memory_hand_over_push_and_cancelled_requests() {
     let got = client.read(heap.alloc(4096).unwrap(), &mem.remote(), 0).await.unwrap();
     assert_bytes_eq(&got, &pattern(6, 4096), "pushed memory");
     drop(mem);
-    until("a dropped push is freed", || server.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "a dropped push is freed", || server.remote_memory_stats().lent_buffers == 0).await;
 
     // Cancelled requests: whatever the owner granted is given back.
     for _ in 0..20 {
         let r = tokio::time::timeout(Duration::from_micros(1), client.request_remote(8192, rw())).await;
         drop(r);
     }
-    until("grants of cancelled requests are released", || server.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "grants of cancelled requests are released", || server.remote_memory_stats().lent_buffers == 0).await;
     assert_eq!(client.remote_memory_stats().held_buffers, 0);
 
     // The handed-over memory's rkey was revoked before the owner got the buffer back.
@@ -195,9 +189,9 @@ async fn device_remote_memory_close_releases_both_sides() {
     let b = server.request_remote(1 << 20, rw()).await.unwrap();
     assert_eq!(lender.stats().live_bytes, baseline + (2 << 20));
     client.close().await.unwrap();
-    until("the closing side frees what it lent", || client.remote_memory_stats().lent_buffers == 0).await;
-    until("the peer frees what it lent (it was told)", || server.remote_memory_stats().lent_buffers == 0).await;
-    until("both heaps' buffers are freed", || lender.stats().live_bytes == baseline).await;
+    until(WITHIN, "the closing side frees what it lent", || client.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "the peer frees what it lent (it was told)", || server.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "both heaps' buffers are freed", || lender.stats().live_bytes == baseline).await;
     assert!(server.error().is_some(), "the peer's connection is failed too");
     drop((a, b));
 }
@@ -235,15 +229,15 @@ async fn device_remote_memory_peer_killed_while_holding() {
         .spawn()
         .unwrap();
     let conn = listener.accept().await.unwrap();
-    until("the holder's requests are granted", || conn.remote_memory_stats().lent_buffers == 2).await;
+    until(WITHIN, "the holder's requests are granted", || conn.remote_memory_stats().lent_buffers == 2).await;
     let theirs = conn.request_remote(8192, rw()).await.unwrap();
     assert_eq!(lender.stats().live_bytes, baseline + (1 << 20) + 4096);
 
     child.kill().unwrap(); // SIGKILL: no Bye, no release messages
     child.wait().unwrap();
     let t = Instant::now();
-    until("the survivor notices and frees what it lent", || conn.remote_memory_stats().lent_buffers == 0).await;
-    until("the survivor's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
+    until(WITHIN, "the survivor notices and frees what it lent", || conn.remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "the survivor's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
     println!("peer killed: lent memory freed after {:?}", t.elapsed());
     assert!(conn.error().is_some(), "the data connection is failed");
     // What this side held of the dead peer's memory is only a handle now: using it fails.
@@ -311,9 +305,11 @@ async fn device_remote_memory_over_async_rdma_cm() {
     for c in clients {
         held.push(c.await.unwrap());
     }
-    until("every grant over RDMA CM is released", || conns.iter().all(|c| c.remote_memory_stats().lent_buffers == 0))
-        .await;
-    until("the lender's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
+    until(WITHIN, "every grant over RDMA CM is released", || {
+        conns.iter().all(|c| c.remote_memory_stats().lent_buffers == 0)
+    })
+    .await;
+    until(WITHIN, "the lender's heap is back to its baseline", || lender.stats().live_bytes == baseline).await;
 
     // The server side asks too: the control channel works both ways.
     held[0].serve_remote_memory(&lender, RemoteLimits::default()).unwrap();
@@ -321,7 +317,7 @@ async fn device_remote_memory_over_async_rdma_cm() {
     let back = peer.request_remote(4096, rw()).await.unwrap();
     assert_eq!(held[0].remote_memory_stats().lent_buffers, 1);
     drop(back);
-    until("released", || held[0].remote_memory_stats().lent_buffers == 0).await;
+    until(WITHIN, "released", || held[0].remote_memory_stats().lent_buffers == 0).await;
 
     // A longer blob is refused before anything is sent.
     let long = vec![0; MAX_ASYNC_CM_BLOB + 1];

@@ -26,6 +26,15 @@ use mralloc::verbs::{Access, ConnectOptions, Context, Cq, Pd, Qp, SendOp, SendWr
 
 pub const WAIT: Duration = Duration::from_secs(20);
 
+/// Waits (asynchronously, polling every millisecond, at most `within`) until `done()` holds.
+pub async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// The device the test run was given (scripts/softroce sets MRALLOC_DEVICE).
 pub fn device_name() -> String {
     std::env::var("MRALLOC_DEVICE")
