@@ -132,6 +132,14 @@ pub(crate) struct BindFailed<K> {
     pub(crate) own: bool,
 }
 
+/// Whether `error`, a bind's, is a completion of its own that failed — an error status that is
+/// no flush and no response timeout, naming `wr_id` when known — rather than its connection's
+/// failure reported to it (the bind flushed, or the connection timed out).
+pub(crate) fn failed_itself(error: &Error, wr_id: Option<u64>) -> bool {
+    matches!(error, Error::Operation { wr_id: w, status, .. }
+        if wr_id.is_none_or(|id| *w == id) && !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr))
+}
+
 /// Binds `held`'s window through `conn` (posts `bind`, the request [`Keyed::prepare`] made,
 /// and waits for it): the key works once this returns `Ok`.
 ///
@@ -150,8 +158,7 @@ pub(crate) fn bind<K: Send + 'static>(
     // (or the connection, or a leak) keeps until the window is invalidated or the QP flushed.
     let r = match unsafe { conn.submit_control(bind) } {
         Ok(id) => conn.wait(id).map_err(|e| {
-            let own = matches!(e, Error::Operation { wr_id, status, .. }
-                if wr_id == id.wr_id() && !matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr));
+            let own = failed_itself(&e, Some(id.wr_id()));
             (e, own)
         }),
         Err(e) => Err((e, lived)),

@@ -29,8 +29,9 @@ use crate::transfer::front::aio::lending::{
 };
 use crate::transfer::front::aio::wire::{Msg, RailKey, RailKeys, MAX_KEYS};
 use crate::transfer::front::aio::{AsyncConnection, Shared};
+use crate::transfer::grant::failed_itself;
 use crate::transfer::Rejected;
-use crate::verbs::{Access, WcStatus};
+use crate::verbs::Access;
 
 /// Bound on pushed memory the application has not taken yet: a peer beyond it breaks the
 /// protocol (the rail it pushed on is failed).
@@ -424,7 +425,7 @@ impl End {
 /// bind's own: the connection closed or timed out, or the bind was flushed.
 fn rails_fault(error: &Error) -> bool {
     match error {
-        Error::Operation { status, .. } => matches!(status, WcStatus::WrFlushErr | WcStatus::RespTimeoutErr),
+        Error::Operation { .. } => !failed_itself(error, None),
         Error::Closed | Error::Timeout(..) | Error::FlushLost { .. } | Error::DeviceRemoved { .. } => true,
         _ => false,
     }
