@@ -58,10 +58,7 @@ impl RailsLending {
         match desc {
             Ok(desc) => Ok(RailsRemoteMemory::new(desc, access, held, self.held.clone())),
             Err(e) => {
-                for k in held {
-                    k.count.fetch_sub(1, Ordering::Relaxed);
-                    let _ = k.out.send(Msg::Release { handle: k.handle });
-                }
+                held.into_iter().for_each(HeldKey::give_back);
                 Err(e)
             }
         }
@@ -152,6 +149,15 @@ struct HeldKey {
     count: Arc<AtomicUsize>,
 }
 
+impl HeldKey {
+    /// Tells the key's rail that it is given back, and stops counting it there. (A rail that is
+    /// gone: the peer freed that key when it noticed.)
+    fn give_back(self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+        let _ = self.out.send(Msg::Release { handle: self.handle });
+    }
+}
+
 impl std::fmt::Debug for RailsRemoteMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RailsRemoteMemory")
@@ -198,11 +204,7 @@ impl RailsRemoteMemory {
 
 impl Drop for RailsRemoteMemory {
     fn drop(&mut self) {
-        for k in self.keys.drain(..) {
-            k.count.fetch_sub(1, Ordering::Relaxed);
-            // A rail that is gone: the peer freed that key when it noticed.
-            let _ = k.out.send(Msg::Release { handle: k.handle });
-        }
+        self.keys.drain(..).for_each(HeldKey::give_back);
         self.held.uncount(self.desc.len());
     }
 }
