@@ -637,19 +637,26 @@ fn the_thread_cache_keeps_at_most_its_bound() {
     assert_eq!(s.live_bytes, 0);
 
     // Within it, a small class's magazine (at most 2048 objects of 64 B) overflows: each time
-    // it is full, its older half goes back to jemalloc and the freed object is kept. After 5000
-    // frees it holds some, never a full magazine's worth (which is what keeping the first 2048
-    // and handing every later one straight back would leave).
+    // it is full, its older half (1024 objects, 64 KiB) goes to the heap's depot while that
+    // has room (as much as a thread's budget: 4 halves), to jemalloc after that, and the freed
+    // object is kept. After 10000 frees (8 halves) the magazine holds some, never a full
+    // magazine's worth (which is what keeping the first 2048 and handing every later one
+    // straight back would leave).
     let fresh = Heap::builder().thread_cache(256 << 10).build().unwrap();
-    let small: Vec<_> = (0..5000).map(|_| fresh.alloc(64).unwrap()).collect();
+    let small: Vec<_> = (0..10000).map(|_| fresh.alloc(64).unwrap()).collect();
     let live = fresh.stats().jemalloc_allocated;
     drop(small);
     let s = fresh.stats();
     assert!(s.thread_cached_bytes > 0 && s.thread_cached_bytes < 2048 * 64, "{}", s.thread_cached_bytes);
-    // What left the magazine went back to jemalloc (its own thread cache counts as allocated).
+    assert_eq!(s.depot_bytes, 256 << 10, "the depot keeps 4 halves, its bound");
+    // What left the magazine past the depot went back to jemalloc (its own thread cache counts
+    // as allocated).
     if let (Some(live), Some(now)) = (live, s.jemalloc_allocated) {
         assert!(now < live, "jemalloc counts {now} bytes after the frees, {live} before");
     }
+    fresh.flush_thread_cache().unwrap();
+    let s = fresh.stats();
+    assert_eq!((s.thread_cached_bytes, s.depot_bytes), (0, 0), "flushed, the depot too");
 
     // The budget is room the size classes reserve as they fill: room a class reserved and no
     // longer uses goes to a class that needs it. 16 objects of 16 KiB reserve 256 KiB (and

@@ -153,9 +153,15 @@ impl HeapBuilder {
     /// fills; room a class reserved and no longer uses moves to a class that needs it. The
     /// cache's bookkeeping (8 bytes per object a class has room for, from the global
     /// allocator) is paid from the same budget, so objects and bookkeeping together stay
-    /// within `bytes`. A free
-    /// that finds no room left goes to jemalloc; a class at its most hands its older half back
-    /// to jemalloc when it fills up again.
+    /// within `bytes`. A free that finds no room left goes to jemalloc.
+    ///
+    /// A class at its most hands its older half to the heap's depot when it fills up again,
+    /// where a thread whose cache of that class runs empty takes the batch whole: a thread
+    /// that only allocates and one that only frees (a receive loop handing buffers to a
+    /// worker) both stay on their caches. The depot keeps at most `bytes` too (counted in
+    /// [`HeapStats::depot_bytes`]); a half that does not fit goes to jemalloc. What it keeps
+    /// returns to the heap when an allocation finds the heap's limit reached and on
+    /// [`Heap::flush_thread_cache`]; dropping the heap frees it with the rest.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         self.thread_cache = bytes;
         self

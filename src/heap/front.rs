@@ -17,8 +17,10 @@
 //! needs room takes back what other classes reserve but do not hold; if none is left, the free
 //! goes to jemalloc. The magazines' slot arrays (8 bytes an object, from the global allocator)
 //! are charged to the same budget, and taking room back from a class shrinks its array to what
-//! it holds: objects and slots together never exceed the budget. A magazine at its class's most hands its older half back to jemalloc when
-//! it is full, and keeps the freed object. The bytes kept are derived when statistics ask
+//! it holds: objects and slots together never exceed the budget. A magazine at its class's most
+//! hands its older half to the heap's depot ([`crate::heap::depot`]; to jemalloc if the depot is
+//! full) when it is full, and keeps the freed object; an empty magazine takes a batch from the
+//! depot before the allocation goes to jemalloc. The bytes kept are derived when statistics ask
 //! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
 //! everything to jemalloc.
 
@@ -29,6 +31,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use tikv_jemalloc_sys as je;
 
 use crate::heap::classes::{Class, NCLASSES};
+use crate::heap::depot::{Batch, Depot};
 
 /// Default of [`crate::heap::HeapBuilder::thread_cache`]: bytes a thread may keep per heap.
 pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
@@ -93,6 +96,8 @@ pub(crate) struct Front {
     pub(crate) tcache_flag: libc::c_int,
     /// Its index (for `tcache.flush`, and `tcache.destroy` when the slot dies).
     pub(crate) tcache: u32,
+    /// The heap's depot (in its registry, which outlives every front of the heap).
+    depot: NonNull<Depot>,
 }
 
 impl Drop for Front {
@@ -108,7 +113,7 @@ impl Drop for Front {
 }
 
 impl Front {
-    pub(crate) fn new(tcache: u32, limit: usize) -> Front {
+    pub(crate) fn new(tcache: u32, limit: usize, depot: NonNull<Depot>) -> Front {
         Front {
             live: AtomicI64::new(0),
             mags: std::array::from_fn(|_| Magazine {
@@ -122,7 +127,14 @@ impl Front {
             backoff: Cell::new(0),
             tcache_flag: je::MALLOCX_TCACHE(tcache as usize),
             tcache,
+            depot,
         }
+    }
+
+    #[inline(always)]
+    fn depot(&self) -> &Depot {
+        // SAFETY: the registry that holds the depot outlives its fronts (see `Front::depot`).
+        unsafe { self.depot.as_ref() }
     }
 
     #[inline(always)]
@@ -206,7 +218,7 @@ impl Front {
             // The budget is used up: this free goes to jemalloc.
             return false;
         }
-        self.halve(m, len, size);
+        self.halve(class, len);
         self.keep(class, p)
     }
 
@@ -264,9 +276,11 @@ impl Front {
         true
     }
 
-    /// Hands the older half of a full magazine (the bottom of the stack) back to jemalloc, and
-    /// keeps the recently freed.
-    fn halve(&self, m: &Magazine, len: usize, class_size: usize) {
+    /// Hands the older half of a full magazine (the bottom of the stack) to the heap's depot,
+    /// for a thread whose magazine runs empty, or back to jemalloc if the depot is full; keeps
+    /// the recently freed.
+    fn halve(&self, class: Class, len: usize) {
+        let m = self.mag(class);
         let (out, keep) = (len.div_ceil(2), len / 2);
         // SAFETY: items[..len] are initialised objects of the magazine, and no other reference
         // to its slots exists (only this thread touches them).
@@ -275,7 +289,76 @@ impl Front {
         slots.rotate_left(out);
         // The magazine is settled before jemalloc runs: the victims lie above its length.
         m.len.store(keep as u32, Ordering::Relaxed);
-        self.free_all(&slots[keep..], class_size);
+        if !self.depot().put(class, &slots[keep..]) {
+            self.free_all(&slots[keep..], class.size());
+        }
+    }
+
+    /// [`Front::take`] found `class`'s magazine empty: it takes a batch from the heap's depot
+    /// (objects another thread's front gave up) and one object of it, if the depot has one and
+    /// the thread's budget pays for it; else the caller goes to jemalloc.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn refill(&self, class: Class) -> Option<NonNull<u8>> {
+        if self.limit == 0 {
+            return None;
+        }
+        let batch = self.depot().take(class)?;
+        if let Err(batch) = self.adopt(class, batch) {
+            // The budget cannot pay for them: to jemalloc (this thread's tcache, where the
+            // allocation that follows finds one).
+            self.free_all(&batch, class.size());
+            return None;
+        }
+        self.take(class)
+    }
+
+    /// Fills `class`'s empty magazine with `batch` (taking over its storage if the magazine's
+    /// is too small), charging the room to the budget (taking back room other classes do not
+    /// use if needed); `Err` gives the batch back if the budget cannot pay.
+    fn adopt(&self, class: Class, batch: Batch) -> Result<(), Batch> {
+        let (m, size, room_cell) = (self.mag(class), class.size(), &self.room[class.index()]);
+        debug_assert_eq!(m.len.load(Ordering::Relaxed), 0);
+        let n = batch.len();
+        let charge = |cap: usize, room: usize| {
+            // What this class reserves (`cap` objects, `room` slots) is replaced.
+            let (old_cap, old_room) = (m.cap.get() as usize, room_cell.get() as usize);
+            (self.reserved.get() - old_cap * size - old_room * SLOT) + cap * size + room * SLOT
+        };
+        let plan = || {
+            let (cap, room) = (m.cap.get() as usize, room_cell.get() as usize);
+            // Its own storage if it has room, else the batch's.
+            let new_room = if room >= n { room } else { batch.capacity() };
+            (cap.max(n), new_room)
+        };
+        let (mut cap, mut room) = plan();
+        if charge(cap, room) > self.limit {
+            self.reclaim();
+            (cap, room) = plan();
+            if charge(cap, room) > self.limit {
+                return Err(batch);
+            }
+        }
+        let reserved = charge(cap, room);
+        let old_room = room_cell.get() as usize;
+        if room == old_room {
+            // SAFETY: the magazine's storage has room >= n slots; the batch is a different
+            // allocation.
+            unsafe { std::ptr::copy_nonoverlapping(batch.as_ptr(), m.items.get(), n) };
+        } else {
+            if old_room > 0 {
+                // SAFETY: the old storage's Vec parts (as in Drop); the magazine is empty.
+                drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, old_room) });
+            }
+            let mut batch = std::mem::ManuallyDrop::new(batch);
+            m.items.set(batch.as_mut_ptr());
+            room_cell.set(room as u32);
+        }
+        m.cap.set(cap as u32);
+        self.reserved.set(reserved);
+        debug_assert!(self.reserved.get() <= self.limit && cap <= room && cap <= cap_of(size));
+        m.len.store(n as u32, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Frees objects of `class_size` bytes that left their magazine.
@@ -303,11 +386,12 @@ impl Front {
         }
     }
 
-    /// [`Front::flush_all`], then the thread's jemalloc tcache hands its objects back to the
-    /// arena too: for a request jemalloc could not serve (the heap's limit), every kept byte
-    /// must be available again.
+    /// [`Front::flush_all`], then the thread's jemalloc tcache and the heap's depot hand their
+    /// objects back to the arena too: for a request jemalloc could not serve (the heap's
+    /// limit), every kept byte must be available again.
     pub(crate) fn flush_to_arena(&self) {
         self.flush_all();
+        self.depot().flush();
         if let Err(e) = crate::heap::jemalloc::write::<libc::c_uint>("tcache.flush", self.tcache) {
             tracing::debug!("tcache.flush({}) failed: {e}", self.tcache);
         }

@@ -22,6 +22,7 @@ mod builder;
 mod chunk;
 mod classes;
 mod conf;
+mod depot;
 mod desc;
 #[cfg(test)]
 mod device_tests;

@@ -54,7 +54,8 @@ pub(crate) fn take_any(heap: &Heap, layout: Layout) -> Option<NonNull<u8>> {
     let size = layout.size();
     // SAFETY: this thread's front for this heap, which lives while we hold a handle.
     let f = unsafe { front(heap.id(), heap.shared_ptr())?.as_ref() };
-    let p = f.take(cacheable_class(size, jemalloc::align_flags(layout))?)?;
+    let class = cacheable_class(size, jemalloc::align_flags(layout))?;
+    let p = f.take(class).or_else(|| f.refill(class))?;
     // SAFETY: this thread's counter for the heap, which our handle keeps alive.
     unsafe { add_live(f.live_counter(), size as i64) };
     Some(p)

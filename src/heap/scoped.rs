@@ -281,12 +281,16 @@ impl Heap {
     /// zero if a parent thread held the caches' lock at the fork.
     pub fn stats(&self) -> HeapStats {
         let s = self.shared();
-        let (fronts, cached) =
-            if s.born.here() { s.tcaches.live_and_cached() } else { s.tcaches.try_live_and_cached().unwrap_or((0, 0)) };
+        let (fronts, cached, depot) = if s.born.here() {
+            s.tcaches.live_and_cached()
+        } else {
+            s.tcaches.try_live_and_cached().unwrap_or((0, 0, 0))
+        };
         let live = fronts + s.owner.counters.orphan_live.load(Ordering::Acquire);
         jemalloc::refresh_stats();
         let mut stats = HeapStats::from_owner(&s.owner, live.max(0) as u64, jemalloc::arena_allocated(self.arena));
         stats.thread_cached_bytes = cached;
+        stats.depot_bytes = depot;
         stats
     }
 
@@ -303,7 +307,8 @@ impl Heap {
 
     /// Hands the calling thread's cached buffers of this heap
     /// ([`HeapBuilder::thread_cache`](crate::heap::HeapBuilder::thread_cache)), and jemalloc's
-    /// thread cache for it, back to the heap, as the thread's exit would: for a thread that
+    /// thread cache for it, back to the heap, as the thread's exit would, and the batches the
+    /// heap's depot keeps for all threads ([`HeapStats::depot_bytes`]): for a thread that
     /// goes quiet (a worker parked for a while), so that what it keeps neither holds chunks
     /// back from idle release ([`HeapBuilder::idle_release`](crate::heap::HeapBuilder::idle_release))
     /// nor counts against the heap's limit. The cache fills again with the thread's next frees.

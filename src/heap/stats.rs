@@ -41,6 +41,10 @@ pub struct HeapStats {
     /// Bytes of freed buffers kept in the threads' caches for reuse (see
     /// [`crate::heap::HeapBuilder::thread_cache`]): neither live nor returned to the heap.
     pub thread_cached_bytes: u64,
+    /// Bytes of freed buffers a thread's cache gave up and the heap keeps for any thread's
+    /// cache to take whole (at most one thread's budget: see
+    /// [`crate::heap::HeapBuilder::thread_cache`]): neither live nor returned to the heap.
+    pub depot_bytes: u64,
     /// Bytes jemalloc counts as allocated in the heap's arena (includes objects parked in
     /// thread caches and size-class rounding); `None` where jemalloc does not say.
     pub jemalloc_allocated: Option<u64>,
@@ -72,6 +76,7 @@ impl HeapStats {
             idle_releases: c.idle_releases.load(Ordering::Relaxed),
             live_bytes,
             thread_cached_bytes: 0,
+            depot_bytes: 0,
             jemalloc_allocated,
             reg_mr_calls: c.reg_calls.load(Ordering::Relaxed),
             first_use_registrations: c.first_use_regs.load(Ordering::Relaxed),

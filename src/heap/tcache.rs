@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use crate::fork::Born;
 
 use crate::error::Result;
+use crate::heap::depot::Depot;
 use crate::heap::front::Front;
 use crate::heap::jemalloc;
 
@@ -64,8 +65,10 @@ pub(crate) struct Registry {
     pub(crate) closed: std::sync::atomic::AtomicBool,
     /// Live bytes of the fronts that are gone (their threads exited).
     retired: AtomicI64,
-    /// Bytes each thread's front cache may keep.
+    /// Bytes each thread's front cache may keep (and the depot).
     limit: usize,
+    /// Batches of free objects the fronts hand each other (see `heap::depot`).
+    depot: Depot,
     /// A fork()ed child leaves a parent heap's caches alone (its lock may be held).
     born: Born,
 }
@@ -78,6 +81,7 @@ impl Registry {
             closed: Default::default(),
             retired: AtomicI64::new(0),
             limit,
+            depot: Depot::new(limit),
             born: Born::now(),
         }
     }
@@ -87,20 +91,21 @@ impl Registry {
         Self::live_in(&self.slots.lock()) + self.retired.load(Ordering::Acquire)
     }
 
-    /// `(live, cached)`: live bytes as [`Registry::live`], and bytes kept in the front caches
-    /// of every thread.
-    pub(crate) fn live_and_cached(&self) -> (i64, u64) {
+    /// `(live, cached, depot)`: live bytes as [`Registry::live`], bytes kept in the front
+    /// caches of every thread, and bytes kept in the depot.
+    pub(crate) fn live_and_cached(&self) -> (i64, u64, u64) {
         self.snapshot(&self.slots.lock())
     }
 
     /// As [`Registry::live_and_cached`] if the lock is free now, without waiting (a fork()ed
     /// child: a parent thread may have held it at the fork).
-    pub(crate) fn try_live_and_cached(&self) -> Option<(i64, u64)> {
+    pub(crate) fn try_live_and_cached(&self) -> Option<(i64, u64, u64)> {
         Some(self.snapshot(&self.slots.try_lock()?))
     }
 
-    fn snapshot(&self, slots: &[Slot]) -> (i64, u64) {
-        (Self::live_in(slots) + self.retired.load(Ordering::Acquire), Self::cached_in(slots))
+    fn snapshot(&self, slots: &[Slot]) -> (i64, u64, u64) {
+        let live = Self::live_in(slots) + self.retired.load(Ordering::Acquire);
+        (live, Self::cached_in(slots), self.depot.bytes() as u64)
     }
 
     fn live_in(slots: &[Slot]) -> i64 {
@@ -121,6 +126,8 @@ impl Registry {
             // SAFETY: alive, locked, and no thread can use the heap any more.
             unsafe { s.kill(&self.retired) };
         }
+        // The depot's objects are left where they are: the arena's destruction, next,
+        // discards them with everything else it holds.
     }
 }
 
@@ -232,7 +239,10 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<N
         return Err(crate::Error::InvalidArgument("the heap is being dropped".into()));
     }
     let tcache = jemalloc::tcache_create()?;
-    let front = NonNull::from(Box::leak(Box::new(Front::new(tcache, registry.limit))));
+    // The registry (an Arc the heap holds) outlives the front, which dies in `destroy_all` at
+    // the latest: the depot's address is stable and valid for the front's life.
+    let depot = NonNull::from(&registry.depot);
+    let front = NonNull::from(Box::leak(Box::new(Front::new(tcache, registry.limit, depot))));
     slots.push(Slot { alive: true, front });
     c.entries.push(Entry { heap, front, registry: Arc::downgrade(registry) });
     Ok(front)

@@ -1,0 +1,105 @@
+//! The scoped heap's depot (host, no device): what a thread's full cache gives up, another
+//! thread's empty cache takes whole.
+
+use mralloc::heap::Heap;
+use mralloc::Error;
+
+/// A thread that only frees hands its older halves to the depot; a thread that only allocates
+/// takes them back, exactly those objects, zeroed where asked.
+#[test]
+fn what_one_thread_frees_another_takes_whole() {
+    let heap = Heap::builder().build().unwrap();
+    // 2049 buffers of 64 B from this thread, freed on another: its magazine grows to its most
+    // (2048) and, full at the last free, hands the older half (the first 1024 freed) on.
+    let bufs: Vec<_> = (0..2049)
+        .map(|i| {
+            let mut b = heap.alloc(64).unwrap();
+            b[..].fill(i as u8 | 1);
+            b
+        })
+        .collect();
+    let handed: Vec<usize> = bufs[..1024].iter().map(|b| b.as_ptr() as usize).collect();
+    let h = &heap;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            drop(bufs);
+            let st = h.stats();
+            assert_eq!(st.depot_bytes, 1024 * 64, "the older half went to the depot");
+            assert_eq!(st.thread_cached_bytes, 1025 * 64, "the newer half and the last free stay");
+        })
+        .join()
+        .unwrap();
+    });
+    // The freeing thread exited (its cache went back to jemalloc); the depot stays the heap's.
+    let st = heap.stats();
+    assert_eq!((st.thread_cached_bytes, st.depot_bytes), (0, 1024 * 64));
+    // This thread's empty magazine takes the batch: its next 1024 allocations are those objects.
+    let again: Vec<_> = (0..1024).map(|_| heap.alloc(64).unwrap()).collect();
+    let got: Vec<usize> = again.iter().map(|b| b.as_ptr() as usize).collect();
+    // A magazine is a stack: the last of the batch (the last freed) comes first.
+    let newest_first: Vec<usize> = handed.iter().rev().copied().collect();
+    let first_off = got.iter().zip(&newest_first).position(|(a, b)| a != b);
+    assert_eq!(first_off, None, "the batch the other thread gave up, whole, no other object");
+    assert!(again.iter().all(|b| b.iter().all(|&x| x == 0)), "alloc zeroes reused objects");
+    let st = heap.stats();
+    assert_eq!((st.thread_cached_bytes, st.depot_bytes), (0, 0), "taken whole");
+    assert_eq!(st.live_bytes, 1024 * 64);
+    drop(again);
+    assert_eq!(heap.stats().live_bytes, 0);
+}
+
+/// The depot keeps at most the thread budget; past it, halves go back to jemalloc.
+#[test]
+fn the_depot_keeps_at_most_a_threads_budget() {
+    const BUDGET: usize = 2 << 20;
+    let heap = Heap::builder().thread_cache(BUDGET).build().unwrap();
+    // 64 KiB objects: a magazine keeps at most 16, halves of 8 (512 KiB) go on: 4 fit.
+    let bufs: Vec<_> = (0..200).map(|_| heap.alloc(64 << 10).unwrap()).collect();
+    let before = heap.stats().jemalloc_allocated;
+    let h = &heap;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            drop(bufs);
+            let st = h.stats();
+            assert_eq!(st.depot_bytes, BUDGET as u64, "full, not over");
+            assert!(st.thread_cached_bytes <= BUDGET as u64);
+        });
+    });
+    let st = heap.stats();
+    if let (Some(b), Some(a)) = (before, st.jemalloc_allocated) {
+        assert!(a + (8 << 20) <= b, "what did not fit went back to jemalloc: {a} vs {b}");
+    }
+    // A budget of 0 turns the depot off with the cache.
+    let off = Heap::builder().thread_cache(0).build().unwrap();
+    let bufs: Vec<_> = (0..3000).map(|_| off.alloc(64).unwrap()).collect();
+    std::thread::scope(|s| {
+        s.spawn(move || drop(bufs));
+    });
+    assert_eq!(off.stats().depot_bytes, 0);
+}
+
+/// Memory the depot keeps never makes the heap's limit refuse an allocation: a refused chunk
+/// empties it and the allocation is tried again.
+#[test]
+fn the_depots_objects_do_not_make_the_limit_fail_early() {
+    let heap = Heap::builder().limit(16 << 20).thread_cache(64 << 20).build().unwrap();
+    // 1 MiB objects (a magazine keeps one of them) until the limit refuses one.
+    let mut held = Vec::new();
+    loop {
+        match heap.alloc(1 << 20) {
+            Ok(b) => held.push(b),
+            Err(Error::LimitExceeded { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(held.len() >= 8, "{}", held.len());
+    drop(held);
+    let st = heap.stats();
+    assert_eq!(st.thread_cached_bytes, 1 << 20);
+    assert!(st.depot_bytes >= 7 << 20, "the test needs the depot to hold much: {st:?}");
+    // 896 KiB, a class none of the kept objects has: four of them need more than the one the
+    // thread's magazine keeps, memory the depot holds.
+    let more: Vec<_> = (0..4).map(|_| heap.alloc(896 << 10).expect("the depot's memory was given back")).collect();
+    assert_eq!(heap.stats().depot_bytes, 0);
+    drop(more);
+}
