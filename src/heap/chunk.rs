@@ -167,12 +167,23 @@ pub(crate) fn rec(index: u32) -> &'static ChunkRec {
 pub(crate) fn find(addr: usize) -> Option<(u32, &'static ChunkRec)> {
     let i = PAGEMAP.get(addr)?;
     let r = rec(i);
+    find_in(r, addr).map(|_| (i, r))
+}
+
+/// The chunk containing `addr`, if any heap mapped it, with its base and length (read once,
+/// for the check).
+#[inline]
+pub(crate) fn find_span(addr: usize) -> Option<(&'static ChunkRec, usize, usize)> {
+    let r = rec(PAGEMAP.get(addr)?);
+    find_in(r, addr).map(|(base, len)| (r, base, len))
+}
+
+/// `(base, len)` of `r` if it is a chunk a heap mapped that holds `addr`.
+#[inline(always)]
+fn find_in(r: &ChunkRec, addr: usize) -> Option<(usize, usize)> {
     let base = r.base.load(Ordering::Acquire);
-    if addr >= base && addr < base + r.len.load(Ordering::Acquire) && r.owner.load(Ordering::Acquire) != 0 {
-        Some((i, r))
-    } else {
-        None
-    }
+    let len = r.len.load(Ordering::Acquire);
+    (addr >= base && addr - base < len && r.owner.load(Ordering::Acquire) != 0).then_some((base, len))
 }
 
 /// The record of the chunk holding all of `[addr, addr + len)` (`len` at least 1), if a heap

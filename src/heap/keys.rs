@@ -41,8 +41,9 @@ pub(crate) fn keys_in_slot(rec: &ChunkRec, slot: usize) -> Option<Keys> {
 /// ```
 #[inline]
 pub fn keys_of<T>(ptr: *const T) -> Option<Keys> {
-    let (_, rec) = chunk::find(ptr as usize)?;
-    keys_in_slot(rec, 0)
+    let (rec, chunk_base, chunk_len) = chunk::find_span(ptr as usize)?;
+    let (lkey, rkey) = rec.keys(0)?;
+    Some(Keys { lkey, rkey, chunk_base, chunk_len })
 }
 
 /// Like [`keys_of`], for a specific PD the owning heap is bound to. A heap that registers on

@@ -238,6 +238,9 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<N
     if registry.closed.load(Ordering::Acquire) {
         return Err(crate::Error::InvalidArgument("the heap is being dropped".into()));
     }
+    // Slots of threads that exited are dropped here, so that a heap outliving many threads
+    // keeps one slot per live thread (their live bytes went to `retired` when they died).
+    slots.retain(|s| s.alive);
     let tcache = jemalloc::tcache_create()?;
     // The registry (an Arc the heap holds) outlives the front, which dies in `destroy_all` at
     // the latest: the depot's address is stable and valid for the front's life.
@@ -246,4 +249,35 @@ fn create(c: &mut ThreadCaches, heap: u64, registry: &Arc<Registry>) -> Result<N
     slots.push(Slot { alive: true, front });
     c.entries.push(Entry { heap, front, registry: Arc::downgrade(registry) });
     Ok(front)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A registry outliving many threads keeps a slot per live thread, not one per thread ever.
+    #[test]
+    fn exited_threads_leave_no_slot() {
+        let reg = Arc::new(Registry::new(1 << 20));
+        // An id no heap has (ids count up from 1); only these threads use it.
+        let id = u64::MAX - 7;
+        for _ in 0..20 {
+            let r = Arc::clone(&reg);
+            std::thread::spawn(move || assert!(get(id, &r).is_some())).join().unwrap();
+        }
+        let r = Arc::clone(&reg);
+        let (made, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                assert!(get(id, &r).is_some());
+                made.wait();
+                done.wait();
+            });
+            made.wait();
+            let slots = reg.slots.lock().len();
+            done.wait();
+            assert_eq!(slots, 1, "the live thread's only: dead slots were dropped");
+        });
+        reg.destroy_all();
+    }
 }
