@@ -103,3 +103,57 @@ fn the_depots_objects_do_not_make_the_limit_fail_early() {
     assert_eq!(heap.stats().depot_bytes, 0);
     drop(more);
 }
+
+/// Fills the depot with one 64 B batch (1024 objects) from a thread of its own, which exits.
+fn one_batch_from_a_thread(heap: &Heap) {
+    std::thread::scope(|s| {
+        s.spawn(|| drop((0..2049).map(|_| heap.alloc(64).unwrap()).collect::<Vec<_>>())).join().unwrap();
+    });
+}
+
+/// What the depot keeps returns to the heap when the last thread with a cache of the heap
+/// exits (nobody would take it), and on `flush_thread_cache` from any thread, even one that
+/// never used the heap.
+#[test]
+fn the_depot_empties_when_no_thread_uses_it() {
+    let heap = Heap::builder().build().unwrap();
+    one_batch_from_a_thread(&heap);
+    assert_eq!(heap.stats().depot_bytes, 0, "the thread that filled it was the last with a cache");
+
+    // With another thread's cache alive the batch stays, until a thread that has no cache of
+    // the heap flushes it.
+    let (made, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            drop(heap.alloc(64).unwrap());
+            made.wait();
+            done.wait();
+        });
+        made.wait();
+        one_batch_from_a_thread(&heap);
+        let kept = heap.stats().depot_bytes;
+        heap.flush_thread_cache().unwrap();
+        let flushed = heap.stats().depot_bytes;
+        done.wait();
+        t.join().unwrap();
+        assert_eq!((kept, flushed), (1024 * 64, 0));
+    });
+}
+
+/// A thread whose budget cannot pay for a batch leaves it in the depot for others (and asks
+/// jemalloc), rather than throwing it away.
+#[test]
+fn a_thread_that_cannot_pay_leaves_the_batch() {
+    const BUDGET: usize = 256 << 10;
+    let heap = Heap::builder().thread_cache(BUDGET).build().unwrap();
+    // This thread keeps ~240 KiB of 4 KiB buffers: no room for a 64 B batch (64 KiB + slots).
+    let big: Vec<_> = (0..60).map(|_| heap.alloc(4096).unwrap()).collect();
+    drop(big);
+    one_batch_from_a_thread(&heap);
+    assert_eq!(heap.stats().depot_bytes, 1024 * 64);
+    let small: Vec<_> = (0..100).map(|_| heap.alloc(64).unwrap()).collect();
+    let st = heap.stats();
+    assert_eq!(st.depot_bytes, 1024 * 64, "the batch stays for another thread");
+    assert!(st.thread_cached_bytes >= 60 * 4096, "and this thread's cache is as it was");
+    drop(small);
+}

@@ -146,7 +146,8 @@ impl HeapBuilder {
     /// buffers of the same sizes. Sizes up to 1 MiB are cached when their alignment is no
     /// more than jemalloc gives them unasked (8 below 16 bytes, 16 from 16 bytes on). The
     /// memory stays registered and counts in [`HeapStats::thread_cached_bytes`]; it returns to
-    /// the heap when the thread exits or the heap is dropped.
+    /// the heap when the thread exits or calls [`Heap::flush_thread_cache`], or the heap is
+    /// dropped.
     ///
     /// A thread never keeps more than `bytes` for the heap. Each size class keeps at most
     /// 1 MiB worth of objects (and at most 2048), and takes its room from this budget as it
@@ -158,10 +159,12 @@ impl HeapBuilder {
     /// A class at its most hands its older half to the heap's depot when it fills up again,
     /// where a thread whose cache of that class runs empty takes the batch whole: a thread
     /// that only allocates and one that only frees (a receive loop handing buffers to a
-    /// worker) both stay on their caches. The depot keeps at most `bytes` too (counted in
-    /// [`HeapStats::depot_bytes`]); a half that does not fit goes to jemalloc. What it keeps
-    /// returns to the heap when an allocation finds the heap's limit reached and on
-    /// [`Heap::flush_thread_cache`]; dropping the heap frees it with the rest.
+    /// worker) both stay on their caches. The depot keeps at most `bytes` of objects too
+    /// (counted in [`HeapStats::depot_bytes`]; its bookkeeping, 8 bytes an object, comes on
+    /// top); a half that does not fit goes to jemalloc. What it keeps returns to the heap
+    /// when an allocation finds the heap's limit reached, on [`Heap::flush_thread_cache`] (on
+    /// any thread), and when the last thread with a cache of the heap exits; dropping the heap
+    /// frees it with the rest.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         self.thread_cache = bytes;
         self

@@ -33,6 +33,29 @@ use tikv_jemalloc_sys as je;
 use crate::heap::classes::{Class, NCLASSES};
 use crate::heap::depot::{Batch, Depot};
 
+/// A front's slow paths (growing or halving a magazine, taking a batch) change its magazines'
+/// storage and room, and allocate or free through the global allocator on the way, which may
+/// be one that serves from this very heap: while one runs, a re-entered slow path does nothing
+/// (its free or allocation goes to jemalloc); the fast paths, which only push and pop within a
+/// magazine's room, find every magazine whole whenever the heap can be re-entered.
+struct Busy<'a>(&'a Cell<bool>);
+
+impl<'a> Busy<'a> {
+    /// `None` if `front`'s cache is off or a slow path of it is running already.
+    fn enter(front: &'a Front) -> Option<Busy<'a>> {
+        if front.limit == 0 || front.busy.replace(true) {
+            return None;
+        }
+        Some(Busy(&front.busy))
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.set(false);
+    }
+}
+
 /// Default of [`crate::heap::HeapBuilder::thread_cache`]: bytes a thread may keep per heap.
 pub const DEFAULT_THREAD_CACHE: usize = 4 << 20;
 
@@ -92,6 +115,11 @@ pub(crate) struct Front {
     limit: usize,
     /// Frees left to send past the magazines before searching for room again.
     backoff: Cell<u32>,
+    /// Allocations left to send to jemalloc before taking from the depot again (after a batch
+    /// the budget could not pay for).
+    refill_backoff: Cell<u32>,
+    /// Set while a slow path changes the magazines ([`Busy`]).
+    busy: Cell<bool>,
     /// The thread's jemalloc tcache for the heap (`MALLOCX_TCACHE` flag ready to use).
     pub(crate) tcache_flag: libc::c_int,
     /// Its index (for `tcache.flush`, and `tcache.destroy` when the slot dies).
@@ -125,6 +153,8 @@ impl Front {
             reserved: Cell::new(0),
             limit,
             backoff: Cell::new(0),
+            refill_backoff: Cell::new(0),
+            busy: Cell::new(false),
             tcache_flag: je::MALLOCX_TCACHE(tcache as usize),
             tcache,
             depot,
@@ -185,16 +215,15 @@ impl Front {
 
     /// [`Front::keep`] for a full magazine (`len == cap`): more room from the budget, else room
     /// other classes do not use, else `false`; a magazine at its class's most ([`cap_of`])
-    /// hands its older half back to jemalloc instead.
+    /// hands its older half on instead ([`Front::halve`]).
     #[cold]
     #[inline(never)]
     fn keep_slow(&self, class: Class, p: NonNull<u8>) -> bool {
-        if self.limit == 0 {
-            return false;
-        }
+        // Re-entered (the global allocator serving from this heap, called from here): the free
+        // goes to jemalloc rather than change what the outer call is changing.
+        let Some(_busy) = Busy::enter(self) else { return false };
         let (m, size) = (self.mag(class), class.size());
-        let (len, cap) = (m.len.load(Ordering::Relaxed) as usize, m.cap.get() as usize);
-        debug_assert_eq!(len, cap);
+        let cap = m.cap.get() as usize;
         let most = cap_of(size);
         if cap < most {
             // Each more object costs its bytes and, if the array must grow, a slot.
@@ -218,7 +247,7 @@ impl Front {
             // The budget is used up: this free goes to jemalloc.
             return false;
         }
-        self.halve(class, len);
+        self.halve(class);
         self.keep(class, p)
     }
 
@@ -232,65 +261,98 @@ impl Front {
                 self.reserved.set(self.reserved.get() - (m.cap.get() - len) as usize * c.size());
                 m.cap.set(len);
             }
-            if self.room[c.index()].get() > len {
+            if self.room[c.index()].get() > m.cap.get() {
                 // If the smaller array cannot be had, the class keeps (and is charged) the old.
-                self.set_room(c, len as usize);
+                self.set_room(c, m.cap.get() as usize);
             }
         }
         self.limit - self.reserved.get()
     }
 
-    /// Gives `class`'s magazine `n` slots (at least its length; 0 frees the array), charging
-    /// the difference to `reserved`; `false` if the memory for them cannot be had, or the
-    /// budget cannot pay for them (the caller then goes without). No change if it has `n`.
+    /// Gives `class`'s magazine `n` slots (0 frees the array), charging the difference to
+    /// `reserved`; `false` if the memory for them cannot be had, the budget cannot pay for
+    /// them, or the magazine holds more than `n` by then (the caller then goes without). No
+    /// change if it has `n`. Only under [`Busy`]: the allocation and the free of the arrays may
+    /// re-enter the heap, whose fast paths then find the magazine as it was, or as it is.
     fn set_room(&self, class: Class, n: usize) -> bool {
         let (m, room) = (self.mag(class), &self.room[class.index()]);
-        let (old, len) = (room.get() as usize, m.len.load(Ordering::Relaxed) as usize);
-        debug_assert!(n >= len);
-        if old == n {
+        if room.get() as usize == n {
             return true;
         }
         let mut slots = Vec::<NonNull<u8>>::new();
         if n > 0 && slots.try_reserve_exact(n).is_err() {
             return false;
         }
+        // Read after the allocation, which may have re-entered the heap.
+        let (old, len) = (room.get() as usize, m.len.load(Ordering::Relaxed) as usize);
         let new = slots.capacity();
         let reserved = self.reserved.get() - old * SLOT + new * SLOT;
-        if new > old && reserved > self.limit {
+        if len > new || (new > old && reserved > self.limit) {
             return false;
         }
         if n > 0 {
             // SAFETY: items[..len] are initialised (by `keep`); the new storage has room for
-            // n >= len.
+            // new >= len.
             unsafe { std::ptr::copy_nonoverlapping(m.items.get(), slots.as_mut_ptr(), len) };
         }
-        if old > 0 {
-            // SAFETY: the old storage's Vec parts (as in Drop); its slots were copied above.
-            drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, old) });
-        }
+        let old_items = m.items.get();
         let mut slots = std::mem::ManuallyDrop::new(slots);
         // A Vec without capacity has a dangling pointer, as a new magazine does.
         m.items.set(slots.as_mut_ptr());
         room.set(new as u32);
         self.reserved.set(reserved);
+        if old > 0 {
+            // SAFETY: the old storage's Vec parts (as in Drop), no longer the magazine's; freed
+            // last, with the magazine whole again.
+            drop(unsafe { Vec::from_raw_parts(old_items, 0, old) });
+        }
         true
     }
 
-    /// Hands the older half of a full magazine (the bottom of the stack) to the heap's depot,
-    /// for a thread whose magazine runs empty, or back to jemalloc if the depot is full; keeps
-    /// the recently freed.
-    fn halve(&self, class: Class, len: usize) {
-        let m = self.mag(class);
-        let (out, keep) = (len.div_ceil(2), len / 2);
+    /// Hands the older half of `class`'s full magazine at its most (the bottom of the stack)
+    /// to the heap's depot, for a thread whose magazine runs empty, or back to jemalloc if the
+    /// depot is full or the batch's memory cannot be had; keeps the recently freed. Under
+    /// [`Busy`].
+    fn halve(&self, class: Class) {
+        let (m, depot) = (self.mag(class), self.depot());
+        let out = (m.cap.get() as usize).div_ceil(2);
+        // The batch is made before the magazine changes: making it may re-enter the heap.
+        let batch = if depot.reserve(class, out) {
+            let b = Batch::with_capacity(out);
+            if b.is_none() {
+                depot.unreserve(class, out);
+            }
+            b
+        } else {
+            None
+        };
+        let len = m.len.load(Ordering::Relaxed) as usize;
+        if len < m.cap.get() as usize {
+            // Re-entered allocations took some: there is room again.
+            if batch.is_some() {
+                depot.unreserve(class, out);
+            }
+            return;
+        }
+        let keep = len - out;
         // SAFETY: items[..len] are initialised objects of the magazine, and no other reference
-        // to its slots exists (only this thread touches them).
+        // to its slots exists (only this thread touches them; nothing below re-enters the heap
+        // until the victims are copied out).
         let slots = unsafe { std::slice::from_raw_parts_mut(m.items.get(), len) };
         // The newer `keep` objects to the bottom, the older `out` above them.
         slots.rotate_left(out);
-        // The magazine is settled before jemalloc runs: the victims lie above its length.
-        m.len.store(keep as u32, Ordering::Relaxed);
-        if !self.depot().put(class, &slots[keep..]) {
-            self.free_all(&slots[keep..], class.size());
+        match batch {
+            Some(mut batch) => {
+                // Within the batch's capacity: no allocation.
+                batch.items.extend_from_slice(&slots[keep..]);
+                m.len.store(keep as u32, Ordering::Relaxed);
+                depot.shelve(class, batch);
+            }
+            None => {
+                // The magazine is settled before jemalloc runs: the victims lie above its length.
+                m.len.store(keep as u32, Ordering::Relaxed);
+                self.free_all(&slots[keep..], class.size());
+            }
         }
     }
 
@@ -300,14 +362,17 @@ impl Front {
     #[cold]
     #[inline(never)]
     pub(crate) fn refill(&self, class: Class) -> Option<NonNull<u8>> {
-        if self.limit == 0 {
+        if self.refill_backoff.get() > 0 {
+            self.refill_backoff.set(self.refill_backoff.get() - 1);
             return None;
         }
+        let _busy = Busy::enter(self)?;
         let batch = self.depot().take(class)?;
         if let Err(batch) = self.adopt(class, batch) {
-            // The budget cannot pay for them: to jemalloc (this thread's tcache, where the
-            // allocation that follows finds one).
-            self.free_all(&batch, class.size());
+            // The budget cannot pay for it: back to the depot for another thread, and this
+            // thread asks jemalloc for a while before trying again.
+            self.depot().put_back(class, batch);
+            self.refill_backoff.set(RECLAIM_BACKOFF);
             return None;
         }
         self.take(class)
@@ -315,49 +380,56 @@ impl Front {
 
     /// Fills `class`'s empty magazine with `batch` (taking over its storage if the magazine's
     /// is too small), charging the room to the budget (taking back room other classes do not
-    /// use if needed); `Err` gives the batch back if the budget cannot pay.
-    fn adopt(&self, class: Class, batch: Batch) -> Result<(), Batch> {
+    /// use if needed); `Err` gives the batch back if the budget cannot pay. Under [`Busy`].
+    fn adopt(&self, class: Class, mut batch: Box<Batch>) -> Result<(), Box<Batch>> {
         let (m, size, room_cell) = (self.mag(class), class.size(), &self.room[class.index()]);
-        debug_assert_eq!(m.len.load(Ordering::Relaxed), 0);
-        let n = batch.len();
-        let charge = |cap: usize, room: usize| {
-            // What this class reserves (`cap` objects, `room` slots) is replaced.
-            let (old_cap, old_room) = (m.cap.get() as usize, room_cell.get() as usize);
-            (self.reserved.get() - old_cap * size - old_room * SLOT) + cap * size + room * SLOT
-        };
+        let n = batch.items.len();
         let plan = || {
             let (cap, room) = (m.cap.get() as usize, room_cell.get() as usize);
             // Its own storage if it has room, else the batch's.
-            let new_room = if room >= n { room } else { batch.capacity() };
-            (cap.max(n), new_room)
+            let new_room = if room >= n { room } else { batch.items.capacity() };
+            let (new_cap, new_room) = (cap.max(n), new_room);
+            // What this class reserves (`cap` objects, `room` slots) is replaced.
+            let reserved = self.reserved.get() - cap * size - room * SLOT + new_cap * size + new_room * SLOT;
+            (new_cap, new_room, reserved)
         };
-        let (mut cap, mut room) = plan();
-        if charge(cap, room) > self.limit {
+        let (mut cap, mut room, mut reserved) = plan();
+        if reserved > self.limit {
             self.reclaim();
-            (cap, room) = plan();
-            if charge(cap, room) > self.limit {
+            (cap, room, reserved) = plan();
+            if reserved > self.limit {
                 return Err(batch);
             }
         }
-        let reserved = charge(cap, room);
+        // Nothing above re-entered the heap after the plan (reclaim's did, before it): the
+        // magazine is as planned, and empty (the caller's `take` found it so, and only a
+        // re-entered free could have filled it, which reclaim's flush of nothing allows).
+        let len = m.len.load(Ordering::Relaxed) as usize;
+        if len != 0 {
+            return Err(batch);
+        }
         let old_room = room_cell.get() as usize;
+        let old_items = m.items.get();
         if room == old_room {
             // SAFETY: the magazine's storage has room >= n slots; the batch is a different
             // allocation.
-            unsafe { std::ptr::copy_nonoverlapping(batch.as_ptr(), m.items.get(), n) };
+            unsafe { std::ptr::copy_nonoverlapping(batch.items.as_ptr(), old_items, n) };
         } else {
-            if old_room > 0 {
-                // SAFETY: the old storage's Vec parts (as in Drop); the magazine is empty.
-                drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, old_room) });
-            }
-            let mut batch = std::mem::ManuallyDrop::new(batch);
-            m.items.set(batch.as_mut_ptr());
+            let items = std::mem::take(&mut batch.items);
+            let mut items = std::mem::ManuallyDrop::new(items);
+            m.items.set(items.as_mut_ptr());
             room_cell.set(room as u32);
         }
         m.cap.set(cap as u32);
         self.reserved.set(reserved);
-        debug_assert!(self.reserved.get() <= self.limit && cap <= room && cap <= cap_of(size));
         m.len.store(n as u32, Ordering::Relaxed);
+        debug_assert!(self.reserved.get() <= self.limit && cap <= room && cap <= cap_of(size));
+        // Freed last, with the magazine whole again (a free may re-enter the heap).
+        if room != old_room && old_room > 0 {
+            // SAFETY: the old storage's Vec parts (as in Drop), no longer the magazine's.
+            drop(unsafe { Vec::from_raw_parts(old_items, 0, old_room) });
+        }
+        drop(batch);
         Ok(())
     }
 
@@ -386,12 +458,11 @@ impl Front {
         }
     }
 
-    /// [`Front::flush_all`], then the thread's jemalloc tcache and the heap's depot hand their
-    /// objects back to the arena too: for a request jemalloc could not serve (the heap's
-    /// limit), every kept byte must be available again.
+    /// [`Front::flush_all`], then the thread's jemalloc tcache hands its objects back to the
+    /// arena too: for a request jemalloc could not serve (the heap's limit), every kept byte
+    /// must be available again (the caller flushes the heap's depot too).
     pub(crate) fn flush_to_arena(&self) {
         self.flush_all();
-        self.depot().flush();
         if let Err(e) = crate::heap::jemalloc::write::<libc::c_uint>("tcache.flush", self.tcache) {
             tracing::debug!("tcache.flush({}) failed: {e}", self.tcache);
         }

@@ -10,6 +10,7 @@ use tikv_jemalloc_sys as je;
 
 use crate::error::Result;
 use crate::heap::classes::{alloc_size, cacheable_class, small_class};
+use crate::heap::depot::Depot;
 use crate::heap::front::{add_live, Front};
 use crate::heap::hook_error::{discard_hook_error, take_hook_error, HookError};
 use crate::heap::jemalloc;
@@ -84,7 +85,7 @@ pub(crate) fn raw_alloc_arena(heap: &Heap, layout: Layout, zeroed: bool) -> Resu
     }
     // SAFETY: n >= size > 0 (checked by callers); flags name our arena and a tcache of ours
     // (or none); fp is this thread's front.
-    let p = unsafe { mallocx_or_flush(fp, n, flags) };
+    let p = unsafe { mallocx_or_flush(fp, heap.shared().registry().depot(), n, flags) };
     crate::heap::events::emit_pending();
     let p = p.map_err(|e| e.into_error(size))?;
     if zero_here {
@@ -103,15 +104,17 @@ pub(crate) fn raw_alloc_arena(heap: &Heap, layout: Layout, zeroed: bool) -> Resu
 }
 
 /// `mallocx(size, flags)`; if jemalloc fails (the heap's limit or the device refused a new
-/// chunk), this thread's kept objects (`front`) go back to the arena first and it tries once
-/// more: freed memory parked in the cache must not make an allocation fail. Returns the hook's
-/// error otherwise.
+/// chunk), this thread's kept objects (`front`) and the heap's depot go back to the arena
+/// first and it tries once more: freed memory parked in the caches must not make an allocation
+/// fail. Returns the hook's error otherwise.
 ///
 /// # Safety
 /// As `mallocx`: size > 0 and flags name the heap's arena and a tcache of this thread's for it;
-/// `front` is this thread's front for the heap, not referenced elsewhere during the call.
+/// `front` is this thread's front for the heap, not referenced elsewhere during the call;
+/// `depot` is the heap's.
 pub(crate) unsafe fn mallocx_or_flush(
     front: Option<NonNull<Front>>,
+    depot: &Depot,
     size: usize,
     flags: libc::c_int,
 ) -> std::result::Result<NonNull<u8>, HookError> {
@@ -123,9 +126,13 @@ pub(crate) unsafe fn mallocx_or_flush(
         return Ok(p);
     }
     let first = take_hook_error();
-    let Some(fp) = front else { return Err(first) };
-    // SAFETY: the caller's contract: this thread's front for the heap, alive during the call.
-    unsafe { fp.as_ref() }.flush_to_arena();
+    if let Some(fp) = front {
+        // SAFETY: the caller's contract: this thread's front for the heap, alive during the call.
+        unsafe { fp.as_ref() }.flush_to_arena();
+    } else if depot.bytes() == 0 {
+        return Err(first);
+    }
+    depot.flush();
     // SAFETY: the caller's contract.
     match NonNull::new(unsafe { je::mallocx(size, flags) }.cast::<u8>()) {
         Some(p) => {

@@ -61,8 +61,9 @@ impl Heap {
         while mapped() < target {
             let mut want = block_size((target - mapped()).min(block));
             let p = loop {
-                // SAFETY: want >= one page; flags name our arena and no tcache.
-                match unsafe { mallocx_or_flush(None, want, flags) } {
+                // SAFETY: want >= one page; flags name our arena and no tcache; the depot is the
+                // heap's.
+                match unsafe { mallocx_or_flush(None, s.registry().depot(), want, flags) } {
                     Ok(p) => break Some(p),
                     // Near the limit a smaller block may still fit (a chunk holds a block plus
                     // a page of padding).

@@ -323,6 +323,7 @@ impl Heap {
             // other reference to it is in use on this thread during the call.
             unsafe { front.as_ref() }.flush_to_arena();
         }
+        self.shared().registry().depot().flush();
         Ok(())
     }
 

@@ -86,6 +86,11 @@ impl Registry {
         }
     }
 
+    /// The heap's depot.
+    pub(crate) fn depot(&self) -> &Depot {
+        &self.depot
+    }
+
     /// Live bytes over every thread that used the heap.
     pub(crate) fn live(&self) -> i64 {
         Self::live_in(&self.slots.lock()) + self.retired.load(Ordering::Acquire)
@@ -156,6 +161,13 @@ impl Drop for ThreadCaches {
                 // SAFETY: alive, locked, and this thread (the front's) is exiting: nothing of it
                 // uses the front after this.
                 unsafe { s.kill(&reg.retired) };
+            }
+            if !slots.iter().any(|s| s.alive) && !reg.closed.load(Ordering::Acquire) {
+                // No thread uses the heap's caches any more: nobody would take what the depot
+                // keeps, which returns to the heap as the threads' caches did. Under the lock,
+                // and only while the heap is open: its teardown closes it, then takes this lock
+                // before it destroys the arena.
+                reg.depot.flush();
             }
         }
     }
