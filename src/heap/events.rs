@@ -46,13 +46,20 @@ pub(crate) fn note(e: ChunkEvent) {
     let _ = NOTED.try_with(|c| c.set(n + 1));
 }
 
-/// Emits the events the hooks noted on this thread (outside jemalloc).
-#[inline]
+/// Emits the events the hooks noted on this thread (outside jemalloc). Called after every
+/// allocation that reached jemalloc: inline, one thread-local read when nothing was noted.
+#[inline(always)]
 pub(crate) fn emit_pending() {
-    let Ok(n) = NOTED.try_with(|c| c.replace(0)) else { return };
-    if n == 0 {
-        return;
+    if NOTED.try_with(Cell::get).is_ok_and(|n| n != 0) {
+        emit_noted();
     }
+}
+
+/// [`emit_pending`] once a chunk was noted.
+#[cold]
+#[inline(never)]
+fn emit_noted() {
+    let Ok(n) = NOTED.try_with(|c| c.replace(0)) else { return };
     let Ok(kept) = PENDING.try_with(|p| p.replace([None; KEPT])) else { return };
     // New chunks may have been kept out of fork children without a record.
     crate::fork::report_unrecorded_holes();

@@ -186,22 +186,31 @@ unsafe extern "C" fn hook_split(
     false // allow
 }
 
+/// Called on every free of a large block (above jemalloc's thread-cache limit) that has a free
+/// neighbour: one page-map lookup, not one per extent.
 unsafe extern "C" fn hook_merge(
     _hooks: *mut extent_hooks_t,
     addr_a: *mut c_void,
-    _size_a: usize,
+    size_a: usize,
     addr_b: *mut c_void,
-    _size_b: usize,
+    size_b: usize,
     _committed: CBool,
     _arena_ind: c_uint,
 ) -> CBool {
-    match (chunk::find(addr_a as usize), chunk::find(addr_b as usize)) {
-        (Some((a, _)), Some((b, _))) if a == b => false, // same chunk: allow
-        _ => {
-            crate::heap::stats::CROSS_CHUNK_MERGES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            true
-        }
+    if merges_within_one_chunk(addr_a as usize, size_a, addr_b as usize, size_b) {
+        false // allow
+    } else {
+        crate::heap::stats::CROSS_CHUNK_MERGES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
     }
+}
+
+/// Whether extents `a` and `b` (`b` right after `a`, as jemalloc merges them) lie in one chunk a
+/// heap handed out: the chunk of `a`'s first byte holds all of `[a, b + size_b)`. Anything else
+/// (not adjacent, either end outside that chunk, no chunk at all) is refused.
+fn merges_within_one_chunk(a: usize, size_a: usize, b: usize, size_b: usize) -> bool {
+    a.checked_add(size_a) == Some(b)
+        && size_a.checked_add(size_b).is_some_and(|len| chunk::find_range(a, len.max(1)).is_some())
 }
 
 #[cfg(test)]
@@ -217,5 +226,36 @@ mod tests {
         assert!(h.alloc.is_some() && h.destroy.is_some() && h.commit.is_some());
         assert!(h.decommit.is_some(), "decommit counts free memory for idle release");
         assert!(h.purge_lazy.is_none(), "refused by absence");
+    }
+
+    /// The merge hook allows exactly the merges inside one chunk: two chunks side by side (as
+    /// two mappings may be) are never joined, nor is memory no heap handed out.
+    #[test]
+    fn merges_stay_inside_one_chunk() {
+        use crate::heap::chunk;
+        use crate::heap::pagemap::SLOT;
+        let base = chunk::map(2 * SLOT, SLOT).unwrap();
+        let owner = u64::MAX - 11;
+        let (first, second) = (
+            chunk::publish(owner, base, SLOT, false).unwrap(),
+            chunk::publish(owner, base + SLOT, SLOT, false).unwrap(),
+        );
+        let merges =
+            |a: usize, size_a: usize, size_b: usize| super::merges_within_one_chunk(a, size_a, a + size_a, size_b);
+        assert!(merges(base, 4096, 4096));
+        assert!(merges(base, SLOT - 4096, 4096), "up to the chunk's end");
+        assert!(merges(base + SLOT, 64 << 10, SLOT - (64 << 10)), "the second chunk, all of it");
+        assert!(!merges(base, SLOT, 4096), "b starts the next chunk");
+        assert!(!merges(base + SLOT - 4096, 4096, 4096), "b starts the next chunk, a small one");
+        assert!(!merges(base, SLOT - 4096, 8192), "b runs into the next chunk");
+        assert!(!merges(base + SLOT, SLOT, 4096), "b past the last chunk");
+        assert!(!super::merges_within_one_chunk(base, 4096, base + 8192, 4096), "not adjacent");
+        assert!(!super::merges_within_one_chunk(usize::MAX - 4095, 4096, 0, 4096), "wraps around");
+        chunk::release(second);
+        assert!(!merges(base + SLOT, 4096, 4096), "no chunk there any more");
+        assert!(merges(base, 4096, 4096));
+        chunk::release(first);
+        assert!(!merges(base, 4096, 4096), "no chunk at all");
+        chunk::unmap(base, 2 * SLOT);
     }
 }
