@@ -6,13 +6,13 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use crate::heap::paths::{free_any, free_small, raw_alloc_arena, take_any, take_small};
+use crate::heap::paths::{alloc_any, free_any, free_small, take_small};
 use crate::heap::scoped::Heap;
 
 use allocator_api2::alloc::AllocError;
 
 /// `Allocator::allocate` past the front cache's fast path (kept out of line: it is the slow
-/// path): a fork()ed child's refusal, zero sizes, the front for any layout, the arena.
+/// path): a fork()ed child's refusal, zero sizes, then [`alloc_any`].
 #[inline(never)]
 fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
     if !heap.born().here() {
@@ -23,10 +23,7 @@ fn allocate_any(heap: &Heap, layout: Layout) -> Result<NonNull<[u8]>, AllocError
         let p = NonNull::new(layout.align() as *mut u8).ok_or(AllocError)?;
         return Ok(NonNull::slice_from_raw_parts(p, 0));
     }
-    if let Some(p) = take_any(heap, layout) {
-        return Ok(NonNull::slice_from_raw_parts(p, layout.size()));
-    }
-    match raw_alloc_arena(heap, layout, false) {
+    match alloc_any(heap, layout, false) {
         Ok(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
         Err(e) => {
             tracing::debug!("Heap allocation of {} bytes failed: {e}", layout.size());

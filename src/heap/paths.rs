@@ -19,13 +19,11 @@ use crate::heap::scoped::Heap;
 use crate::heap::shared::{after_draining_free, Shared};
 use crate::heap::tcache;
 
-/// An object for `layout` (size > 0) from this thread's front cache, if it keeps one.
+/// An object for `layout` (size > 0) from this thread's front cache on the fast path
+/// ([`take_small`]), zeroed if asked; `None`: ask [`alloc_any`].
 #[inline(always)]
 pub(crate) fn take_cached(heap: &Heap, layout: Layout, zeroed: bool) -> Option<NonNull<u8>> {
-    let p = match take_small(heap, layout) {
-        Some(p) => p,
-        None => take_any(heap, layout)?,
-    };
+    let p = take_small(heap, layout)?;
     if zeroed {
         // SAFETY: a kept object of a class of at least layout.size() bytes, ours now.
         unsafe { p.as_ptr().write_bytes(0, layout.size()) };
@@ -35,7 +33,7 @@ pub(crate) fn take_cached(heap: &Heap, layout: Layout, zeroed: bool) -> Option<N
 
 /// The fast path of [`take_cached`]: a layout [`small_class`] knows, on a thread whose
 /// last front is this heap's. `None` does not mean the front has nothing: ask
-/// [`take_any`]. (No fork-generation check: a fork()ed child's fast path finds no
+/// [`alloc_any`]. (No fork-generation check: a fork()ed child's fast path finds no
 /// front.)
 #[inline(always)]
 pub(crate) fn take_small(heap: &Heap, layout: Layout) -> Option<NonNull<u8>> {
@@ -43,34 +41,33 @@ pub(crate) fn take_small(heap: &Heap, layout: Layout) -> Option<NonNull<u8>> {
     // SAFETY: this thread's front for this heap, which lives while we hold a handle.
     let f = unsafe { tcache::last(heap.id())?.as_ref() };
     let p = f.take(class)?;
-    // SAFETY: this thread's counter for the heap, which our handle keeps alive.
+    // SAFETY: this thread's counter for this heap, which our handle keeps alive.
     unsafe { add_live(f.live_counter(), layout.size() as i64) };
     Some(p)
 }
 
-/// [`take_cached`] for any layout (size > 0), creating the thread's front if needed.
-/// The caller has checked the fork generation.
+/// [`Heap::raw_alloc`] past the fast path, for any layout (size > 0): this thread's front
+/// (created if needed) for the layout's class, a batch from the heap's depot, else the arena
+/// (through the thread's tcache). The caller has checked the fork generation.
 #[inline(never)]
-pub(crate) fn take_any(heap: &Heap, layout: Layout) -> Option<NonNull<u8>> {
-    let size = layout.size();
-    // SAFETY: this thread's front for this heap, which lives while we hold a handle.
-    let f = unsafe { front(heap.id(), heap.shared_ptr())?.as_ref() };
-    let class = cacheable_class(size, jemalloc::align_flags(layout))?;
-    let p = f.take(class).or_else(|| f.refill(class))?;
-    // SAFETY: this thread's counter for the heap, which our handle keeps alive.
-    unsafe { add_live(f.live_counter(), size as i64) };
-    Some(p)
-}
-
-/// [`Heap::raw_alloc`] when the front cache has nothing for it: from the arena.
-#[inline(never)]
-pub(crate) fn raw_alloc_arena(heap: &Heap, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
+pub(crate) fn alloc_any(heap: &Heap, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
     let size = layout.size();
     let align = jemalloc::align_flags(layout);
     let fp = front(heap.id(), heap.shared_ptr());
     // SAFETY (every `as_ref` of `fp`): this thread's front for this heap, which lives while
     // we hold a handle.
     let f = fp.map(|f| unsafe { f.as_ref() });
+    if let (Some(f), Some(class)) = (f, cacheable_class(size, align)) {
+        if let Some(p) = f.take(class).or_else(|| f.refill(class)) {
+            // SAFETY: this thread's counter for the heap, which our handle keeps alive.
+            unsafe { add_live(f.live_counter(), size as i64) };
+            if zeroed {
+                // SAFETY: a kept object of a class of at least `size` bytes, ours now.
+                unsafe { p.as_ptr().write_bytes(0, size) };
+            }
+            return Ok(p);
+        }
+    }
     // The thread's tcache, or none while the thread has no front (it is exiting).
     let tc = f.map_or(je::MALLOCX_TCACHE_NONE, |f| f.tcache_flag);
     // A size a front could keep is allocated as its class, with or without a front here (so
@@ -266,7 +263,7 @@ pub(crate) unsafe fn free_any(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>
 unsafe fn free_arena(id: u64, shared: NonNull<Shared>, ptr: NonNull<u8>, layout: Layout) {
     let size = layout.size();
     let align = jemalloc::align_flags(layout);
-    // The size it was allocated with (see raw_alloc_arena), with or without a front here.
+    // The size it was allocated with (see alloc_any), with or without a front here.
     let n = alloc_size(size, align);
     match front(id, shared) {
         Some(fp) => {

@@ -252,13 +252,13 @@ impl Heap {
     }
 
     /// Allocates `layout` (size > 0): from this thread's front cache when it keeps an object of
-    /// the size class, else from the arena through this thread's tcache.
+    /// the size class, else from the heap's depot or the arena through this thread's tcache.
     #[inline(always)]
     pub(crate) fn raw_alloc(&self, layout: Layout, zeroed: bool) -> Result<NonNull<u8>> {
         self.born.check("this heap")?;
         match paths::take_cached(self, layout, zeroed) {
             Some(p) => Ok(p),
-            None => paths::raw_alloc_arena(self, layout, zeroed),
+            None => paths::alloc_any(self, layout, zeroed),
         }
     }
 
