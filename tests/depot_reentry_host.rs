@@ -20,6 +20,9 @@ const POISON: usize = 0xA5A5_A5A5_A5A5_A5A5;
 thread_local! {
     /// Allocations this thread routes to HEAP (8 KiB, align <= 8 ones).
     static ROUTE: Cell<u32> = const { Cell::new(0) };
+    /// Allocations this thread made through the global allocator while counting (`None`: not
+    /// counting).
+    static COUNT: Cell<Option<u32>> = const { Cell::new(None) };
 }
 
 struct Router;
@@ -28,6 +31,7 @@ struct Router;
 // are tracked in TRACK).
 unsafe impl GlobalAlloc for Router {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = COUNT.try_with(|c| c.set(c.get().map(|n| n + 1)));
         let route = ROUTE.try_with(|r| {
             let n = r.get();
             if n > 0 && layout.size() == 8192 && layout.align() <= 8 {
@@ -115,4 +119,27 @@ fn a_slow_path_that_re_enters_the_heap_hands_out_nothing_stale() {
     });
     drop(b);
     assert_eq!(poisoned, 0, "{poisoned} objects handed out were read from freed slot storage");
+}
+
+/// A refused allocation (the heap's limit) hands the caches back and tries again without
+/// allocating anything through the global allocator: one that serves from the heap would be
+/// refused again, and again, inside the fallback (a flush that allocated recursed without end).
+#[test]
+fn a_refused_allocation_allocates_nothing() {
+    let heap = Heap::builder().limit(8 << 20).build().unwrap();
+    let l = Layout::from_size_align(16, 8).unwrap();
+    let mut held = Vec::new();
+    while let Ok(p) = heap.allocate(l) {
+        held.push(p);
+    }
+    assert!(held.len() > 1000, "{}", held.len());
+    COUNT.with(|c| c.set(Some(0)));
+    let refused = heap.allocate(Layout::from_size_align(4096, 8).unwrap()).is_err();
+    let made = COUNT.with(|c| c.replace(None));
+    assert!(refused);
+    assert_eq!(made, Some(0), "allocations made by the refusal's fallback");
+    for p in held {
+        // SAFETY: allocated above with `l`.
+        unsafe { heap.deallocate(p.cast(), l) };
+    }
 }

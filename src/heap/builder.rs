@@ -161,7 +161,8 @@ impl HeapBuilder {
     /// that only allocates and one that only frees (a receive loop handing buffers to a
     /// worker) both stay on their caches. The depot keeps at most `bytes` of objects too
     /// (counted in [`HeapStats::depot_bytes`]; its bookkeeping, 8 bytes an object, comes on
-    /// top); a half that does not fit goes to jemalloc. What it keeps returns to the heap
+    /// top), plus, for a moment, a batch a thread took and hands back because its own budget
+    /// cannot pay for it; a half that does not fit goes to jemalloc. What it keeps returns to the heap
     /// when an allocation finds the heap's limit reached, on [`Heap::flush_thread_cache`] (on
     /// any thread), and when the last thread with a cache of the heap exits; dropping the heap
     /// frees it with the rest.

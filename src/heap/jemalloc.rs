@@ -44,6 +44,23 @@ pub(crate) fn write<T: Copy>(n: &str, v: T) -> Result<()> {
     unsafe { tikv_jemalloc_ctl::raw::write::<T>(&nul(n), v) }.map_err(|e| ctl_err(n, e))
 }
 
+/// `tcache.flush` of explicit tcache `tcache`, allocating nothing (a refused allocation's
+/// fallback calls it: the global allocator may serve from the heap that refused). Returns
+/// mallctl's error number.
+pub(crate) fn tcache_flush(tcache: u32) -> i32 {
+    let mut t: libc::c_uint = tcache;
+    // SAFETY: `tcache.flush` takes an unsigned int index as its new value, no old value.
+    unsafe {
+        je::mallctl(
+            c"tcache.flush".as_ptr(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            (&mut t as *mut libc::c_uint).cast(),
+            std::mem::size_of::<libc::c_uint>(),
+        )
+    }
+}
+
 /// Runs a command mallctl (no input, no output), e.g. `arena.9.purge`.
 pub(crate) fn run(n: &str) -> Result<()> {
     let c = name(n)?;

@@ -42,11 +42,13 @@ pub struct HeapStats {
     /// [`crate::heap::HeapBuilder::thread_cache`]): neither live nor returned to the heap.
     pub thread_cached_bytes: u64,
     /// Bytes of freed buffers a thread's cache gave up and the heap keeps for any thread's
-    /// cache to take whole (at most one thread's budget: see
-    /// [`crate::heap::HeapBuilder::thread_cache`]): neither live nor returned to the heap.
+    /// cache to take whole (at most one thread's budget, plus what threads that took a batch
+    /// and could not keep it are handing back: see [`crate::heap::HeapBuilder::thread_cache`]):
+    /// neither live nor returned to the heap.
     pub depot_bytes: u64,
     /// Bytes jemalloc counts as allocated in the heap's arena (includes objects parked in
-    /// thread caches and size-class rounding); `None` where jemalloc does not say.
+    /// thread caches and the depot, and size-class rounding); `None` where jemalloc does not
+    /// say.
     pub jemalloc_allocated: Option<u64>,
     /// `ibv_reg_mr` calls made for chunks (chunks × PDs, plus registrations at bind time and
     /// idle chunks registered again); a buffer's own keys (`remote`, `expose`, `remote_desc`)

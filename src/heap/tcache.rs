@@ -166,7 +166,8 @@ impl Drop for ThreadCaches {
                 // No thread uses the heap's caches any more: nobody would take what the depot
                 // keeps, which returns to the heap as the threads' caches did. Under the lock,
                 // and only while the heap is open: its teardown closes it, then takes this lock
-                // before it destroys the arena.
+                // before it destroys the arena. (Up to a budget's worth of frees to jemalloc,
+                // during which statistics and new threads' caches wait for the lock.)
                 reg.depot.flush();
             }
         }

@@ -22,7 +22,7 @@
 //! full) when it is full, and keeps the freed object; an empty magazine takes a batch from the
 //! depot before the allocation goes to jemalloc. The bytes kept are derived when statistics ask
 //! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
-//! everything to jemalloc.
+//! every magazine's objects to jemalloc (the depot's: see [`crate::heap::depot`]).
 
 use std::cell::Cell;
 use std::ptr::NonNull;
@@ -31,7 +31,9 @@ use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use tikv_jemalloc_sys as je;
 
 use crate::heap::classes::{Class, NCLASSES};
-use crate::heap::depot::{Batch, Depot};
+use crate::heap::depot::Depot;
+
+mod exchange;
 
 /// A front's slow paths (growing or halving a magazine, taking a batch) change its magazines'
 /// storage and room, and allocate or free through the global allocator on the way, which may
@@ -309,130 +311,6 @@ impl Front {
         true
     }
 
-    /// Hands the older half of `class`'s full magazine at its most (the bottom of the stack)
-    /// to the heap's depot, for a thread whose magazine runs empty, or back to jemalloc if the
-    /// depot is full or the batch's memory cannot be had; keeps the recently freed. Under
-    /// [`Busy`].
-    fn halve(&self, class: Class) {
-        let (m, depot) = (self.mag(class), self.depot());
-        let out = (m.cap.get() as usize).div_ceil(2);
-        // The batch is made before the magazine changes: making it may re-enter the heap.
-        let batch = if depot.reserve(class, out) {
-            let b = Batch::with_capacity(out);
-            if b.is_none() {
-                depot.unreserve(class, out);
-            }
-            b
-        } else {
-            None
-        };
-        let len = m.len.load(Ordering::Relaxed) as usize;
-        if len < m.cap.get() as usize {
-            // Re-entered allocations took some: there is room again.
-            if batch.is_some() {
-                depot.unreserve(class, out);
-            }
-            return;
-        }
-        let keep = len - out;
-        // SAFETY: items[..len] are initialised objects of the magazine, and no other reference
-        // to its slots exists (only this thread touches them; nothing below re-enters the heap
-        // until the victims are copied out).
-        let slots = unsafe { std::slice::from_raw_parts_mut(m.items.get(), len) };
-        // The newer `keep` objects to the bottom, the older `out` above them.
-        slots.rotate_left(out);
-        match batch {
-            Some(mut batch) => {
-                // Within the batch's capacity: no allocation.
-                batch.items.extend_from_slice(&slots[keep..]);
-                m.len.store(keep as u32, Ordering::Relaxed);
-                depot.shelve(class, batch);
-            }
-            None => {
-                // The magazine is settled before jemalloc runs: the victims lie above its length.
-                m.len.store(keep as u32, Ordering::Relaxed);
-                self.free_all(&slots[keep..], class.size());
-            }
-        }
-    }
-
-    /// [`Front::take`] found `class`'s magazine empty: it takes a batch from the heap's depot
-    /// (objects another thread's front gave up) and one object of it, if the depot has one and
-    /// the thread's budget pays for it; else the caller goes to jemalloc.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn refill(&self, class: Class) -> Option<NonNull<u8>> {
-        if self.refill_backoff.get() > 0 {
-            self.refill_backoff.set(self.refill_backoff.get() - 1);
-            return None;
-        }
-        let _busy = Busy::enter(self)?;
-        let batch = self.depot().take(class)?;
-        if let Err(batch) = self.adopt(class, batch) {
-            // The budget cannot pay for it: back to the depot for another thread, and this
-            // thread asks jemalloc for a while before trying again.
-            self.depot().put_back(class, batch);
-            self.refill_backoff.set(RECLAIM_BACKOFF);
-            return None;
-        }
-        self.take(class)
-    }
-
-    /// Fills `class`'s empty magazine with `batch` (taking over its storage if the magazine's
-    /// is too small), charging the room to the budget (taking back room other classes do not
-    /// use if needed); `Err` gives the batch back if the budget cannot pay. Under [`Busy`].
-    fn adopt(&self, class: Class, mut batch: Box<Batch>) -> Result<(), Box<Batch>> {
-        let (m, size, room_cell) = (self.mag(class), class.size(), &self.room[class.index()]);
-        let n = batch.items.len();
-        let plan = || {
-            let (cap, room) = (m.cap.get() as usize, room_cell.get() as usize);
-            // Its own storage if it has room, else the batch's.
-            let new_room = if room >= n { room } else { batch.items.capacity() };
-            let (new_cap, new_room) = (cap.max(n), new_room);
-            // What this class reserves (`cap` objects, `room` slots) is replaced.
-            let reserved = self.reserved.get() - cap * size - room * SLOT + new_cap * size + new_room * SLOT;
-            (new_cap, new_room, reserved)
-        };
-        let (mut cap, mut room, mut reserved) = plan();
-        if reserved > self.limit {
-            self.reclaim();
-            (cap, room, reserved) = plan();
-            if reserved > self.limit {
-                return Err(batch);
-            }
-        }
-        // Nothing above re-entered the heap after the plan (reclaim's did, before it): the
-        // magazine is as planned, and empty (the caller's `take` found it so, and only a
-        // re-entered free could have filled it, which reclaim's flush of nothing allows).
-        let len = m.len.load(Ordering::Relaxed) as usize;
-        if len != 0 {
-            return Err(batch);
-        }
-        let old_room = room_cell.get() as usize;
-        let old_items = m.items.get();
-        if room == old_room {
-            // SAFETY: the magazine's storage has room >= n slots; the batch is a different
-            // allocation.
-            unsafe { std::ptr::copy_nonoverlapping(batch.items.as_ptr(), old_items, n) };
-        } else {
-            let items = std::mem::take(&mut batch.items);
-            let mut items = std::mem::ManuallyDrop::new(items);
-            m.items.set(items.as_mut_ptr());
-            room_cell.set(room as u32);
-        }
-        m.cap.set(cap as u32);
-        self.reserved.set(reserved);
-        m.len.store(n as u32, Ordering::Relaxed);
-        debug_assert!(self.reserved.get() <= self.limit && cap <= room && cap <= cap_of(size));
-        // Freed last, with the magazine whole again (a free may re-enter the heap).
-        if room != old_room && old_room > 0 {
-            // SAFETY: the old storage's Vec parts (as in Drop), no longer the magazine's.
-            drop(unsafe { Vec::from_raw_parts(old_items, 0, old_room) });
-        }
-        drop(batch);
-        Ok(())
-    }
-
     /// Frees objects of `class_size` bytes that left their magazine.
     fn free_all(&self, objects: &[NonNull<u8>], class_size: usize) {
         for q in objects {
@@ -448,13 +326,18 @@ impl Front {
     /// cache otherwise, and when jemalloc cannot serve a request (the limit or the device). The
     /// magazines keep their room.
     pub(crate) fn flush_all(&self) {
+        // Inside a slow path (a refused allocation it made through the global allocator, which
+        // served from this heap), the magazines are that path's: they stay as they are.
+        let Some(_busy) = Busy::enter(self) else { return };
         for c in Class::all() {
             let m = self.mag(c);
-            // Emptied before jemalloc runs, as in `halve`.
+            // Emptied, and without room, before jemalloc runs, as in `halve`.
+            let cap = m.cap.replace(0);
             let len = m.len.swap(0, Ordering::Relaxed) as usize;
             // SAFETY: items[..len] were written by `keep`; the magazine no longer counts them.
             let kept = unsafe { std::slice::from_raw_parts(m.items.get(), len) };
             self.free_all(kept, c.size());
+            m.cap.set(cap);
         }
     }
 
@@ -463,9 +346,9 @@ impl Front {
     /// must be available again (the caller flushes the heap's depot too).
     pub(crate) fn flush_to_arena(&self) {
         self.flush_all();
-        if let Err(e) = crate::heap::jemalloc::write::<libc::c_uint>("tcache.flush", self.tcache) {
-            tracing::debug!("tcache.flush({}) failed: {e}", self.tcache);
-        }
+        // Allocates nothing; it fails only for an index that is no tcache (never ours).
+        let rc = crate::heap::jemalloc::tcache_flush(self.tcache);
+        debug_assert_eq!(rc, 0, "tcache.flush({})", self.tcache);
     }
 }
 
