@@ -13,53 +13,19 @@ static A: mralloc::heap::Global = mralloc::heap::Global::new();
 
 mod common;
 
-use common::{config, cross_thread, label, order, window, window_script, SIZES};
+use common::{batch, config, cross_thread, label, order, pair, window, window_script, ProcessAlloc, SIZES};
 use mimalloc::MiMalloc;
 use tikv_jemallocator::Jemalloc;
-
-/// The process allocator through `std::alloc` (what `Vec` and `Box` use).
-struct System2;
-
-// SAFETY: forwards to the process allocator (`Global` here), which upholds the contract.
-unsafe impl GlobalAlloc for System2 {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { std::alloc::alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
-        unsafe { std::alloc::dealloc(ptr, layout) }
-    }
-}
-
-/// One alloc+free pair, and a batch of 1000 allocations then 1000 frees, through `a`.
-fn pair(a: &dyn GlobalAlloc, layout: Layout) {
-    // SAFETY: a fresh allocation of `layout`, freed once with it.
-    unsafe {
-        let p = a.alloc(black_box(layout));
-        black_box(p);
-        a.dealloc(p, layout);
-    }
-}
-
-fn batch(a: &dyn GlobalAlloc, layout: Layout, v: &mut Vec<*mut u8>) {
-    // SAFETY: as in `pair`, 1000 times.
-    unsafe {
-        for _ in 0..1000 {
-            v.push(a.alloc(layout));
-        }
-        for p in v.drain(..) {
-            a.dealloc(p, layout);
-        }
-    }
-}
 
 fn all(c: &mut Criterion) {
     assert!(A.is_ready());
     // Global (through std::alloc, as a program uses it) and plain jemalloc in the same process,
     // back to back per size; scripts/bench-alloc alternates their order between rounds.
-    let who: Vec<(&str, &(dyn GlobalAlloc + Sync))> =
-        order(vec![("global", &System2), ("jemalloc_beside_global", &Jemalloc), ("mimalloc_beside_global", &MiMalloc)]);
+    let who: Vec<(&str, &(dyn GlobalAlloc + Sync))> = order(vec![
+        ("global", &ProcessAlloc),
+        ("jemalloc_beside_global", &Jemalloc),
+        ("mimalloc_beside_global", &MiMalloc),
+    ]);
     let mut g = c.benchmark_group("pair");
     for n in SIZES {
         let layout = Layout::from_size_align(n, 8).unwrap();

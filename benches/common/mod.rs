@@ -2,7 +2,9 @@
 //! command line of the benches that are not criterion's.
 #![allow(dead_code)]
 
+use std::alloc::{GlobalAlloc, Layout};
 use std::ffi::OsString;
+use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::Criterion;
@@ -307,4 +309,41 @@ pub fn cross_thread(
         }
         t.elapsed()
     })
+}
+
+/// The process allocator through `std::alloc` (what `Vec` and `Box` use).
+pub struct ProcessAlloc;
+
+// SAFETY: forwards to the process allocator, which upholds the contract.
+unsafe impl GlobalAlloc for ProcessAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { std::alloc::alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
+        unsafe { std::alloc::dealloc(ptr, layout) }
+    }
+}
+
+/// One alloc+free pair, and a batch of 1000 allocations then 1000 frees, through `a`.
+pub fn pair(a: &dyn GlobalAlloc, layout: Layout) {
+    // SAFETY: a fresh allocation of `layout`, freed once with it.
+    unsafe {
+        let p = a.alloc(black_box(layout));
+        black_box(p);
+        a.dealloc(p, layout);
+    }
+}
+
+pub fn batch(a: &dyn GlobalAlloc, layout: Layout, v: &mut Vec<*mut u8>) {
+    // SAFETY: as in `pair`, 1000 times.
+    unsafe {
+        for _ in 0..1000 {
+            v.push(a.alloc(layout));
+        }
+        for p in v.drain(..) {
+            a.dealloc(p, layout);
+        }
+    }
 }
