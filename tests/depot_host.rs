@@ -174,3 +174,19 @@ fn taking_batches_back_does_not_drift_the_budget() {
     drop(big);
     assert_eq!(heap.stats().thread_cached_bytes, 1025 * 64 + 256 * 4096);
 }
+
+/// A budget too small for a class's full cache still hands batches over: a magazine full and
+/// unable to grow gives its older half to the depot, as one at its class's most does.
+#[test]
+fn a_small_budget_still_hands_batches_over() {
+    const BUDGET: usize = 128 << 10;
+    let heap = Heap::builder().thread_cache(BUDGET).build().unwrap();
+    let bufs: Vec<_> = (0..100).map(|_| heap.alloc(4096).unwrap()).collect();
+    let h = &heap;
+    let depot = std::thread::scope(|s| s.spawn(move || drop(bufs)).join().map(|_| h.stats().depot_bytes).unwrap());
+    assert!(depot >= 8 * 4096 && depot <= BUDGET as u64, "{depot}");
+    // This thread's empty magazine takes a batch.
+    let again = heap.alloc(4096).unwrap();
+    assert!(heap.stats().depot_bytes < depot);
+    drop(again);
+}

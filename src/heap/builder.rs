@@ -156,8 +156,9 @@ impl HeapBuilder {
     /// allocator) is paid from the same budget, so objects and bookkeeping together stay
     /// within `bytes`. A free that finds no room left goes to jemalloc.
     ///
-    /// A class at its most hands its older half to the heap's depot when it fills up again,
-    /// where a thread whose cache of that class runs empty takes the batch whole: a thread
+    /// A class whose cache is full and cannot grow (at its most, or with the budget used up)
+    /// hands its older half to the heap's depot and keeps the freed buffer; a thread whose
+    /// cache of that class runs empty takes such a batch whole: a thread
     /// that only allocates and one that only frees (a receive loop handing buffers to a
     /// worker) both stay on their caches. The depot keeps at most `bytes` of objects too
     /// (counted in [`HeapStats::depot_bytes`]; its bookkeeping, 8 bytes an object, comes on
@@ -166,6 +167,12 @@ impl HeapBuilder {
     /// when an allocation finds the heap's limit reached, on [`Heap::flush_thread_cache`] (on
     /// any thread), and when the last thread with a cache of the heap exits; dropping the heap
     /// frees it with the rest.
+    ///
+    /// Behind this cache each thread has jemalloc's own thread cache for the heap (up to a few
+    /// hundred small objects per size class; about 100 KiB for a thread that used a few
+    /// classes): it is not part of `bytes` or of the statistics' cached bytes (it counts in
+    /// [`HeapStats::jemalloc_allocated`]), stays with `thread_cache(0)`, and returns to the
+    /// heap on [`Heap::flush_thread_cache`] and at thread exit.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         self.thread_cache = bytes;
         self

@@ -1,5 +1,5 @@
 //! The front cache's exchange with the heap's depot ([`crate::heap::depot`]): a full magazine
-//! at its class's most hands its older half over as a batch ([`Front::halve`]), an empty one
+//! that cannot grow hands its older half over as a batch ([`Front::halve`]), an empty one
 //! takes a batch whole ([`Front::refill`], [`Front::adopt`]). Both run under [`Busy`], and
 //! call the global allocator or jemalloc only with every magazine whole.
 
@@ -11,7 +11,7 @@ use crate::heap::classes::Class;
 use crate::heap::depot::Batch;
 
 impl Front {
-    /// Hands the older half of `class`'s full magazine at its most (the bottom of the stack)
+    /// Hands the older half of `class`'s full magazine that cannot grow (the bottom of the stack)
     /// to the heap's depot, for a thread whose magazine runs empty, or back to jemalloc if the
     /// depot is full or the batch's memory cannot be had; keeps the recently freed. Under
     /// [`Busy`].

@@ -17,8 +17,8 @@
 //! needs room takes back what other classes reserve but do not hold; if none is left, the free
 //! goes to jemalloc. The magazines' slot arrays (8 bytes an object, from the global allocator)
 //! are charged to the same budget, and taking room back from a class shrinks its array to what
-//! it holds: objects and slots together never exceed the budget. A magazine at its class's most
-//! hands its older half to the heap's depot ([`crate::heap::depot`]; to jemalloc if the depot is
+//! it holds: objects and slots together never exceed the budget. A full magazine that cannot grow
+//! (at its class's most, or the budget used up) hands its older half to the heap's depot ([`crate::heap::depot`]; to jemalloc if the depot is
 //! full) when it is full, and keeps the freed object; an empty magazine takes a batch from the
 //! depot before the allocation goes to jemalloc. The bytes kept are derived when statistics ask
 //! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
@@ -216,8 +216,9 @@ impl Front {
     }
 
     /// [`Front::keep`] for a full magazine (`len == cap`): more room from the budget, else room
-    /// other classes do not use, else `false`; a magazine at its class's most ([`cap_of`])
-    /// hands its older half on instead ([`Front::halve`]).
+    /// other classes do not use; a magazine that cannot grow (at its class's most,
+    /// [`cap_of`], or with the budget used up) hands its older half on ([`Front::halve`]) and
+    /// keeps `p`; `false` if it has no room at all.
     #[cold]
     #[inline(never)]
     fn keep_slow(&self, class: Class, p: NonNull<u8>) -> bool {
@@ -246,8 +247,11 @@ impl Front {
                 debug_assert!(self.reserved.get() <= self.limit);
                 return self.keep(class, p);
             }
-            // The budget is used up: this free goes to jemalloc.
-            return false;
+            // The budget is used up: a magazine that holds some hands its older half on, as
+            // at its class's most; an empty one sends this free to jemalloc.
+            if cap == 0 {
+                return false;
+            }
         }
         self.halve(class);
         self.keep(class, p)
