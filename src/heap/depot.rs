@@ -10,8 +10,8 @@
 //! is reached once per batch instead of twice per object.
 //!
 //! The depot keeps at most `limit` bytes of objects (the heap's per-thread budget,
-//! [`crate::heap::HeapBuilder::thread_cache`]; the batches' own storage, 8 bytes an object, is
-//! not counted); a batch that does not fit goes to jemalloc, as before. A kept object is a free
+//! [`crate::heap::HeapBuilder::thread_cache`]; the batches' own storage, 8 bytes an object
+//! and 32 a batch, is not counted); a batch that does not fit goes to jemalloc, as before. A kept object is a free
 //! object of its class, still allocated in jemalloc's view: [`Depot::flush`] hands everything
 //! back (a refused allocation, `flush_thread_cache`, the last thread using the heap exiting);
 //! the heap's teardown leaves them to the arena's destruction, which discards all it holds.

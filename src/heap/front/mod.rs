@@ -14,12 +14,13 @@
 //! [`MAX_CAP`]) only on the slow path, where the room every class holds is charged against the
 //! thread's budget ([`crate::heap::HeapBuilder::thread_cache`]): the bytes kept never exceed
 //! the room reserved, which never exceeds the budget. Once the budget is used up, a class that
-//! needs room takes back what other classes reserve but do not hold; if none is left, the free
-//! goes to jemalloc. The magazines' slot arrays (8 bytes an object, from the global allocator)
-//! are charged to the same budget, and taking room back from a class shrinks its array to what
-//! it holds: objects and slots together never exceed the budget. A full magazine that cannot grow
-//! (at its class's most, or the budget used up) hands its older half to the heap's depot ([`crate::heap::depot`]; to jemalloc if the depot is
-//! full) when it is full, and keeps the freed object; an empty magazine takes a batch from the
+//! needs room takes back what other classes reserve but do not hold. The magazines' slot arrays
+//! (8 bytes an object, from the global allocator) are charged to the same budget, and taking
+//! room back from a class shrinks its array to what it holds: objects and slots together never
+//! exceed the budget. A full magazine that cannot grow (at its class's most, or the budget used
+//! up, if its half is worth a batch: [`MIN_HALF`]) hands its older half to the heap's depot
+//! ([`crate::heap::depot`]; to jemalloc if the depot is full) and keeps the freed object; else
+//! the free goes to jemalloc. An empty magazine takes a batch from the
 //! depot before the allocation goes to jemalloc. The bytes kept are derived when statistics ask
 //! ([`crate::heap::HeapStats::thread_cached_bytes`]). Thread exit and the heap's teardown return
 //! every magazine's objects to jemalloc (the depot's: see [`crate::heap::depot`]).
@@ -71,8 +72,14 @@ const FIRST_CAP: usize = 8;
 /// Bytes of a magazine slot (its array's element), charged to the budget with the objects.
 const SLOT: usize = std::mem::size_of::<NonNull<u8>>();
 /// After taking room back from other classes found none, this many frees that need room skip
-/// the search (they go to jemalloc) before it is tried again.
+/// the search (they hand a half on, or go to jemalloc) before it is tried again.
 const RECLAIM_BACKOFF: u32 = 64;
+/// A magazine the budget keeps from growing hands its older half to the depot only if the
+/// half has this many objects, or [`MIN_HALF_BYTES`]: a batch costs a lock and two small
+/// allocations (its list node and its slots), which a few small objects do not repay.
+const MIN_HALF: usize = 8;
+/// See [`MIN_HALF`].
+const MIN_HALF_BYTES: usize = 64 << 10;
 
 /// How many objects of `class_size` a magazine keeps at most: [`CLASS_BYTES`] worth, between 1
 /// and [`MAX_CAP`].
@@ -247,9 +254,10 @@ impl Front {
                 debug_assert!(self.reserved.get() <= self.limit);
                 return self.keep(class, p);
             }
-            // The budget is used up: a magazine that holds some hands its older half on, as
-            // at its class's most; an empty one sends this free to jemalloc.
-            if cap == 0 {
+            // The budget is used up: a magazine whose older half is worth a batch hands it on,
+            // as at its class's most; a smaller one sends this free to jemalloc.
+            let half = cap.div_ceil(2);
+            if half < MIN_HALF && half * size < MIN_HALF_BYTES {
                 return false;
             }
         }
