@@ -134,14 +134,13 @@ impl Depot {
         if shelf.count.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let mut batch = {
+        let batch = {
             let mut top = shelf.top.lock();
             let mut batch = top.take()?;
             *top = batch.next.take();
             shelf.count.fetch_sub(1, Ordering::Relaxed);
             batch
         };
-        batch.next = None;
         self.unreserve(class, batch.items.len());
         Some(batch)
     }

@@ -93,7 +93,7 @@ impl Front {
             let (cap, room) = (m.cap.get() as usize, room_cell.get() as usize);
             // Its own storage if it has room, else the batch's.
             let new_room = if room >= n { room } else { batch.items.capacity() };
-            let (new_cap, new_room) = (cap.max(n), new_room);
+            let new_cap = cap.max(n);
             // What this class reserves (`cap` objects, `room` slots) is replaced.
             let reserved = self.reserved.get() - cap * size - room * SLOT + new_cap * size + new_room * SLOT;
             (new_cap, new_room, reserved)
@@ -113,27 +113,20 @@ impl Front {
         if len != 0 {
             return Err(batch);
         }
-        let old_room = room_cell.get() as usize;
-        let old_items = m.items.get();
-        if room == old_room {
+        let old_slots = if room == room_cell.get() as usize {
             // SAFETY: the magazine's storage has room >= n slots; the batch is a different
             // allocation.
-            unsafe { std::ptr::copy_nonoverlapping(batch.items.as_ptr(), old_items, n) };
+            unsafe { std::ptr::copy_nonoverlapping(batch.items.as_ptr(), m.items.get(), n) };
+            Vec::new()
         } else {
-            let items = std::mem::take(&mut batch.items);
-            let mut items = std::mem::ManuallyDrop::new(items);
-            m.items.set(items.as_mut_ptr());
-            room_cell.set(room as u32);
-        }
+            self.swap_storage(class, std::mem::take(&mut batch.items))
+        };
         m.cap.set(cap as u32);
         self.reserved.set(reserved);
         m.len.store(n as u32, Ordering::Relaxed);
         debug_assert!(self.reserved.get() <= self.limit && cap <= room && cap <= cap_of(size));
         // Freed last, with the magazine whole again (a free may re-enter the heap).
-        if room != old_room && old_room > 0 {
-            // SAFETY: the old storage's Vec parts (as in Drop), no longer the magazine's.
-            drop(unsafe { Vec::from_raw_parts(old_items, 0, old_room) });
-        }
+        drop(old_slots);
         drop(batch);
         Ok(())
     }

@@ -139,12 +139,9 @@ pub(crate) struct Front {
 
 impl Drop for Front {
     fn drop(&mut self) {
-        for (m, room) in self.mags.iter().zip(&self.room) {
-            if room.get() > 0 {
-                // SAFETY: `items` and `room` are a Vec's pointer and capacity (see `set_room`),
-                // freed only here; the objects they point to are not owned by the slots.
-                drop(unsafe { Vec::from_raw_parts(m.items.get(), 0, room.get() as usize) });
-            }
+        for c in Class::all() {
+            // The slot arrays only: the objects they point to are not owned by the slots.
+            drop(self.swap_storage(c, Vec::new()));
         }
     }
 }
@@ -309,18 +306,25 @@ impl Front {
             // new >= len.
             unsafe { std::ptr::copy_nonoverlapping(m.items.get(), slots.as_mut_ptr(), len) };
         }
-        let old_items = m.items.get();
+        let old_slots = self.swap_storage(class, slots);
+        self.reserved.set(reserved);
+        // Freed last, with the magazine whole again.
+        drop(old_slots);
+        true
+    }
+
+    /// Makes `slots` the storage of `class`'s magazine (its capacity the room) and returns the
+    /// old storage as an empty `Vec`, for the caller to drop once the magazine is whole again
+    /// (a free may re-enter the heap). The caller has put the magazine's objects in `slots`.
+    fn swap_storage(&self, class: Class, slots: Vec<NonNull<u8>>) -> Vec<NonNull<u8>> {
+        let (m, room) = (self.mag(class), &self.room[class.index()]);
         let mut slots = std::mem::ManuallyDrop::new(slots);
         // A Vec without capacity has a dangling pointer, as a new magazine does.
-        m.items.set(slots.as_mut_ptr());
-        room.set(new as u32);
-        self.reserved.set(reserved);
-        if old > 0 {
-            // SAFETY: the old storage's Vec parts (as in Drop), no longer the magazine's; freed
-            // last, with the magazine whole again.
-            drop(unsafe { Vec::from_raw_parts(old_items, 0, old) });
-        }
-        true
+        let old_items = m.items.replace(slots.as_mut_ptr());
+        let old_room = room.replace(slots.capacity() as u32);
+        // SAFETY: `items` and `room` were a Vec's pointer and capacity (set here, or a new
+        // magazine's dangling pointer and 0), no longer the magazine's; its slots own nothing.
+        unsafe { Vec::from_raw_parts(old_items, 0, old_room as usize) }
     }
 
     /// Frees objects of `class_size` bytes that left their magazine.
