@@ -178,9 +178,9 @@
 //! it never reads zeros posing as values. The same holds where rdma-core's fork support is
 //! enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`), on any kernel, which mralloc never does itself
 //! (it tries rdma-core out once, on a scratch page; support that is off then cannot be turned on
-//! later, as after any registration: `ibv_fork_init` fails); jemalloc's metadata and the global
-//! allocator's chunks are then marked `MADV_DOFORK` again after rdma-core marked them, so that
-//! the child's allocator works (a bound global allocator's pages are then shared copy-on-write:
+//! later, as after any registration: `ibv_fork_init` fails); the global allocator's chunks are
+//! then marked `MADV_DOFORK` again after rdma-core marked them (jemalloc's metadata is never
+//! registered), so that the child's allocator works (a bound global allocator's pages are then shared copy-on-write:
 //! see `Global::bind`). mralloc's process-wide locks are free in the child whichever parent
 //! thread held them, and the global allocator keeps allocating there (new chunks
 //! unregistered). The child may open a device and build heaps and connections of its own.

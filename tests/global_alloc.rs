@@ -103,6 +103,21 @@ fn malloc_conf_override_is_in_effect() {
     assert_eq!(t, 0, "mralloc's malloc_conf (oversize_threshold:0) was not linked in");
 }
 
+/// Under jemalloc's `opt.zero` (`_RJEM_MALLOC_CONF=zero:true`) a 2 MiB-aligned data extent can
+/// reach the hooks with a metadata block's arguments (never registered): `Global` refuses to
+/// install, saying why, and so the child's first allocation fails.
+#[test]
+fn global_refuses_jemalloc_zeroing_everything() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "malloc_conf_override_is_in_effect"])
+        .env("_RJEM_MALLOC_CONF", "zero:true")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a Global under opt.zero ran: {stderr}");
+    assert!(stderr.contains("mralloc::Global: jemalloc runs with opt.zero"), "{stderr}");
+}
+
 /// An unbound `Global` is the process's plain allocator: no huge-page advice on its chunks
 /// (with THP `defrag=madvise`, advised faults may compact memory synchronously).
 #[test]
@@ -161,7 +176,11 @@ fn device_global_bind_registers_values_created_before_bind() {
     A.bind(&lb.pd).unwrap();
     let st = A.stats();
     println!("Global bound to {}: {st:?}", lb.ctx.name());
-    assert_eq!(st.registered_bytes[0] + st.idle_bytes, st.mapped_bytes, "every chunk but the idle ones is registered");
+    assert_eq!(
+        st.registered_bytes[0] + st.idle_bytes + st.metadata_bytes,
+        st.mapped_bytes,
+        "every data chunk but the idle ones is registered, no metadata block"
+    );
     for (bytes, what) in [(&v[..], "Vec<u8>"), (s.as_bytes(), "String")] {
         rdma_write_check(&lb, bytes, what);
     }

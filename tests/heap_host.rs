@@ -988,3 +988,34 @@ fn freed_large_buffers_are_reused_not_given_up() {
         "ten more 24 MiB rounds mapped more memory: freed extents were given up"
     );
 }
+
+/// jemalloc's `opt.zero` (`_RJEM_MALLOC_CONF=zero:true`: every allocation zeroed by jemalloc)
+/// would hand the alloc hook a 2 MiB-aligned data extent with the arguments of a metadata
+/// block, which is never registered: no heap is built (checked in a child process started
+/// with the option).
+#[test]
+fn a_heap_refuses_jemalloc_zeroing_everything() {
+    const NAME: &str = "a_heap_refuses_jemalloc_zeroing_everything";
+    if std::env::var_os("MRALLOC_ZERO_CHILD").is_some() {
+        // SAFETY: opt.zero is a bool mallctl.
+        let zero: bool = unsafe { tikv_jemalloc_ctl::raw::read(b"opt.zero\0") }.unwrap();
+        assert!(zero, "the child runs without opt.zero");
+        match Heap::builder().build() {
+            Err(mralloc::Error::InvalidArgument(m)) => assert!(m.contains("opt.zero"), "{m}"),
+            other => panic!("a heap under opt.zero: {:?}", other.map(|_| ())),
+        }
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--test-threads=1"])
+        .env("MRALLOC_ZERO_CHILD", "1")
+        .env("_RJEM_MALLOC_CONF", "zero:true")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -54,7 +54,11 @@ fn device_idle_chunks_are_deregistered_and_registered_again_on_use() {
     let idle = heap.stats();
     println!("busy {busy:?}\nidle {idle:?}");
     assert!(idle.idle_chunks > 0, "nothing was released");
-    assert_eq!(idle.registered_bytes[0] + idle.idle_bytes, idle.mapped_bytes, "registered bytes are true");
+    assert_eq!(
+        idle.registered_bytes[0] + idle.idle_bytes + idle.metadata_bytes,
+        idle.mapped_bytes,
+        "registered bytes are true"
+    );
     assert!(idle.registered_bytes[0] < busy.registered_bytes[0], "registered bytes did not fall");
     // The live buffer's chunk stays registered, with the same keys, and its bytes move.
     assert_eq!(chunk_of(live.as_ptr()), Some(live_chunk));
@@ -78,7 +82,7 @@ fn device_idle_chunks_are_deregistered_and_registered_again_on_use() {
     println!("used again {used:?}");
     assert!(used.reg_mr_calls > calls, "no chunk was registered again");
     assert!(used.idle_chunks < idle.idle_chunks);
-    assert_eq!(used.registered_bytes[0] + used.idle_bytes, used.mapped_bytes);
+    assert_eq!(used.registered_bytes[0] + used.idle_bytes + used.metadata_bytes, used.mapped_bytes);
     for (i, src) in again.iter().enumerate().step_by(5) {
         assert!(heap.keys(src.as_ptr()).is_some(), "no keys for memory handed out");
         let dst = heap.alloc(MIB).unwrap();
@@ -143,11 +147,12 @@ fn through(lb: &Loopback, buf: &mut Buffer, dst: &Exposed, seed: u64, what: &str
     assert_bytes_eq(buf, &want, &format!("{what}: RDMA READ"));
 }
 
-/// Registered bytes are exactly the chunks that are not idle, in each of the first `pds` PDs.
+/// Registered bytes are exactly the data chunks that are not idle (metadata is never
+/// registered), in each of the first `pds` PDs.
 fn registered_are_true_in(st: &HeapStats, pds: usize, what: &str) {
     for slot in 0..pds {
         assert_eq!(
-            st.registered_bytes[slot] + st.idle_bytes,
+            st.registered_bytes[slot] + st.idle_bytes + st.metadata_bytes,
             st.mapped_bytes,
             "{what}: registered bytes (PD {slot}) are not true: {st:?}"
         );

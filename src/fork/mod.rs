@@ -20,9 +20,9 @@
 //!   child can land where a parent's value was.
 //!
 //! mralloc never calls `ibv_fork_init`. Where it is enabled anyway, rdma-core marks every
-//! registration `MADV_DONTFORK` itself, including memory a child cannot do without: jemalloc's
-//! metadata (its fork handlers touch it) and the global allocator's chunks (all of the child's
-//! heap). Those are marked `MADV_DOFORK` again after each registration
+//! registration `MADV_DONTFORK` itself, including memory a child cannot do without: the global
+//! allocator's chunks (all of the child's heap; jemalloc's metadata, which its fork handlers
+//! touch, is never registered). Those are marked `MADV_DOFORK` again after each registration
 //! (`heap::chunk::keep_in_children`), with the copy-on-write caveat that entails (see there).
 //!
 //! The parent's queue pairs, memory regions and heaps stay the parent's: the child must neither

@@ -74,11 +74,11 @@ impl Owner {
             if first && self.hugepages && !meta {
                 chunk::advise_hugepages(base, len);
             }
-            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed)) {
+            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed), meta) {
                 continue; // registered on its first use through `pd` (`heap::lazy`)
             }
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, len, self.access_for(meta)) {
+            match chunk::register(pd.as_raw(), base, len, self.registration_access()) {
                 Ok(mr) => {
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
                     self.counters.reg_nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -106,7 +106,7 @@ impl Owner {
                 continue;
             }
             if failed.is_none() {
-                rec.set_mr(slot, mr, self.access_for(rec.meta.load(Ordering::Relaxed)));
+                rec.set_mr(slot, mr, self.registration_access());
                 self.counters.registered[slot].fetch_add(rec.len.load(Ordering::Relaxed) as u64, Ordering::Relaxed);
             } else if !chunk::deregister(mr) {
                 // Still registered with `pd`: the chunk must never be unmapped nor purged.
@@ -138,8 +138,8 @@ impl Owner {
             chunks,
             bytes,
             elapsed_us = started.elapsed().as_micros() as u64,
-            first_use = !self.registers_at_map(slot, false),
-            "bound to a protection domain: its chunks registered (on first use: the reserved ones)"
+            first_use = !self.registers_at_map(slot, false, false),
+            "bound to a protection domain: its data chunks registered (on first use: the reserved ones)"
         );
         Ok(slot)
     }

@@ -210,7 +210,7 @@ impl HeapBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] (a `max_chunk` under 2 MiB, more than
-    /// [`crate::heap::MAX_PDS`] PDs), an invalid NUMA node, and what [`Heap::bind`] and the
+    /// [`crate::heap::MAX_PDS`] PDs, jemalloc started with `opt.zero`), an invalid NUMA node, and what [`Heap::bind`] and the
     /// first chunk's creation fail with ([`Error::Registration`], [`Error::Io`],
     /// [`Error::DeviceRemoved`], ...).
     pub fn build(self) -> Result<Heap> {
@@ -218,6 +218,9 @@ impl HeapBuilder {
         crate::heap::shared::reap_draining();
         if self.max_chunk < SLOT {
             return Err(Error::InvalidArgument(format!("max_chunk must be at least {SLOT} bytes")));
+        }
+        if crate::heap::jemalloc::zeroes_everything() {
+            return Err(Error::InvalidArgument(crate::heap::jemalloc::ZERO_REFUSED.into()));
         }
         let node = match self.numa {
             NumaPolicy::None => None,

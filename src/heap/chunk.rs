@@ -2,7 +2,8 @@
 //!
 //! A chunk is mapped slot-aligned (2 MiB), NUMA-bound before any page is touched, prepared for
 //! `fork()` (see `crate::fork`: copied into children, or kept out of them), advised to use
-//! transparent huge pages if its heap is bound to a device (and asks for them), then registered with every PD its heap is bound to (and, for
+//! transparent huge pages if its heap is bound to a device (and asks for them), then — unless it is
+//! jemalloc's metadata, which is never registered — registered with every PD its heap is bound to (and, for
 //! memory a fork child needs, marked `MADV_DOFORK` again where rdma-core marked it otherwise:
 //! [`keep_in_children`]). Its record lives in a fixed, statically allocated table (never on a heap,
 //! so the extent hooks can use it while jemalloc holds its locks); the page map points at it.
@@ -26,8 +27,8 @@ pub(crate) struct ChunkRec {
     pub(crate) len: AtomicUsize,
     /// Id of the owning heap; 0 = free record.
     pub(crate) owner: AtomicU64,
-    /// Looks like jemalloc metadata (a base block): registered with local rights only, never
-    /// kept out of fork children (jemalloc's fork handlers touch it), no THP advice.
+    /// Looks like jemalloc metadata (a base block): never registered (no buffer lies there),
+    /// never kept out of fork children (jemalloc's fork handlers touch it), no THP advice.
     pub(crate) meta: AtomicBool,
     /// A registration `Owner::bind` made but has not published yet (touched only under the
     /// owner's `bound` lock): published when every chunk registered, rolled back otherwise.
@@ -313,8 +314,8 @@ pub(crate) fn advise_hugepages(base: usize, len: usize) {
 
 /// After `[base, base+len)` was registered: where the process's registrations are not copied
 /// into fork children ([`crate::fork::decided_copies`] is `Some(false)`), marks it `MADV_DOFORK`
-/// again, for memory a child needs — jemalloc's metadata (its fork handlers and every later
-/// allocation touch it) and the global allocator's chunks (the child's whole heap). rdma-core
+/// again, for memory a child needs: the global allocator's chunks (the child's whole heap;
+/// jemalloc's metadata is never registered, so nothing marks it). rdma-core
 /// with fork support enabled (`ibv_fork_init`, `RDMAV_FORK_SAFE`) marks every registration
 /// `MADV_DONTFORK` itself, and a child would crash in jemalloc's fork handler; elsewhere this
 /// changes nothing (nothing marked the range). Returns the errno of a failed `madvise`.
@@ -322,9 +323,7 @@ pub(crate) fn advise_hugepages(base: usize, len: usize) {
 /// The cost: where the kernel does not copy pinned pages, the range is shared copy-on-write
 /// with a child, and whichever process writes a page first after the fork gets a new page; if
 /// that is the parent, its registrations keep the old page, and the CPU and the NIC diverge.
-/// Harmless for metadata: it is registered with local rights only and no work request ever
-/// names it, so the NIC never reads or writes it. For the global allocator's data it is the
-/// caveat `Global::bind` documents.
+/// For the global allocator's data it is the caveat `Global::bind` documents.
 ///
 /// Inside the extent hooks: no allocation, no lock (reads the decision made by `Owner::bind`).
 pub(crate) fn keep_in_children(base: usize, len: usize) -> Result<(), i32> {

@@ -2,7 +2,7 @@
 //!
 //! | hook          | what it does                                                              |
 //! |---------------|---------------------------------------------------------------------------|
-//! | alloc         | map + mbind + advise + `ibv_reg_mr` per bound PD + publish (new chunk)   |
+//! | alloc         | map + mbind + advise + `ibv_reg_mr` per bound PD (data) + publish        |
 //! | dalloc        | refuse: registered memory is never returned while registered             |
 //! | destroy       | nothing: the owner deregisters and unmaps whole chunks after the arena   |
 //! | commit        | count it; register an idle chunk again first; zero unless pristine      |

@@ -188,11 +188,11 @@ impl Owner {
             if !rec.mrs[slot].load(Ordering::Acquire).is_null() {
                 continue;
             }
-            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed)) {
+            if !self.registers_at_map(slot, rec.kept.load(Ordering::Relaxed), meta) {
                 continue; // registered again on its next use through that PD (`heap::lazy`)
             }
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
+            match chunk::register(pd.as_raw(), base, size, self.registration_access()) {
                 Ok(mr) => {
                     made[slot] = mr;
                     self.counters.reg_calls.fetch_add(1, Ordering::Relaxed);
@@ -217,7 +217,7 @@ impl Owner {
         }
         for (slot, &mr) in made.iter().enumerate() {
             if !mr.is_null() {
-                rec.set_mr(slot, mr, self.access_for(meta));
+                rec.set_mr(slot, mr, self.registration_access());
                 self.counters.registered[slot].fetch_add(size as u64, Ordering::Relaxed);
             }
         }

@@ -38,6 +38,18 @@ pub(crate) fn read<T: Copy>(n: &str) -> Result<T> {
     unsafe { tikv_jemalloc_ctl::raw::read::<T>(&nul(n)) }.map_err(|e| ctl_err(n, e))
 }
 
+/// Whether jemalloc zeroes every allocation (`opt.zero`, a debugging option, e.g.
+/// `_RJEM_MALLOC_CONF=zero:true`). Then a data extent aligned to 2 MiB can reach the alloc hook
+/// with the arguments of a metadata block (see hooks.rs), which is never registered: heaps and
+/// `Global` refuse to start instead.
+pub(crate) fn zeroes_everything() -> bool {
+    read::<bool>("opt.zero").unwrap_or(false)
+}
+
+/// Why a heap refuses to start under `opt.zero` ([`zeroes_everything`]).
+pub(crate) const ZERO_REFUSED: &str = "jemalloc runs with opt.zero (was _RJEM_MALLOC_CONF or malloc_conf \
+     set to zero:true?): mralloc's heaps need it off (they zero what is asked zeroed themselves)";
+
 /// Writes a value (through tikv-jemalloc-ctl).
 pub(crate) fn write<T: Copy>(n: &str, v: T) -> Result<()> {
     // SAFETY: every caller names a mallctl whose value has type T.

@@ -62,7 +62,8 @@ pub(crate) fn lkey_within_chunk(ptr: *const u8, len: usize, pd: &Pd) -> Option<u
     chunk::find_range(ptr as usize, len.max(1))?.lkey_in(pd.as_raw())
 }
 
-/// The registered chunk (`base`, `len`) holding `ptr`, from any heap; `None` for foreign memory.
+/// The chunk (`base`, `len`) of any heap holding `ptr` (registered unless idle, or not yet used
+/// through a first-use PD); `None` for foreign memory.
 pub fn chunk_of<T>(ptr: *const T) -> Option<(usize, usize)> {
     use std::sync::atomic::Ordering::Relaxed;
     let (_, rec) = chunk::find(ptr as usize)?;

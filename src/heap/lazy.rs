@@ -47,11 +47,13 @@ fn first_use_owner(id: u64) -> Option<Arc<Owner>> {
 }
 
 impl Owner {
-    /// Whether chunks are registered with the PD bound in `slot` when they are mapped (or
-    /// committed again after an idle release): always, unless the heap registers on first use
-    /// — then only with the primary PD, or for a chunk `Heap::reserve` keeps.
-    pub(crate) fn registers_at_map(&self, slot: usize, kept: bool) -> bool {
-        !self.first_use || slot == 0 || kept
+    /// Whether a chunk is registered with the PD bound in `slot` when it is mapped (or bound, or
+    /// committed again after an idle release): never jemalloc's metadata (`meta`: no buffer
+    /// lies there, and a registration would pin its 2 MiB whole); data chunks always, unless
+    /// the heap registers on first use — then only with the primary PD, or a chunk
+    /// `Heap::reserve` keeps.
+    pub(crate) fn registers_at_map(&self, slot: usize, kept: bool, meta: bool) -> bool {
+        !meta && (!self.first_use || slot == 0 || kept)
     }
 
     /// The slot of `rec`'s registration with `pd`, registering the chunk now if this heap
@@ -78,13 +80,13 @@ impl Owner {
         // Under `bound`, the record cannot be released (teardown, idle release) meanwhile.
         let ours = rec.owner.load(Ordering::Acquire) == self.id;
         let meta = rec.meta.load(Ordering::Relaxed);
-        if !ours || meta || rec.idle.load(Ordering::Relaxed) || self.registers_at_map(slot, false) {
+        if !ours || meta || rec.idle.load(Ordering::Relaxed) || self.registers_at_map(slot, false, false) {
             drop(bound);
             return Err(Error::NotRegistered { addr });
         }
         let (base, len) = (rec.base.load(Ordering::Relaxed), rec.len.load(Ordering::Relaxed));
         let t = Instant::now();
-        let mr = match register(pd, base, len, self.access_for(meta)) {
+        let mr = match register(pd, base, len, self.registration_access()) {
             Ok(mr) => mr,
             Err(errno) => {
                 self.counters.reg_failures.fetch_add(1, Ordering::Relaxed);
@@ -116,7 +118,7 @@ impl Owner {
                 });
             }
         }
-        rec.set_mr(slot, mr, self.access_for(meta));
+        rec.set_mr(slot, mr, self.registration_access());
         self.counters.registered[slot].fetch_add(len as u64, Ordering::Relaxed);
         drop(bound);
         Ok(slot)
@@ -174,10 +176,12 @@ mod tests {
     #[test]
     fn only_secondary_pds_of_a_first_use_heap_wait() {
         let mut owner = Owner::new(Access::LOCAL_WRITE, None, false, usize::MAX, -1);
-        assert!((0..chunk::MAX_PDS).all(|s| owner.registers_at_map(s, false)), "eager by default");
+        assert!((0..chunk::MAX_PDS).all(|s| owner.registers_at_map(s, false, false)), "eager by default");
+        assert!((0..chunk::MAX_PDS).all(|s| !owner.registers_at_map(s, true, true)), "metadata never");
         owner.first_use = true;
-        assert!(owner.registers_at_map(0, false), "the primary PD stays eager");
-        assert!((1..chunk::MAX_PDS).all(|s| !owner.registers_at_map(s, false)), "the others wait");
-        assert!((1..chunk::MAX_PDS).all(|s| owner.registers_at_map(s, true)), "reserved chunks do not");
+        assert!(owner.registers_at_map(0, false, false), "the primary PD stays eager");
+        assert!((1..chunk::MAX_PDS).all(|s| !owner.registers_at_map(s, false, false)), "the others wait");
+        assert!((1..chunk::MAX_PDS).all(|s| owner.registers_at_map(s, true, false)), "reserved chunks do not");
+        assert!((0..chunk::MAX_PDS).all(|s| !owner.registers_at_map(s, true, true)), "metadata never");
     }
 }

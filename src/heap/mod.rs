@@ -1,7 +1,8 @@
 //! The registered heap: jemalloc arenas whose chunks are RDMA memory regions.
 //!
 //! Custom jemalloc extent hooks map every arena chunk 2 MiB-aligned,
-//! bind it to the NIC's NUMA node, register it with each bound PD (`ibv_reg_mr`) and record it in
+//! bind it to the NIC's NUMA node, register it with each bound PD (`ibv_reg_mr`; not jemalloc's
+//! own metadata blocks, where no buffer lies) and record it in
 //! a lock-free page map, so any pointer the heap handed out maps to its keys in O(1)
 //! ([`crate::keys_of`]). Registered pages are never purged, decommitted or unmapped while
 //! registered; a chunk wholly free for the heap's idle interval is deregistered, then its pages

@@ -28,7 +28,7 @@ pub(crate) struct Bound {
 pub(crate) struct Counters {
     pub(crate) chunks: AtomicU64,
     pub(crate) mapped: AtomicU64,
-    /// Of `mapped`, bytes that look like jemalloc's own metadata (registered like the rest).
+    /// Of `mapped`, bytes that look like jemalloc's own metadata (never registered).
     pub(crate) meta: AtomicU64,
     pub(crate) registered: [AtomicU64; MAX_PDS],
     pub(crate) reg_calls: AtomicU64,
@@ -67,8 +67,8 @@ pub(crate) struct Owner {
     /// Prepare data chunks for fork() children as registered memory (scoped heaps:
     /// `fork::advise_fork`, which keeps them out of children on kernels that do not copy pinned
     /// pages); the global allocator cannot keep its chunks out (every allocation lives there),
-    /// and marks them `MADV_DOFORK` after registering them (`chunk::keep_in_children`), as
-    /// every owner does its metadata.
+    /// and marks them `MADV_DOFORK` after registering them (`chunk::keep_in_children`).
+    /// Metadata is never registered, so nothing marks it.
     pub(crate) dontfork: bool,
     /// Note a `tracing` event for each new chunk, emitted after jemalloc returns (scoped heaps,
     /// see events.rs). Not for the global allocator, whose every allocation may be the one
@@ -175,14 +175,14 @@ impl Owner {
     /// Maps, binds, registers and publishes a new chunk. Runs inside the alloc hook: it must not
     /// allocate through any heap, panic, or block on anything jemalloc may hold.
     ///
-    /// Every chunk is registered, jemalloc's metadata (base blocks) included, so that no user
-    /// chunk can ever be handed out without keys whatever the classification says.
-    /// `looks_like_metadata` (base_map's exact arguments: 2 MiB alignment, zero and commit
-    /// requested — mralloc never asks jemalloc to zero a 2 MiB-aligned request, so no user extent
-    /// matches) decides the rest: metadata is registered with local rights only, gets no THP
-    /// advice, and is not excluded from fork children (jemalloc's fork handlers touch it; where
-    /// rdma-core excludes registrations itself, it is marked `MADV_DOFORK` again after
-    /// registering, as every chunk of the global allocator is).
+    /// `looks_like_metadata` is base_map's exact arguments: 2 MiB alignment, zero and commit
+    /// requested — mralloc never asks jemalloc to zero a 2 MiB-aligned request (it zeroes those
+    /// itself), so no extent of its callers matches (only a direct `mallocx` with
+    /// `MALLOCX_ZERO` and a 2 MiB alignment on one of its arenas would: that memory would have
+    /// no keys, and operations on it fail with `NotRegistered`). Metadata is never registered
+    /// (a registration pins the whole block where jemalloc touches a few pages: 2 MiB for each
+    /// of `Global`'s `opt.narenas` arenas), gets no THP advice, and is not excluded from fork
+    /// children (jemalloc's fork handlers touch it).
     pub(crate) fn new_chunk(
         &self,
         size: usize,
@@ -227,11 +227,11 @@ impl Owner {
             // A removed device's PD is about to be unbound (`unbind_removed`): registering with
             // it may fail (a disassociated context) and would fail the allocation.
             let Some(pd) = pd.as_ref().filter(|pd| !pd.context().is_removed()) else { continue };
-            if !self.registers_at_map(slot, kept) {
+            if !self.registers_at_map(slot, kept, meta) {
                 continue; // registered on its first use through that PD (`heap::lazy`)
             }
             let t = Instant::now();
-            match chunk::register(pd.as_raw(), base, size, self.access_for(meta)) {
+            match chunk::register(pd.as_raw(), base, size, self.registration_access()) {
                 Ok(mr) => {
                     mrs[slot] = mr;
                     registered_in += t.elapsed();
@@ -259,7 +259,7 @@ impl Owner {
         self.note_commit_state(rec, size, uncommitted, kept);
         for (slot, &mr) in mrs.iter().enumerate() {
             if !mr.is_null() {
-                rec.set_mr(slot, mr, self.access_for(meta));
+                rec.set_mr(slot, mr, self.registration_access());
                 self.counters.registered[slot].fetch_add(size as u64, Ordering::Relaxed);
             }
         }
@@ -315,20 +315,15 @@ impl Owner {
     }
 
     /// Whether a fork()ed child must find this chunk (jemalloc's metadata; every chunk of the
-    /// global allocator): it is never kept out of children, and is marked `MADV_DOFORK` again
-    /// after each registration (`chunk::keep_in_children`).
+    /// global allocator): it is never kept out of children, and a registered one (data chunks
+    /// only) is marked `MADV_DOFORK` again after each registration (`chunk::keep_in_children`).
     pub(super) fn inherited(&self, meta: bool) -> bool {
         meta || !self.dontfork
     }
 
-    /// The access rights to register a chunk with: jemalloc metadata gets local rights only (no
-    /// peer ever has a reason to reach it).
-    pub(super) fn access_for(&self, meta: bool) -> u32 {
-        if meta {
-            Access::LOCAL_WRITE.bits()
-        } else {
-            self.access.bits()
-        }
+    /// The access rights a chunk is registered with (data chunks only: see `registers_at_map`).
+    pub(super) fn registration_access(&self) -> u32 {
+        self.access.bits()
     }
 
     /// Takes `bound`. The thread is marked while it waits for and holds the lock

@@ -173,7 +173,8 @@ impl Heap {
     ///
     /// # Errors
     /// [`Error::Registration`] if registering an existing chunk fails (nothing is bound then;
-    /// [`Error::Io`] if marking its metadata `MADV_DOFORK` after registering does),
+    /// [`Error::Io`] if marking a chunk fork children need `MADV_DOFORK` after registering
+    /// does),
     /// [`Error::InvalidArgument`] if the heap is bound to [`crate::heap::MAX_PDS`] PDs already,
     /// [`Error::DeviceRemoved`] if `pd`'s device was removed.
     pub fn bind(&self, pd: &Pd) -> Result<()> {

@@ -17,13 +17,15 @@ pub(crate) static CROSS_CHUNK_MERGES_REFUSED: AtomicU64 = AtomicU64::new(0);
 pub struct HeapStats {
     /// Chunks currently mapped.
     pub chunks: u64,
-    /// Bytes currently mapped in chunks (all of it pinned once bound).
+    /// Bytes currently mapped in chunks (once bound, all of it pinned but `metadata_bytes` and
+    /// `idle_bytes`).
     pub mapped_bytes: u64,
-    /// Of `mapped_bytes`, chunks that look like jemalloc's own metadata (base blocks). They are
-    /// registered like every chunk (no rkey of theirs is ever handed out: no buffer lies in them)
-    /// but never kept out of `fork()` children (as data chunks are on kernels before 5.13),
-    /// whose jemalloc touches them: where rdma-core marks registrations `MADV_DONTFORK`
-    /// (`ibv_fork_init`), they are marked `MADV_DOFORK` again.
+    /// Of `mapped_bytes`, chunks that look like jemalloc's own metadata (base blocks: 2 MiB for
+    /// each arena, more as its bookkeeping grows; `Global`'s arena 0 uses jemalloc's own). They are never registered — no buffer lies
+    /// in them, and a registration would pin all of each block where jemalloc touches a few
+    /// pages — nor kept out of `fork()` children (as data chunks are on kernels before 5.13),
+    /// whose jemalloc touches them. So once bound, `registered_bytes + idle_bytes +
+    /// metadata_bytes == mapped_bytes` for an eagerly registering heap.
     pub metadata_bytes: u64,
     /// Bytes registered per bound PD, in the order the PDs were bound.
     pub registered_bytes: [u64; MAX_PDS],
@@ -50,8 +52,8 @@ pub struct HeapStats {
     /// thread caches and the depot, and size-class rounding); `None` where jemalloc does not
     /// say.
     pub jemalloc_allocated: Option<u64>,
-    /// `ibv_reg_mr` calls made for chunks (chunks × PDs, plus registrations at bind time and
-    /// idle chunks registered again); a buffer's own keys (`remote`, `expose`, `remote_desc`)
+    /// `ibv_reg_mr` calls made for chunks (data chunks × PDs, plus registrations at bind time
+    /// and idle chunks registered again; metadata is never registered); a buffer's own keys (`remote`, `expose`, `remote_desc`)
     /// are not counted.
     pub reg_mr_calls: u64,
     /// Of `reg_mr_calls`, chunks registered on their first use through a PD (see
