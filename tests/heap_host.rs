@@ -1019,3 +1019,49 @@ fn a_heap_refuses_jemalloc_zeroing_everything() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Bytes of this process's mappings advised `MADV_NOHUGEPAGE` (`nh` in /proc/self/smaps).
+fn no_huge_page_bytes() -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (mut size, mut total) = (0u64, 0u64);
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                size = hi - lo;
+                continue;
+            }
+        }
+        if line.strip_prefix("VmFlags:").is_some_and(|f| f.split_whitespace().any(|f| f == "nh")) {
+            total += size;
+        }
+    }
+    total
+}
+
+/// jemalloc touches ~90 KiB of a heap's 2 MiB metadata block: it refuses transparent huge pages,
+/// so that THP `always` does not make all of it resident at the first touch (checked in a child
+/// process, where no other test's heap comes or goes meanwhile).
+#[test]
+fn metadata_blocks_refuse_huge_pages() {
+    const NAME: &str = "metadata_blocks_refuse_huge_pages";
+    if std::env::var_os("MRALLOC_NH_CHILD").is_some() {
+        let before = no_huge_page_bytes();
+        let heap = Heap::builder().build().unwrap();
+        let meta = heap.stats().metadata_bytes;
+        assert!(meta > 0);
+        assert_eq!(no_huge_page_bytes() - before, meta, "the metadata block is not advised MADV_NOHUGEPAGE");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--test-threads=1"])
+        .env("MRALLOC_NH_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -295,13 +295,20 @@ pub(crate) fn unmap(base: usize, len: usize) {
 /// Advice applied to a fresh chunk before it is touched or registered. `fork`: prepare it for
 /// `fork()` children as registered memory ([`crate::fork::advise_fork`]: copied into children
 /// where the kernel copies pinned pages, otherwise kept out of them). Returns the errno of a
-/// failed `MADV_DONTFORK` (the chunk must then not be used); huge-page advice is a hint only.
-pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool) -> Result<(), i32> {
+/// failed `MADV_DONTFORK` (the chunk must then not be used); huge-page advice is a hint only:
+/// `hugepages` asks for them, `metadata` (a jemalloc base block) refuses them, even where THP is
+/// `always`.
+pub(crate) fn advise(base: usize, len: usize, hugepages: bool, fork: bool, metadata: bool) -> Result<(), i32> {
     if fork {
         crate::fork::advise_fork(base, len)?;
     }
     if hugepages {
         advise_hugepages(base, len);
+    } else if metadata {
+        // jemalloc touches ~90 KiB of a 2 MiB base block: where THP is `always`, its first touch
+        // would make all of it one resident huge page (a bound Global has one per arena).
+        // SAFETY: [base, base+len) is a mapping the heap owns; advice never changes its contents.
+        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_NOHUGEPAGE) };
     }
     Ok(())
 }

@@ -214,7 +214,7 @@ impl Owner {
         // and with THP's `defrag=madvise` every advised fault may compact memory synchronously
         // (measured: a serde_json round trip 2x slower than jemalloc with the advice).
         let huge = self.hugepages && !meta && bound.pds.iter().any(Option::is_some);
-        if let Err(e) = chunk::advise(base, size, huge, self.dontfork && !meta) {
+        if let Err(e) = chunk::advise(base, size, huge, self.dontfork && !meta, meta) {
             chunk::unmap(base, size);
             return Err(HookError::Advise(e));
         }
@@ -301,7 +301,7 @@ impl Owner {
     ) -> std::result::Result<usize, HookError> {
         let base = chunk::map(size, align).map_err(HookError::Map)?;
         // Bound to nothing here (see `new_chunk` on huge pages).
-        if let Err(e) = chunk::advise(base, size, false, self.dontfork && !meta) {
+        if let Err(e) = chunk::advise(base, size, false, self.dontfork && !meta, meta) {
             chunk::unmap(base, size);
             return Err(HookError::Advise(e));
         }
