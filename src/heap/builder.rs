@@ -118,8 +118,9 @@ impl HeapBuilder {
 
     /// Advise transparent huge pages for the data chunks of the heap while it is bound to a device
     /// (default on; no effect where THP is off): fewer pages to pin per registration. An unbound
-    /// heap's chunks get no advice (THP's `defrag=madvise` may compact memory at every advised
-    /// fault); binding advises the chunks it finds.
+    /// heap's data chunks get no advice (THP's `defrag=madvise` may compact memory at every
+    /// advised fault); binding advises the chunks it finds. jemalloc's own metadata blocks always
+    /// refuse huge pages (`MADV_NOHUGEPAGE`), whatever this says: it touches a few pages of each.
     pub fn hugepages(mut self, on: bool) -> Self {
         self.hugepages = on;
         self

@@ -181,8 +181,9 @@ impl Owner {
     /// `MALLOCX_ZERO` and a 2 MiB alignment on one of its arenas would: that memory would have
     /// no keys, and operations on it fail with `NotRegistered`). Metadata is never registered
     /// (a registration pins the whole block where jemalloc touches a few pages: 2 MiB for each
-    /// of `Global`'s `opt.narenas` arenas), gets no THP advice, and is not excluded from fork
-    /// children (jemalloc's fork handlers touch it).
+    /// of `Global`'s `opt.narenas` arenas), refuses transparent huge pages (`MADV_NOHUGEPAGE`:
+    /// under THP `always` the first touch would make all of it resident), and is not excluded
+    /// from fork children (jemalloc's fork handlers touch it).
     pub(crate) fn new_chunk(
         &self,
         size: usize,
