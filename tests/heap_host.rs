@@ -1006,18 +1006,9 @@ fn a_heap_refuses_jemalloc_zeroing_everything() {
         }
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--test-threads=1"])
-        .env("MRALLOC_ZERO_CHILD", "1")
-        .env("_RJEM_MALLOC_CONF", "zero:true")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let env = [("MRALLOC_ZERO_CHILD", "1"), ("_RJEM_MALLOC_CONF", "zero:true")];
+    let text = common::finish_child(common::spawn_test(NAME, false, &env), "opt.zero");
+    assert!(text.contains("1 passed"), "the child ran no test");
 }
 
 /// Bytes of this process's mappings advised `MADV_NOHUGEPAGE` (`nh` in /proc/self/smaps).
@@ -1058,15 +1049,6 @@ fn metadata_blocks_refuse_huge_pages() {
         assert_eq!(after.checked_sub(before), Some(meta), "the metadata block is not advised MADV_NOHUGEPAGE");
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--test-threads=1"])
-        .env("MRALLOC_NH_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::finish_child(common::spawn_test(NAME, false, &[("MRALLOC_NH_CHILD", "1")]), "nh");
+    assert!(text.contains("1 passed"), "the child ran no test");
 }
