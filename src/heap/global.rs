@@ -389,7 +389,7 @@ impl Global {
             ));
             return false;
         }
-        if name(format_args!("opt.zero")).and_then(|n| mallctl_read::<bool>(&n)) == Some(true) {
+        if jemalloc::zeroes_everything() {
             crate::os::stderr_line(format_args!("mralloc::Global: {}", jemalloc::ZERO_REFUSED));
             return false;
         }

@@ -41,9 +41,11 @@ pub(crate) fn read<T: Copy>(n: &str) -> Result<T> {
 /// Whether jemalloc zeroes every allocation (`opt.zero`, a debugging option, e.g.
 /// `_RJEM_MALLOC_CONF=zero:true`). Then a data extent aligned to 2 MiB can reach the alloc hook
 /// with the arguments of a metadata block (see hooks.rs), which is never registered: heaps and
-/// `Global` refuse to start instead.
+/// `Global` refuse to start instead. Allocates nothing (a static name: `Global` asks while it
+/// installs itself as the process allocator).
 pub(crate) fn zeroes_everything() -> bool {
-    read::<bool>("opt.zero").unwrap_or(false)
+    // SAFETY: `opt.zero` is a bool mallctl; the name is NUL-terminated.
+    unsafe { tikv_jemalloc_ctl::raw::read::<bool>(b"opt.zero\0") }.unwrap_or(false)
 }
 
 /// Why a heap refuses to start under `opt.zero` ([`zeroes_everything`]).
